@@ -1,0 +1,369 @@
+"""Job configuration: TOML sections and keys named as torchtitan's TOML-era configs, plus
+`--section.key value` command-line overrides. Every mistake becomes one ConfigError line."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import typing
+from pathlib import Path
+
+import tomli
+
+
+class ConfigError(ValueError):
+    """A config file, key or value the trainer cannot use; the message names it."""
+
+
+@dataclasses.dataclass
+class Job:
+    config_file: str = ""
+    dump_folder: str = "./outputs"
+    description: str = "Tessera training job"
+    print_args: bool = False
+
+
+@dataclasses.dataclass
+class Model:
+    name: str = "llama3"
+    flavor: str = "debugmodel"
+    tokenizer_path: str = ""  # "" = the offline default BPE shipped with tessera.data
+    converters: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class Optimizer:
+    name: str = "AdamW"
+    lr: float = 8e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    implementation: str = "foreach"  # foreach | fused | for-loop
+
+
+@dataclasses.dataclass
+class LRScheduler:
+    warmup_steps: int = 10
+    decay_ratio: typing.Optional[float] = None  # None: decay over every step after warmup
+    decay_type: str = "linear"  # linear | sqrt | cosine
+    min_lr_factor: float = 0.0
+
+
+@dataclasses.dataclass
+class Training:
+    dataset: str = "default"  # "default" = the embedded corpus; else a path (see dataset_path)
+    dataset_path: str = ""
+    dataset_text_field: str = "text"
+    # Defaults train the debug model on CPU in minutes; the shipped TOMLs set real-run values.
+    local_batch_size: int = 8
+    global_batch_size: int = -1  # -1: local_batch_size * data-parallel degree (no accumulation)
+    seq_len: int = 256
+    max_norm: float = 1.0
+    steps: int = 100
+    mixed_precision_param: str = "bfloat16"
+    mixed_precision_reduce: str = "float32"
+    enable_cpu_offload: bool = False
+    gc_freq: int = 50
+
+
+@dataclasses.dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = 1
+    data_parallel_shard_degree: int = -1
+    fsdp_reshard_after_forward: str = "default"  # default | always | never
+    tensor_parallel_degree: int = 1
+    disable_loss_parallel: bool = False
+    enable_async_tensor_parallel: bool = False
+
+
+@dataclasses.dataclass
+class Checkpoint:
+    enable: bool = False
+    folder: str = "checkpoint"  # under job.dump_folder
+    interval: int = 500
+    async_mode: str = "disabled"  # disabled | async | async_with_pinned_mem
+    keep_latest_k: int = 10
+    load_step: int = -1
+    exclude_from_loading: list[str] = dataclasses.field(default_factory=list)
+    last_save_model_only: bool = True
+    export_dtype: str = "float32"
+    initial_load_path: str = ""
+    initial_load_model_only: bool = True
+    initial_load_in_hf: bool = False
+    last_save_in_hf: bool = False
+    create_seed_checkpoint: bool = False
+
+
+@dataclasses.dataclass
+class ActivationCheckpoint:
+    mode: str = "none"  # none | full | selective
+    selective_ac_option: str = "op"  # "op" (save matmuls) or an int N (checkpoint every N-th block)
+
+
+@dataclasses.dataclass
+class Compile:
+    enable: bool = False
+    components: list[str] = dataclasses.field(default_factory=lambda: ["model", "loss"])
+
+
+@dataclasses.dataclass
+class Float8:
+    enable_fsdp_float8_all_gather: bool = False
+    precompute_float8_dynamic_scale_for_fsdp: bool = False
+    recipe_name: str = ""
+    filter_fqns: list[str] = dataclasses.field(default_factory=lambda: ["output"])
+
+
+@dataclasses.dataclass
+class Metrics:
+    log_freq: int = 10
+    enable_tensorboard: bool = False
+    save_tb_folder: str = "tb"
+    disable_color_printing: bool = False
+    rank_0_only: bool = True
+
+
+@dataclasses.dataclass
+class Profiling:
+    enable_profiling: bool = False
+    save_traces_folder: str = "profile_traces"
+    profile_freq: int = 10
+    enable_memory_snapshot: bool = False
+    save_memory_snapshot_folder: str = "memory_snapshot"
+
+
+@dataclasses.dataclass
+class Comm:
+    init_timeout_seconds: int = 300
+    train_timeout_seconds: int = 100
+
+
+@dataclasses.dataclass
+class Validation:
+    enable: bool = False
+    dataset: str = "default"
+    dataset_path: str = ""
+    freq: int = 500
+    steps: int = 10  # batches per validation; -1 = the whole dataset once
+
+
+@dataclasses.dataclass
+class Debug:
+    seed: int = 0
+    deterministic: bool = False
+
+
+@dataclasses.dataclass
+class JobConfig:
+    job: Job = dataclasses.field(default_factory=Job)
+    model: Model = dataclasses.field(default_factory=Model)
+    optimizer: Optimizer = dataclasses.field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = dataclasses.field(default_factory=LRScheduler)
+    training: Training = dataclasses.field(default_factory=Training)
+    parallelism: Parallelism = dataclasses.field(default_factory=Parallelism)
+    checkpoint: Checkpoint = dataclasses.field(default_factory=Checkpoint)
+    activation_checkpoint: ActivationCheckpoint = dataclasses.field(default_factory=ActivationCheckpoint)
+    compile: Compile = dataclasses.field(default_factory=Compile)
+    float8: Float8 = dataclasses.field(default_factory=Float8)
+    metrics: Metrics = dataclasses.field(default_factory=Metrics)
+    profiling: Profiling = dataclasses.field(default_factory=Profiling)
+    comm: Comm = dataclasses.field(default_factory=Comm)
+    validation: Validation = dataclasses.field(default_factory=Validation)
+    debug: Debug = dataclasses.field(default_factory=Debug)
+
+
+# Allowed values of string keys; checked after parsing so a typo is caught before any work.
+CHOICES = {
+    ("optimizer", "name"): ("AdamW",),
+    ("optimizer", "implementation"): ("foreach", "fused", "for-loop"),
+    ("lr_scheduler", "decay_type"): ("linear", "sqrt", "cosine"),
+    ("training", "mixed_precision_param"): ("bfloat16", "float32"),
+    ("training", "mixed_precision_reduce"): ("float32", "bfloat16"),
+    ("parallelism", "fsdp_reshard_after_forward"): ("default", "always", "never"),
+    ("checkpoint", "async_mode"): ("disabled", "async", "async_with_pinned_mem"),
+    ("checkpoint", "export_dtype"): ("float32", "bfloat16", "float16"),
+    ("activation_checkpoint", "mode"): ("none", "full", "selective"),
+}
+
+# Keys holding paths a user types: relative ones resolve against the user's directory.
+PATH_KEYS = (
+    ("job", "config_file"),
+    ("job", "dump_folder"),
+    ("model", "tokenizer_path"),
+    ("training", "dataset_path"),
+    ("validation", "dataset_path"),
+    ("checkpoint", "initial_load_path"),
+)
+
+
+def user_directory() -> Path:
+    """Where the user stands: `bazel run` changes the cwd to the runfiles tree and says where in
+    BUILD_WORKING_DIRECTORY."""
+    return Path(os.environ.get("BUILD_WORKING_DIRECTORY") or os.getcwd())
+
+
+def _closest(name: str, options: typing.Iterable[str]) -> str:
+    match = difflib.get_close_matches(name, list(options), n=1, cutoff=0.5)
+    return f"; did you mean '{match[0]}'?" if match else ""
+
+
+def _section_fields(section: str) -> dict[str, dataclasses.Field]:
+    sections = {f.name: f for f in dataclasses.fields(JobConfig)}
+    if section not in sections:
+        raise ConfigError(f"unknown config section [{section}]{_closest(section, sections)}")
+    return {f.name: f for f in dataclasses.fields(sections[section].default_factory)}
+
+
+def _field_type(section: str, key: str) -> typing.Any:
+    fields = _section_fields(section)
+    if key not in fields:
+        raise ConfigError(f"unknown config key {section}.{key}{_closest(key, fields)}")
+    hints = typing.get_type_hints(type(getattr(JobConfig(), section)))
+    return hints[key]
+
+
+def _type_name(tp: typing.Any) -> str:
+    if typing.get_origin(tp) is typing.Union:
+        return " or ".join(_type_name(a) for a in typing.get_args(tp) if a is not type(None)) + " or none"
+    if typing.get_origin(tp) is list:
+        return "list of strings"
+    return {bool: "bool", int: "int", float: "float", str: "string"}[tp]
+
+
+def _convert(section: str, key: str, value: typing.Any, from_cli: bool) -> typing.Any:
+    """Checks (TOML) or parses (CLI string) `value` for the declared type of section.key."""
+    tp = _field_type(section, key)
+    bad = ConfigError(f"config key {section}.{key}: value {value!r} is not a {_type_name(tp)}")
+    if typing.get_origin(tp) is typing.Union:
+        if value is None or (from_cli and str(value).lower() in ("none", "null", "")):
+            return None
+        tp = next(a for a in typing.get_args(tp) if a is not type(None))
+    if typing.get_origin(tp) is list:
+        if from_cli:
+            return [item.strip() for item in value.split(",") if item.strip()]
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return value
+        raise bad
+    if from_cli:
+        if tp is bool:
+            lowered = value.lower()
+            if lowered in ("true", "1", "yes"):
+                return True
+            if lowered in ("false", "0", "no"):
+                return False
+            raise bad
+        try:
+            return tp(value)
+        except ValueError:
+            raise bad from None
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if type(value) is not tp:
+        raise bad
+    return value
+
+
+def _split_key(dotted: str) -> tuple[str, str]:
+    section, sep, key = dotted.partition(".")
+    if not sep or not key:
+        raise ConfigError(f"config override '--{dotted}' must look like --section.key")
+    return section, key
+
+
+def parse_overrides(argv: list[str]) -> list[tuple[str, str, str]]:
+    """['--training.steps', '10', '--metrics.log_freq=1'] -> [(section, key, raw value), ...]."""
+    overrides = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}: options look like --section.key value")
+        name, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(argv):
+                raise ConfigError(f"option --{name} needs a value")
+            value = argv[i + 1]
+            i += 1
+        section, key = _split_key(name)
+        overrides.append((section, key, value))
+        i += 1
+    return overrides
+
+
+def _apply(config: JobConfig, section: str, key: str, value: typing.Any, from_cli: bool) -> None:
+    value = _convert(section, key, value, from_cli)  # validates section and key first
+    setattr(getattr(config, section), key, value)
+
+
+def _read_toml(path: Path) -> dict:
+    try:
+        with open(path, "rb") as f:
+            return tomli.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file is a directory: {path}") from None
+    except tomli.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+
+
+def load_config(argv: list[str]) -> JobConfig:
+    """Defaults, then the TOML file named by --job.config_file, then the other overrides."""
+    overrides = parse_overrides(argv)
+    config = JobConfig()
+    base = user_directory()
+    config_file = [v for s, k, v in overrides if (s, k) == ("job", "config_file")]
+    if config_file:
+        path = base / config_file[-1]
+        for section, table in _read_toml(path).items():
+            if not isinstance(table, dict):
+                raise ConfigError(f"config file {path}: '{section}' must be a [section] table")
+            _section_fields(section)
+            for key, value in table.items():
+                _apply(config, section, key, value, from_cli=False)
+    for section, key, value in overrides:
+        _apply(config, section, key, value, from_cli=True)
+    for section, key in PATH_KEYS:
+        value = getattr(getattr(config, section), key)
+        if value:
+            setattr(getattr(config, section), key, str(base / os.path.expanduser(value)))
+    validate(config)
+    return config
+
+
+def validate(config: JobConfig) -> None:
+    """Value checks that types alone do not catch."""
+    for (section, key), allowed in CHOICES.items():
+        value = getattr(getattr(config, section), key)
+        if value not in allowed:
+            raise ConfigError(f"config key {section}.{key}: {value!r} is not one of {list(allowed)}")
+    positive = [
+        ("training", "local_batch_size"), ("training", "seq_len"), ("training", "steps"),
+        ("metrics", "log_freq"), ("checkpoint", "interval"), ("validation", "freq"),
+        ("profiling", "profile_freq"), ("training", "gc_freq"), ("comm", "init_timeout_seconds"),
+    ]
+    for section, key in positive:
+        value = getattr(getattr(config, section), key)
+        if value < 1:
+            raise ConfigError(f"config key {section}.{key}: {value} must be >= 1")
+    non_negative = [("lr_scheduler", "warmup_steps"), ("optimizer", "lr"), ("optimizer", "eps"),
+                    ("optimizer", "weight_decay"), ("training", "max_norm"), ("checkpoint", "keep_latest_k")]
+    for section, key in non_negative:
+        if getattr(getattr(config, section), key) < 0:
+            raise ConfigError(f"config key {section}.{key}: must be >= 0")
+    ratio = config.lr_scheduler.decay_ratio
+    if ratio is not None and not 0.0 <= ratio <= 1.0:
+        raise ConfigError(f"config key lr_scheduler.decay_ratio: {ratio} must be within [0, 1]")
+    if not 0.0 <= config.lr_scheduler.min_lr_factor <= 1.0:
+        raise ConfigError("config key lr_scheduler.min_lr_factor: must be within [0, 1]")
+    option = config.activation_checkpoint.selective_ac_option
+    if option != "op" and not (option.isdigit() and int(option) >= 1):
+        raise ConfigError(f"config key activation_checkpoint.selective_ac_option: {option!r} is not 'op' or a positive int")
+    if config.model.converters:
+        raise ConfigError(f"config key model.converters: {config.model.converters} — no model converters (float8) are available yet")
+
+
+def to_dict(config: JobConfig) -> dict:
+    return dataclasses.asdict(config)

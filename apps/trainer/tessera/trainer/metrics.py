@@ -1,0 +1,108 @@
+"""Throughput, MFU, memory and the log sinks (console line, TensorBoard)."""
+
+from __future__ import annotations
+
+import functools
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+# Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) from the vendors' data sheets.
+GPU_PEAK_TFLOPS = (
+    ("B200", 2250.0),
+    ("H200", 989.0),
+    ("H100 NVL", 835.0),
+    ("H100 PCIe", 756.0),
+    ("H100", 989.0),
+    ("A100", 312.0),
+)
+
+
+@functools.lru_cache(maxsize=None)
+def measured_cpu_peak_tflops(dtype: torch.dtype, size: int = 1024, repeats: int = 4) -> float:
+    """Best matmul rate this CPU reaches with the current thread count: the MFU denominator on
+    CPU, where no data sheet applies (AVX-512 BF16 makes bf16 several times faster than fp32)."""
+    a = torch.randn(size, size, dtype=dtype)
+    b = torch.randn(size, size, dtype=dtype)
+    torch.mm(a, b)  # warm-up: thread pool and kernel selection
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best / 1e12
+
+
+def peak_tflops(device: str, dtype: torch.dtype) -> float:
+    if device == "cuda":
+        name = torch.cuda.get_device_name()
+        for marker, peak in GPU_PEAK_TFLOPS:
+            if marker in name:
+                return peak if dtype == torch.bfloat16 else peak / 2  # tf32 runs at half rate
+        return GPU_PEAK_TFLOPS[-1][1]  # unknown GPU: assume A100-class rather than guess high
+    return measured_cpu_peak_tflops(dtype)
+
+
+def memory_gib(device: str) -> tuple[float, float]:
+    """(current, peak) memory in GiB: CUDA allocator on GPU, resident set size on CPU."""
+    if device == "cuda":
+        return torch.cuda.memory_allocated() / 2**30, torch.cuda.max_memory_allocated() / 2**30
+    rss_kib = 0
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                rss_kib = int(line.split()[1])
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss_kib / 2**20, peak_kib / 2**20
+
+
+class _Colors:
+    def __init__(self, enabled: bool):
+        codes = dict(red="\033[31m", green="\033[32m", yellow="\033[33m", blue="\033[34m", cyan="\033[36m", reset="\033[39m")
+        for name, code in codes.items():
+            setattr(self, name, code if enabled else "")
+
+
+def format_eta(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+class MetricLogger:
+    """Prints one line per log step and mirrors the scalars into TensorBoard when enabled."""
+
+    def __init__(self, total_steps: int, tb_folder: Path | None, color: bool, enabled: bool):
+        self.total_steps = total_steps
+        self.enabled = enabled
+        self.c = _Colors(color)
+        self.writer = None
+        if enabled and tb_folder is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=str(tb_folder))
+
+    def log(self, step: int, values: dict[str, float], seconds_per_step: float) -> None:
+        if not self.enabled:
+            return
+        c = self.c
+        eta = format_eta(seconds_per_step * (self.total_steps - step))
+        print(
+            f"{c.red}step {step:>{len(str(self.total_steps))}}/{self.total_steps}  "
+            f"{c.green}loss {values['loss']:8.4f}  grad_norm {values['grad_norm']:7.4f}  {c.reset}"
+            f"lr {values['lr']:.2e}  {c.blue}tps {values['tps']:,.0f}  tflops {values['tflops']:.3f}  "
+            f"mfu {values['mfu_pct']:.2f}%  {c.cyan}mem {values['memory_gib']:.2f}GiB "
+            f"(peak {values['memory_peak_gib']:.2f})  {c.yellow}eta {eta}{c.reset}",
+            flush=True,
+        )
+        self.scalars(step, values)
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        if self.writer is not None:
+            for name, value in values.items():
+                self.writer.add_scalar(name, value, step)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()

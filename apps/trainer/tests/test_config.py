@@ -1,0 +1,99 @@
+from pathlib import Path
+
+import pytest
+
+from tessera.trainer.config import ConfigError, JobConfig, load_config, parse_overrides
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def test_defaults_train_the_debug_model():
+    config = load_config([])
+    assert (config.model.name, config.model.flavor) == ("llama3", "debugmodel")
+    assert config.training.dataset == "default" and config.model.tokenizer_path == ""
+
+
+@pytest.mark.parametrize("name", ["debug_model.toml", "llama3_8b.toml", "llama3_70b.toml", "llama3_405b.toml"])
+def test_shipped_configs_parse(name):
+    config = load_config(["--job.config_file", str(CONFIGS / name)])
+    assert config.model.name == "llama3"
+
+
+def test_toml_then_cli_overrides(tmp_path):
+    toml = tmp_path / "job.toml"
+    toml.write_text('[training]\nsteps = 7\nseq_len = 64\n[optimizer]\nlr = 1\n[checkpoint]\nexclude_from_loading = ["dataloader"]\n')
+    config = load_config([
+        "--job.config_file", str(toml), "--training.steps", "9", "--metrics.log_freq=3",
+        "--lr_scheduler.decay_ratio", "none", "--parallelism.disable_loss_parallel", "true",
+        "--compile.components", "model, loss",
+    ])
+    assert config.training.steps == 9  # CLI wins over the file
+    assert config.training.seq_len == 64
+    assert config.optimizer.lr == 1.0 and isinstance(config.optimizer.lr, float)
+    assert config.metrics.log_freq == 3
+    assert config.lr_scheduler.decay_ratio is None
+    assert config.parallelism.disable_loss_parallel is True
+    assert config.compile.components == ["model", "loss"]
+    assert config.checkpoint.exclude_from_loading == ["dataloader"]
+
+
+def test_relative_paths_resolve_against_the_users_directory(tmp_path, monkeypatch):
+    (tmp_path / "c.toml").write_text('[training]\ndataset_path = "data/x.txt"\n')
+    monkeypatch.setenv("BUILD_WORKING_DIRECTORY", str(tmp_path))
+    config = load_config(["--job.config_file", "c.toml", "--job.dump_folder", "out"])
+    assert config.training.dataset_path == str(tmp_path / "data/x.txt")
+    assert config.job.dump_folder == str(tmp_path / "out")
+    assert config.job.config_file == str(tmp_path / "c.toml")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--trainig.steps", "3"], r"unknown config section \[trainig\]; did you mean 'training'\?"),
+        (["--training.step", "3"], r"unknown config key training.step; did you mean 'steps'\?"),
+        (["--training.steps", "abc"], r"config key training.steps: value 'abc' is not a int"),
+        (["--optimizer.lr", "fast"], r"config key optimizer.lr: value 'fast' is not a float"),
+        (["--metrics.enable_tensorboard", "maybe"], r"metrics.enable_tensorboard: value 'maybe' is not a bool"),
+        (["--training.steps"], r"option --training.steps needs a value"),
+        (["steps=3"], r"unexpected argument 'steps=3'"),
+        (["--steps", "3"], r"must look like --section.key"),
+        (["--lr_scheduler.decay_type", "cosin"], r"lr_scheduler.decay_type: 'cosin' is not one of"),
+        (["--training.steps", "0"], r"training.steps: 0 must be >= 1"),
+        (["--training.mixed_precision_param", "fp8"], r"mixed_precision_param: 'fp8' is not one of"),
+        (["--lr_scheduler.decay_ratio", "1.5"], r"decay_ratio: 1.5 must be within \[0, 1\]"),
+        (["--job.config_file", "/nonexistent/x.toml"], r"config file not found: /nonexistent/x.toml"),
+        (["--model.converters", "float8"], r"model.converters"),
+    ],
+)
+def test_errors_name_the_culprit(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(argv)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("[training]\nsteps = 'ten'\n", r"training.steps: value 'ten' is not a int"),
+        ("[training]\nstepz = 1\n", r"unknown config key training.stepz; did you mean 'steps'"),
+        ("[modle]\nname = 'x'\n", r"unknown config section \[modle\]; did you mean 'model'"),
+        ("[training\n", r"is not valid TOML"),
+        ("steps = 3\n", r"'steps' must be a \[section\] table"),
+        ("[checkpoint]\nexclude_from_loading = 'model'\n", r"exclude_from_loading: value 'model' is not a list of strings"),
+        ("[metrics]\nenable_tensorboard = 1\n", r"enable_tensorboard: value 1 is not a bool"),
+    ],
+)
+def test_toml_errors(tmp_path, text, message):
+    toml = tmp_path / "bad.toml"
+    toml.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_config(["--job.config_file", str(toml)])
+
+
+def test_every_section_has_defaults():
+    sections = {"job", "model", "optimizer", "lr_scheduler", "training", "parallelism", "checkpoint",
+                "activation_checkpoint", "compile", "float8", "metrics", "profiling", "comm", "validation", "debug"}
+    assert set(vars(JobConfig())) == sections
+
+
+def test_parse_overrides_keeps_order():
+    assert parse_overrides(["--a.b", "1", "--a.b=2"]) == [("a", "b", "1"), ("a", "b", "2")]

@@ -1,0 +1,100 @@
+import subprocess
+import sys
+
+import pytest
+
+from tessera.trainer.config import load_config
+from tessera.trainer.main import main
+from tessera.trainer.train import train
+
+# A few-second CPU run of the debug model: short windows, small batches, fp32 for exactness.
+SMALL = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--training.mixed_precision_param",
+         "float32", "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1"]
+
+
+def run(tmp_path, *extra):
+    return train(load_config([*SMALL, "--job.dump_folder", str(tmp_path), *extra]))
+
+
+def losses(history):
+    return [h["loss"] for h in history if "loss" in h]
+
+
+def test_loss_falls_over_30_steps(tmp_path):
+    history = losses(run(tmp_path, "--training.steps", "30", "--optimizer.lr", "3e-3"))
+    assert len(history) == 30
+    first, last = sum(history[:5]) / 5, sum(history[-5:]) / 5
+    assert last < first - 1.0, (first, last)
+
+
+def test_same_seed_same_losses_other_seed_differs(tmp_path):
+    a = run(tmp_path / "a", "--training.steps", "4")
+    b = run(tmp_path / "b", "--training.steps", "4")
+    c = run(tmp_path / "c", "--training.steps", "4", "--debug.seed", "1")
+    assert [h["loss"] for h in a] == [h["loss"] for h in b]
+    assert [h["grad_norm"] for h in a] == [h["grad_norm"] for h in b]
+    assert losses(a) != losses(c)
+
+
+def test_gradient_accumulation_equals_one_big_batch(tmp_path):
+    big = run(tmp_path / "big", "--training.steps", "3", "--training.local_batch_size", "4")
+    accumulated = run(tmp_path / "acc", "--training.steps", "3", "--training.global_batch_size", "4")
+    for x, y in zip(big, accumulated):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-5)
+        assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-5)
+
+
+@pytest.mark.parametrize("mode, option", [("full", "op"), ("selective", "op"), ("selective", "2")])
+def test_activation_checkpointing_keeps_the_numbers(tmp_path, mode, option):
+    plain = run(tmp_path / "plain", "--training.steps", "2")
+    ac = run(tmp_path / mode, "--training.steps", "2", "--activation_checkpoint.mode", mode,
+             "--activation_checkpoint.selective_ac_option", option)
+    for x, y in zip(plain, ac):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-6)
+        assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-5)
+
+
+def test_bf16_validation_tensorboard_and_profiler_outputs(tmp_path, capsys):
+    history = run(
+        tmp_path, "--training.steps", "4", "--training.mixed_precision_param", "bfloat16",
+        "--validation.enable", "true", "--validation.freq", "2", "--validation.steps", "2",
+        "--metrics.enable_tensorboard", "true", "--profiling.enable_profiling", "true", "--profiling.profile_freq", "2",
+    )
+    assert [h["step"] for h in history if "validation_loss" in h] == [2, 4]
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    assert list((tmp_path / "profile_traces").glob("iteration_*/rank0_trace.json"))
+    out = capsys.readouterr().out
+    assert "step 4/4" in out and "mfu" in out and "validate step 2" in out
+
+
+def test_own_text_dataset_and_tokenizer_errors(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(f"document {i}: " + "the quick brown fox " * 20 for i in range(20)))
+    history = run(tmp_path, "--training.steps", "2", "--training.dataset_path", str(corpus))
+    assert len(history) == 2
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model.flavor", "huge"], "model.flavor 'huge' is not a flavor of llama3"),
+        (["--model.name", "gpt9"], "unknown model 'gpt9'"),
+        (["--training.dataset_path", "/no/such/data.txt"], "/no/such/data.txt"),
+        (["--training.dataset", "c4"], "dataset 'c4' is not built in"),
+        (["--model.tokenizer_path", "/no/such/tokenizer.model"], "/no/such/tokenizer.model"),
+        (["--training.global_batch_size", "3"], "global_batch_size 3 is not a multiple"),
+        (["--training.enable_cpu_offload", "true"], "enable_cpu_offload needs FSDP"),
+        (["--nproc", "0"], "--nproc '0' must be a positive integer"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
+    assert main([*SMALL, "--training.steps", "1", "--job.dump_folder", str(tmp_path), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and "\n" not in err, err
+
+
+def test_command_line_error_has_no_traceback():
+    proc = subprocess.run([sys.executable, "-m", "tessera.trainer.main", "--training.stepz", "1"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "error: unknown config key training.stepz; did you mean 'steps'?"

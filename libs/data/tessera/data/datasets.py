@@ -1,0 +1,119 @@
+"""Text datasets: an ordered list of documents from the embedded corpus, a file or a folder.
+
+Sources accepted by `load_dataset`:
+- None or "default": the embedded Python standard-library corpus (no download).
+- a `.txt` or `.md` file: one document per block of lines; blank lines separate blocks.
+- a folder: every `.txt` / `.md` file below it (recursive, sorted by relative path) is one document.
+- a `.jsonl` or `.jsonl.gz` file: one JSON object per line, the document in `text_field`.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import zlib
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import IO
+
+_TEXT_SUFFIXES = (".txt", ".md")
+_DEFAULT_NAMES = (None, "default")
+
+
+@dataclass(frozen=True)
+class TextDataset:
+    """Documents (strings) in a fixed order; `source` says where they came from."""
+
+    source: str
+    documents: tuple[str, ...]
+
+    def __len__(self) -> int:
+        return len(self.documents)
+
+    def __getitem__(self, index: int) -> str:
+        return self.documents[index]
+
+
+def load_dataset(source: str | os.PathLike | None = None, text_field: str = "text") -> TextDataset:
+    """Documents from `source` (see the module docstring); `text_field` names the JSON field."""
+    if source in _DEFAULT_NAMES:
+        asset = resources.files("tessera.data").joinpath("assets", "stdlib_corpus.jsonl.gz")
+        with asset.open("rb") as f:
+            documents = _read_jsonl(f, str(asset), gzipped=True, text_field="text")
+        return _non_empty(TextDataset("default", documents))
+
+    path = Path(source)
+    if not path.exists():
+        raise FileNotFoundError(f"dataset path not found: {path}")
+    if path.is_dir():
+        files = sorted(
+            (p for p in path.rglob("*") if p.is_file() and p.suffix in _TEXT_SUFFIXES),
+            key=lambda p: p.relative_to(path).as_posix(),
+        )
+        documents = tuple(text for text in map(_read_text, files) if text.strip())
+    elif path.name.endswith((".jsonl", ".jsonl.gz")):
+        gzipped = path.name.endswith(".gz")
+        with open(path, "rb") as f:
+            documents = _read_jsonl(f, str(path), gzipped, text_field)
+    elif path.suffix in _TEXT_SUFFIXES:
+        documents = _split_blocks(_read_text(path))
+    else:
+        raise ValueError(
+            f"unsupported dataset file {path}: expected .txt, .md, .jsonl, .jsonl.gz or a folder"
+        )
+    return _non_empty(TextDataset(str(path), documents))
+
+
+def _non_empty(dataset: TextDataset) -> TextDataset:
+    if not dataset.documents:
+        raise ValueError(f"dataset {dataset.source} has no documents")
+    return dataset
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not valid UTF-8 (byte offset {e.start})") from None
+
+
+def _split_blocks(text: str) -> tuple[str, ...]:
+    """Blocks of consecutive non-blank lines, each joined back with newlines."""
+    blocks, current = [], []
+    for line in text.split("\n"):
+        if line.strip():
+            current.append(line)
+        elif current:
+            blocks.append("\n".join(current))
+            current = []
+    if current:
+        blocks.append("\n".join(current))
+    return tuple(blocks)
+
+
+def _read_jsonl(f: IO[bytes], origin: str, gzipped: bool, text_field: str) -> tuple[str, ...]:
+    """The `text_field` of every non-blank JSON line; errors name `origin` and the line number."""
+    documents = []
+    lineno = 0
+    try:
+        stream = gzip.GzipFile(fileobj=f, mode="rb") if gzipped else f
+        for lineno, raw in enumerate(stream, start=1):
+            if not raw.strip():
+                continue
+            try:
+                record = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{origin}:{lineno}: invalid JSON ({e.msg})") from None
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{origin}:{lineno}: not valid UTF-8 ({e.reason})") from None
+            if not isinstance(record, dict) or text_field not in record:
+                raise ValueError(f"{origin}:{lineno}: no {text_field!r} field")
+            text = record[text_field]
+            if not isinstance(text, str):
+                raise ValueError(f"{origin}:{lineno}: field {text_field!r} is not a string")
+            documents.append(text)
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+        raise ValueError(f"{origin}: corrupt gzip data after line {lineno} ({e})") from None
+    return tuple(documents)

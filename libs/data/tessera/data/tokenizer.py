@@ -1,0 +1,185 @@
+"""Llama 3 style tokenizer: byte-level BPE ranks from a `tokenizer.model` file, run by tiktoken.
+
+A `tokenizer.model` file holds one line per mergeable token, "base64(token bytes) rank", with
+ranks 0..n-1. Llama 3's 256 special tokens follow the BPE ranks (ids n..n+255).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import os
+import re
+from importlib import resources
+from typing import Iterable, Iterator
+
+import tiktoken
+
+# Llama 3's pre-tokenisation: contractions, letter runs with one leading non-letter, numbers of at
+# most three digits, punctuation runs, newlines, and whitespace.
+LLAMA3_SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+_NUM_SPECIAL_TOKENS = 256
+_NAMED_SPECIAL_TOKENS = [
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|reserved_special_token_0|>",
+    "<|reserved_special_token_1|>",
+    "<|reserved_special_token_2|>",
+    "<|reserved_special_token_3|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|reserved_special_token_4|>",
+    "<|eot_id|>",
+]
+# Llama 3's order: the named tokens above, then reserved tokens 5..250 to make 256 in all.
+LLAMA3_SPECIAL_TOKENS = tuple(
+    _NAMED_SPECIAL_TOKENS
+    + [
+        f"<|reserved_special_token_{i}|>"
+        for i in range(5, 5 + _NUM_SPECIAL_TOKENS - len(_NAMED_SPECIAL_TOKENS))
+    ]
+)
+
+# tiktoken's regex engine overflows its stack on very long inputs and on very long runs of
+# whitespace or non-whitespace, so text is cut into pieces bounded by these lengths first.
+_MAX_CHUNK_CHARS = 400_000
+_MAX_RUN_CHARS = 25_000
+_NON_SPACE_RUNS = re.compile(r"\S+")
+
+
+class Tokenizer:
+    """BPE ranks + Llama 3 split pattern + Llama 3 special tokens (ids after the ranks)."""
+
+    def __init__(self, ranks: dict[bytes, int], name: str = "tessera"):
+        n = len(ranks)
+        self.special_tokens = {tok: n + i for i, tok in enumerate(LLAMA3_SPECIAL_TOKENS)}
+        self._encoding = tiktoken.Encoding(
+            name,
+            pat_str=LLAMA3_SPLIT_PATTERN,
+            mergeable_ranks=ranks,
+            special_tokens=self.special_tokens,
+        )
+        self.vocab_size = n + len(self.special_tokens)
+        self.bos_id = self.special_tokens["<|begin_of_text|>"]
+        self.eos_id = self.special_tokens["<|end_of_text|>"]
+
+    def encode(self, text: str, bos: bool, eos: bool) -> list[int]:
+        """Token ids of `text`; special-token strings inside `text` are encoded as plain text."""
+        ids = [self.bos_id] if bos else []
+        for piece in _bounded_pieces(text):
+            ids.extend(self._encoding.encode_ordinary(piece))
+        if eos:
+            ids.append(self.eos_id)
+        return ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of `ids` (a list or a tensor); invalid UTF-8 becomes U+FFFD."""
+        ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        return self._encoding.decode(ids)
+
+
+def load_tokenizer(path: str | os.PathLike | None = None) -> Tokenizer:
+    """Tokenizer from a Llama 3 `tokenizer.model` file; None gives the bundled offline default."""
+    if path is None:
+        asset = resources.files("tessera.data").joinpath("assets", "tokenizer.model")
+        ranks = _parse_ranks(asset.read_text(encoding="ascii"), str(asset))
+        return Tokenizer(ranks, "tessera-default")
+    return Tokenizer(read_ranks(path), os.path.basename(os.fspath(path)))
+
+
+def read_ranks(path: str | os.PathLike) -> dict[bytes, int]:
+    """Token bytes -> rank from a `tokenizer.model` file."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"tokenizer file not found: {path}")
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        text = raw.decode("ascii")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ValueError(f"{path}:{line}: not a tokenizer.model file (non-ASCII byte)") from None
+    return _parse_ranks(text, os.fspath(path))
+
+
+def _parse_ranks(text: str, origin: str) -> dict[bytes, int]:
+    """Parse `tokenizer.model` text; errors name `origin` and the line."""
+    ranks: dict[bytes, int] = {}
+    seen_ranks: set[int] = set()
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        fields = line.split()
+        if len(fields) != 2 or not (fields[1].isascii() and fields[1].isdigit()):
+            raise ValueError(
+                f"{origin}:{lineno}: expected '<base64 token> <rank>', got {line[:60]!r}"
+            )
+        try:
+            token = base64.b64decode(fields[0], validate=True)
+        except binascii.Error:
+            bad = fields[0][:60]
+            raise ValueError(f"{origin}:{lineno}: invalid base64 token {bad!r}") from None
+        rank = int(fields[1])
+        if token in ranks:
+            raise ValueError(f"{origin}:{lineno}: token {token!r} appears twice")
+        if rank in seen_ranks:
+            raise ValueError(f"{origin}:{lineno}: rank {rank} appears twice")
+        ranks[token] = rank
+        seen_ranks.add(rank)
+    if not ranks:
+        raise ValueError(f"{origin}: no token ranks found")
+    if len(seen_ranks) != max(seen_ranks) + 1:
+        missing = min(set(range(len(seen_ranks))) - seen_ranks)
+        raise ValueError(f"{origin}: ranks must be 0..n-1 without gaps; rank {missing} is missing")
+    for b in range(256):
+        if bytes([b]) not in ranks:
+            raise ValueError(f"{origin}: byte 0x{b:02x} has no rank; every single byte needs one")
+    return ranks
+
+
+def write_ranks(ranks: dict[bytes, int], path: str | os.PathLike) -> None:
+    """Write `ranks` as a `tokenizer.model` file, one "base64 rank" line per token in rank order."""
+    lines = [
+        f"{base64.b64encode(token).decode('ascii')} {rank}\n"
+        for token, rank in sorted(ranks.items(), key=lambda item: item[1])
+    ]
+    with open(path, "w", encoding="ascii", newline="\n") as f:
+        f.writelines(lines)
+
+
+def _bounded_pieces(text: str) -> Iterator[str]:
+    """Cut `text` into pieces tiktoken can take (see _MAX_CHUNK_CHARS, _MAX_RUN_CHARS)."""
+    for start in range(0, len(text), _MAX_CHUNK_CHARS):
+        chunk = text[start : start + _MAX_CHUNK_CHARS]
+        if len(chunk) <= _MAX_RUN_CHARS or not _has_long_run(chunk):
+            yield chunk
+        else:
+            yield from _cut_long_runs(chunk)
+
+
+def _has_long_run(text: str) -> bool:
+    # Both scans are linear and run in C; the per-character cut below is only for rare inputs.
+    longest_word = max(map(len, text.split()), default=0)
+    longest_space = max(map(len, _NON_SPACE_RUNS.split(text)), default=0)
+    return max(longest_word, longest_space) > _MAX_RUN_CHARS
+
+
+def _cut_long_runs(text: str) -> Iterator[str]:
+    piece_start = 0
+    run_length = 0
+    run_is_space = None
+    for i, ch in enumerate(text):
+        is_space = ch.isspace()
+        run_length = run_length + 1 if is_space == run_is_space else 1
+        run_is_space = is_space
+        if run_length > _MAX_RUN_CHARS:
+            yield text[piece_start:i]
+            piece_start = i
+            run_length = 1
+    yield text[piece_start:]

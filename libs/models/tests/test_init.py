@@ -1,0 +1,51 @@
+from dataclasses import replace
+
+import torch
+
+from tessera.models.llama import ModelArgs, Transformer, precompute_freqs_cis
+
+TINY = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16, max_seq_len=8)
+
+
+def meta_then_init(args, seed):
+    with torch.device("meta"):
+        model = Transformer(args)
+    assert model.output.weight.is_meta
+    model.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    model.init_weights()
+    return model
+
+
+def test_meta_init_is_finite_and_seeded():
+    a, b, c = meta_then_init(TINY, 0), meta_then_init(TINY, 0), meta_then_init(TINY, 1)
+    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.isfinite(pa).all(), name
+        assert torch.equal(pa, pb), name
+        if "norm" not in name:
+            assert not torch.equal(pa, pc), name
+    torch.testing.assert_close(a.freqs_cis, precompute_freqs_cis(TINY.head_dim, TINY.max_seq_len, TINY.rope_theta))
+    assert torch.isfinite(a(torch.randint(0, TINY.vocab_size, (1, 8)))).all()
+
+
+def test_init_stds():
+    args = replace(TINY, dim=256, n_heads=4, n_kv_heads=None)
+    model = meta_then_init(args, 0)
+    assert torch.all(model.norm.weight == 1) and torch.all(model.layers["1"].ffn_norm.weight == 1)
+    assert abs(model.tok_embeddings.weight.std().item() - 1.0) < 0.05
+    assert abs(model.layers["0"].attention.wq.weight.std().item() - 0.02) < 0.002
+    # depth_init: layer 1 uses 0.02 / sqrt(2 * 2).
+    assert abs(model.layers["1"].feed_forward.w2.weight.std().item() - 0.01) < 0.001
+    out_std = args.dim**-0.5
+    assert model.output.weight.abs().max().item() <= 3 * out_std
+    assert abs(model.output.weight.std().item() - out_std * 0.986) < 0.1 * out_std  # std of a 3-sigma cut normal
+
+
+def test_tied_embeddings_share_storage_after_to_empty():
+    args = replace(TINY, tie_embeddings=True)
+    model = meta_then_init(args, 0)
+    assert model.output.weight is model.tok_embeddings.weight
+    assert model.output.weight.data_ptr() == model.tok_embeddings.weight.data_ptr()
+    # The tied weight is counted once and gets the output init (small, not std 1).
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in Transformer(TINY).parameters()) - TINY.vocab_size * TINY.dim
+    assert model.output.weight.abs().max().item() <= 3 * args.dim**-0.5
