@@ -38,7 +38,7 @@ def _mesh_facts(rank, world_size):
         "keys": sorted(meshes),
         "dp_size": dp.size(),
         "tp_size": meshes["tp"].size(),
-        "dp_sum": x.item(),
+        "dp_sum": x,  # a tensor: results must survive the worker's exit
         "env_rank": int(os.environ["RANK"]),
     }
 
@@ -52,7 +52,7 @@ def test_mesh_on_four_ranks():
         assert f["keys"] == ["dp", "dp_cp", "dp_replicate", "tp", "world"]
         assert (f["dp_size"], f["tp_size"]) == (2, 2)
         # ranks {0,2} share tp coordinate 0, {1,3} coordinate 1
-        assert f["dp_sum"] == (0 + 2 if rank % 2 == 0 else 1 + 3)
+        assert f["dp_sum"].item() == (0 + 2 if rank % 2 == 0 else 1 + 3)
 
 
 def _fail(rank, world_size):

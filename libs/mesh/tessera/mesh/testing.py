@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -29,7 +30,9 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple, re
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
         value = fn(rank, world_size, *args)
         dist.barrier()
-        results.put((rank, True, value))
+        # plain pickle copies tensors into bytes; the queue's own pickler would pass shared-memory
+        # handles that die with this process
+        results.put((rank, True, pickle.dumps(value)))
     except BaseException:  # report everything, including SystemExit, to the parent
         results.put((rank, False, traceback.format_exc()))
         return
@@ -63,7 +66,7 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s:
                 raise RuntimeError(f"distributed run timed out after {timeout_s}s ({', '.join(dead) or 'no rank exited'})")
             if not ok:
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
-            values[rank] = value
+            values[rank] = pickle.loads(value)
     finally:
         for p in procs:
             p.join(timeout=30)

@@ -55,7 +55,7 @@ class Attention(nn.Module):
         q = self.wq(x).view(bs, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bs, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
-        q, k = apply_rotary_emb(q, k, freqs_cis)
+        q, k = apply_rotary_emb(q, k, freqs_cis[:seqlen])
         k, v = repeat_kv(k, self.n_rep), repeat_kv(v, self.n_rep)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
@@ -168,8 +168,9 @@ class Transformer(nn.Module):
         """tokens [B, T] -> logits [B, T, vocab]. Pipeline stages without ``tok_embeddings``
         take hidden states [B, T, dim]; without ``norm``/``output`` they return hidden states."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        freqs_cis = self.freqs_cis[: h.shape[1]]
+        # The whole table goes down: under sequence parallel h holds only this rank's part of
+        # the sequence here, and attention slices the table once it sees the full length.
         for layer in self.layers.values():
-            h = layer(h, freqs_cis)
+            h = layer(h, self.freqs_cis)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h

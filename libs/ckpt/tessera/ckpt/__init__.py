@@ -1,0 +1,22 @@
+"""Distributed checkpoints over torch.distributed.checkpoint, plus Hugging Face safetensors I/O."""
+
+from tessera.ckpt.formats import dcp_to_torch_save, read_dcp, torch_save_to_dcp, write_dcp
+from tessera.ckpt.hf import load_hf, save_hf
+from tessera.ckpt.manager import ASYNC_MODES, EXPORT_DTYPES, CheckpointManager
+from tessera.ckpt.states import ModelState, OptimizerState, RankLocalState, rng_state
+
+__all__ = [
+    "ASYNC_MODES",
+    "EXPORT_DTYPES",
+    "CheckpointManager",
+    "ModelState",
+    "OptimizerState",
+    "RankLocalState",
+    "dcp_to_torch_save",
+    "load_hf",
+    "read_dcp",
+    "rng_state",
+    "save_hf",
+    "torch_save_to_dcp",
+    "write_dcp",
+]

@@ -1,0 +1,238 @@
+"""CheckpointManager: periodic, atomic, optionally asynchronous DCP checkpoints of a training run."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+from tessera.ckpt.dcp_io import check_storage_files, load_into, raise_first_failure, read_metadata, save_state_dict
+from tessera.ckpt.folders import complete_steps, publish, remove_stale_tmp, remove_step, step_folder, tmp_folder
+from tessera.ckpt.states import ModelState, RankLocalState, Stateful
+
+logger = logging.getLogger("tessera.ckpt")
+
+EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
+
+
+class CheckpointManager:
+    """Saves ``states`` to ``<folder>/step-<N>/`` every ``interval`` steps and loads them back.
+
+    Construct it on every rank (it is collective, like every save/load call). ``states`` maps
+    a name without "." (the top-level key in the checkpoint) to a Stateful object, typically
+    ``{"model": ModelState(parts), "optimizer": OptimizerState(parts, optims),
+    "dataloader": RankLocalState(loader, f"dp_rank_{r}"), "rng": rng_state(rank),
+    "train": <object holding the step counter>}``.
+    """
+
+    def __init__(
+        self,
+        folder: str | os.PathLike,
+        states: dict[str, Stateful],
+        *,
+        interval: int,
+        async_mode: str = "disabled",
+        keep_latest_k: int = 0,
+        exclude_from_loading: tuple[str, ...] | list[str] = (),
+        last_save_model_only: bool = False,
+        export_dtype: str = "float32",
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise ValueError(f"checkpoint interval must be a positive integer, got {interval!r}")
+        if async_mode not in ASYNC_MODES:
+            raise ValueError(f"checkpoint async_mode {async_mode!r} is not one of {list(ASYNC_MODES)}")
+        if isinstance(keep_latest_k, bool) or not isinstance(keep_latest_k, int) or keep_latest_k < 0:
+            raise ValueError(f"checkpoint keep_latest_k must be an integer >= 0, got {keep_latest_k!r}")
+        if export_dtype not in EXPORT_DTYPES:
+            raise ValueError(f"checkpoint export_dtype {export_dtype!r} is not one of {list(EXPORT_DTYPES)}")
+        bad_names = [name for name in states if not name or "." in name]
+        if bad_names:
+            raise ValueError(f"checkpoint state name {bad_names[0]!r} must be non-empty and contain no '.'")
+        unknown = sorted(set(exclude_from_loading) - set(states))
+        if unknown:
+            raise ValueError(f"exclude_from_loading names unknown state {unknown[0]!r}; states: {sorted(states)}")
+        self._model_names = [name for name, state in states.items() if isinstance(state, ModelState)]
+        if last_save_model_only and not self._model_names:
+            raise ValueError("last_save_model_only needs a ModelState among the checkpoint states")
+
+        self.folder = Path(folder)
+        self.states = dict(states)
+        self.interval = interval
+        self.async_mode = async_mode
+        self.keep_latest_k = keep_latest_k
+        self.exclude_from_loading = frozenset(exclude_from_loading)
+        self.last_save_model_only = last_save_model_only
+        self.export_dtype = export_dtype
+        self.process_group = process_group
+
+        self._distributed = dist.is_available() and dist.is_initialized()
+        self._rank = dist.get_rank(process_group) if self._distributed else 0
+        self._async_group = None
+        self._stager = None
+        self._pending: Future | None = None
+        self._committer: ThreadPoolExecutor | None = None
+        if async_mode != "disabled":
+            # Background saves get their own gloo group: sharing the training group's
+            # collectives from another thread crashed and hung on CPU (shared notes).
+            if self._distributed:
+                ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
+                self._async_group = dist.new_group(ranks=ranks, backend="gloo")
+            self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tessera-ckpt")
+            if async_mode == "async_with_pinned_mem":
+                if torch.cuda.is_available():
+                    self._stager = DefaultStager(StagingOptions(
+                        use_pinned_memory=True, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=False,
+                    ))
+                else:
+                    logger.info("checkpoint async_with_pinned_mem: no CUDA, staging in ordinary memory (same as 'async')")
+
+    # ---- saving ----------------------------------------------------------------------------
+
+    def maybe_save(self, step: int, last_step: bool = False) -> None:
+        """Saves when ``step`` is a multiple of ``interval`` or ``last_step`` (model-only and
+        cast to ``export_dtype`` then, if ``last_save_model_only``)."""
+        if last_step:
+            self.save(step, model_only=self.last_save_model_only)
+        elif step % self.interval == 0:
+            self.save(step)
+
+    def save(self, step: int, model_only: bool = False) -> None:
+        """Writes ``step-<step>`` atomically; returns once written (sync) or staged (async).
+
+        A step that already has a complete checkpoint is not saved again, so the last good
+        checkpoint is never overwritten.
+        """
+        self.wait()
+        if step_folder(self.folder, step).is_dir():
+            logger.info("checkpoint for step %d already exists in %s; not saving it again", step, self.folder)
+            return
+        if self._rank == 0:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            remove_stale_tmp(self.folder)
+        self._barrier()
+        tmp = tmp_folder(self.folder, step)
+        started = time.perf_counter()
+        state_dict = self._model_export() if model_only else {name: state.state_dict() for name, state in self.states.items()}
+        if self.async_mode == "disabled":
+            try:
+                save_state_dict(state_dict, tmp, self.process_group)
+                self._finish_save(tmp, step, started)
+            finally:  # a failure on rank 0 alone (publishing) must not leave the others waiting
+                self._barrier()
+            return
+        upload = dcp.async_save(
+            state_dict,
+            storage_writer=FileSystemWriter(tmp),
+            process_group=self._async_group,
+            async_stager=self._stager,
+            no_dist=not self._distributed,
+        )
+        upload = getattr(upload, "upload_completion", upload)  # AsyncSaveResponse with some stagers
+        logger.info("checkpoint step %d staged in %.2fs, writing in the background", step, time.perf_counter() - started)
+        self._pending = self._committer.submit(self._finish_async_save, upload, tmp, step, started)
+
+    def _finish_async_save(self, upload: Future, tmp: Path, step: int, started: float) -> None:
+        try:
+            upload.result()
+        except CheckpointException as e:  # a BaseException: turn it into an ordinary error
+            raise_first_failure(e)
+        self._finish_save(tmp, step, started)
+
+    def _finish_save(self, tmp: Path, step: int, started: float) -> None:
+        """After DCP returns every rank's files and the metadata are written (it gathers all
+        write results before the coordinator writes .metadata), so rank 0 publishes alone."""
+        if self._rank != 0:
+            return
+        publish(tmp, step_folder(self.folder, step))
+        logger.info("checkpoint step %d saved to %s in %.2fs", step, step_folder(self.folder, step), time.perf_counter() - started)
+        if self.keep_latest_k:
+            for old in complete_steps(self.folder)[: -self.keep_latest_k]:
+                remove_step(self.folder, old)
+
+    def _model_export(self) -> dict[str, Any]:
+        dtype = EXPORT_DTYPES[self.export_dtype]
+        return {
+            name: {
+                key: value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+                for key, value in self.states[name].state_dict().items()
+            }
+            for name in self._model_names
+        }
+
+    def wait(self) -> None:
+        """Blocks until an in-flight async save is written and published (collective)."""
+        if self._pending is None:
+            return
+        pending, self._pending = self._pending, None
+        try:
+            pending.result()
+        finally:  # as in save: every rank reaches the barrier, then the failing ones raise
+            self._barrier()
+
+    def close(self) -> None:
+        """Waits for the last save; call it before the process exits."""
+        self.wait()
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+        if self._committer is not None:
+            self._committer.shutdown()
+            self._committer = None
+
+    def _barrier(self) -> None:
+        if self._distributed:
+            dist.barrier(group=self.process_group)
+
+    # ---- loading ---------------------------------------------------------------------------
+
+    def load(self, step: int = -1) -> int | None:
+        """Restores the states (except ``exclude_from_loading``) from ``step``, or from the
+        newest complete checkpoint when -1. Returns the step loaded, or None if there is none.
+
+        A model-only checkpoint restores just the model states.
+        """
+        self.wait()
+        if step == -1:
+            steps = complete_steps(self.folder)
+            if not steps:
+                logger.info("no checkpoint in %s; starting from scratch", self.folder)
+                return None
+            step = steps[-1]
+        elif not self.folder.is_dir():
+            raise FileNotFoundError(f"checkpoint folder {self.folder} does not exist")
+        elif not step_folder(self.folder, step).is_dir():
+            raise ValueError(f"no checkpoint for step {step} in {self.folder}; available steps: {complete_steps(self.folder)}")
+        path = step_folder(self.folder, step)
+        started = time.perf_counter()
+        metadata = read_metadata(path)
+        check_storage_files(path, metadata)
+
+        names = [name for name in self.states if name not in self.exclude_from_loading]
+        stored = {fqn.split(".", 1)[0] for fqn in metadata.state_dict_metadata}
+        if stored and stored <= set(self._model_names):
+            skipped = [name for name in names if name not in stored]
+            if skipped:
+                logger.info("checkpoint %s is model-only; not restoring %s", path, skipped)
+            names = [name for name in names if name in stored]
+        state_dict = {name: self.states[name].state_dict() for name in names}
+        optional = tuple(
+            f"{name}." for name in names
+            if isinstance(self.states[name], RankLocalState) and not self.states[name].required
+        )
+        load_into(state_dict, path, metadata=metadata, process_group=self.process_group, optional_prefixes=optional)
+        for name in names:
+            self.states[name].load_state_dict(state_dict[name])
+        logger.info("checkpoint step %d loaded from %s in %.2fs", step, path, time.perf_counter() - started)
+        return step

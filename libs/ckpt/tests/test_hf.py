@@ -1,0 +1,67 @@
+"""Hugging Face safetensors files: single and sharded layouts, and their errors."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tessera.ckpt import load_hf, save_hf
+
+
+def _state_dict():
+    torch.manual_seed(0)
+    embed = torch.randn(10, 4)
+    return {
+        "model.embed_tokens.weight": embed,
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(4, 4).t(),  # not contiguous
+        "model.layers.0.input_layernorm.weight": torch.ones(4, dtype=torch.bfloat16),
+        "model.norm.weight": torch.ones(4),
+        "lm_head.weight": embed,  # tied: shares memory
+    }
+
+
+def _assert_same(a, b):
+    assert set(a) == set(b)
+    for key in a:
+        assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+
+
+def test_single_file_round_trip(tmp_path):
+    save_hf(_state_dict(), tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
+    _assert_same(_state_dict(), load_hf(tmp_path))
+
+
+def test_sharded_round_trip_with_index(tmp_path):
+    save_hf(_state_dict(), tmp_path, max_shard_bytes=100)  # shards of 160, 64 + 8 + 16, 160 bytes
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == [f"model-0000{i}-of-00003.safetensors" for i in range(1, 4)] + ["model.safetensors.index.json"]
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == 160 + 64 + 8 + 16 + 160
+    assert index["weight_map"]["model.norm.weight"] == "model-00002-of-00003.safetensors"
+    _assert_same(_state_dict(), load_hf(tmp_path))
+
+
+def test_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="folder .*absent does not exist"):
+        load_hf(tmp_path / "absent")
+    with pytest.raises(FileNotFoundError, match="holds neither model.safetensors nor model.safetensors.index.json"):
+        load_hf(tmp_path)
+
+    save_hf(_state_dict(), tmp_path / "sharded", max_shard_bytes=100)
+    with pytest.raises(ValueError, match="already holds a checkpoint"):
+        save_hf(_state_dict(), tmp_path / "sharded")
+    (tmp_path / "sharded" / "model-00002-of-00003.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="model-00002-of-00003.safetensors does not exist"):
+        load_hf(tmp_path / "sharded")
+    save_file({"other": torch.zeros(1)}, tmp_path / "sharded" / "model-00002-of-00003.safetensors")
+    with pytest.raises(ValueError, match="'model.layers.0.self_attn.q_proj.weight' is listed in .* but missing from"):
+        load_hf(tmp_path / "sharded")
+
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "model.safetensors").write_bytes(b"\x10garbage")
+    with pytest.raises(ValueError, match="model.safetensors is not a readable safetensors file"):
+        load_hf(tmp_path / "bad")
+    with pytest.raises(ValueError, match="'x' is a int, not a tensor"):
+        save_hf({"x": 3}, tmp_path / "bad2")

@@ -1,0 +1,326 @@
+"""CheckpointManager in one process: schedule, retention, partial loads, export, every error path."""
+
+import io
+import os
+import pickle
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from tessera.ckpt import (
+    CheckpointManager,
+    ModelState,
+    OptimizerState,
+    RankLocalState,
+    dcp_to_torch_save,
+    read_dcp,
+    rng_state,
+    torch_save_to_dcp,
+    write_dcp,
+)
+
+
+class Toy(nn.Module):
+    def __init__(self, dim=6, n_layers=3):
+        super().__init__()
+        self.embed = nn.Linear(4, dim)
+        self.layers = nn.ModuleDict({str(i): nn.Linear(dim, dim) for i in range(n_layers)})
+        self.head = nn.Linear(dim, 3)
+
+
+class Counter:
+    def __init__(self, value=0):
+        self.value = value
+
+    def state_dict(self):
+        return {"value": self.value}
+
+    def load_state_dict(self, state):
+        self.value = state["value"]
+
+
+def _trained(seed=0, **toy_args):
+    torch.manual_seed(seed)
+    model = Toy(**toy_args)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(2):
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        optimizer.step()
+    return model, optimizer
+
+
+def _manager(folder, model, optimizer, loader=None, train=None, **kwargs):
+    states = {"model": ModelState([model]), "optimizer": OptimizerState([model], [optimizer])}
+    if loader is not None:
+        states["dataloader"] = RankLocalState(loader, "dp_rank_0")
+    if train is not None:
+        states["train"] = train  # same on every rank: a plain object entry
+    return CheckpointManager(folder, states, interval=kwargs.pop("interval", 1), **kwargs)
+
+
+def _steps(folder):
+    return sorted(int(p.name.split("-")[1]) for p in Path(folder).glob("step-*"))
+
+
+def _data_file(step_dir):
+    return next(Path(step_dir).glob("*.distcp"))
+
+
+def test_maybe_save_interval_and_keep_latest_k(tmp_path):
+    model, optimizer = _trained()
+    manager = _manager(tmp_path, model, optimizer, interval=2, keep_latest_k=2)
+    for step in range(1, 8):
+        manager.maybe_save(step, last_step=step == 7)
+    assert _steps(tmp_path) == [6, 7]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-6", "step-7"]  # no tmp left behind
+
+
+def test_keep_all_and_no_resave_of_existing_step(tmp_path):
+    model, optimizer = _trained()
+    manager = _manager(tmp_path, model, optimizer)
+    manager.save(1)
+    before = _data_file(tmp_path / "step-1").stat().st_mtime_ns
+    manager.save(2)
+    manager.save(1)  # exists: not overwritten
+    assert _steps(tmp_path) == [1, 2]
+    assert _data_file(tmp_path / "step-1").stat().st_mtime_ns == before
+
+
+def test_load_newest_explicit_and_missing(tmp_path):
+    model, optimizer = _trained()
+    loader, train = Counter(5), Counter(3)
+    manager = _manager(tmp_path, model, optimizer, loader, train)
+    assert manager.load() is None  # nothing saved yet: fresh start
+    manager.save(3)
+    loader.value, train.value = 9, 4
+    manager.save(4)
+    fresh_model, fresh_opt = _trained(seed=1)
+    fresh_loader, fresh_train = Counter(), Counter()
+    fresh = _manager(tmp_path, fresh_model, fresh_opt, fresh_loader, fresh_train)
+    assert fresh.load() == 4 and (fresh_loader.value, fresh_train.value) == (9, 4)
+    assert fresh.load(3) == 3 and (fresh_loader.value, fresh_train.value) == (5, 3)
+    for a, b in zip(model.parameters(), fresh_model.parameters()):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match=re.escape("no checkpoint for step 7 in") + ".*available steps: \\[3, 4\\]"):
+        fresh.load(7)
+    with pytest.raises(FileNotFoundError, match="checkpoint folder .*nowhere does not exist"):
+        _manager(tmp_path / "nowhere", fresh_model, fresh_opt).load(3)
+    assert _manager(tmp_path / "nowhere", fresh_model, fresh_opt).load() is None
+
+
+def test_exclude_from_loading(tmp_path):
+    model, optimizer = _trained()
+    _manager(tmp_path, model, optimizer, Counter(5)).save(1)
+    fresh_model, fresh_opt = _trained(seed=1)
+    loader = Counter(42)
+    manager = _manager(tmp_path, fresh_model, fresh_opt, loader, exclude_from_loading=("dataloader", "optimizer"))
+    opt_before = {k: v.clone() for k, v in fresh_opt.state_dict()["state"][0].items()}
+    assert manager.load() == 1
+    assert loader.value == 42
+    assert torch.equal(fresh_model.embed.weight, model.embed.weight)
+    assert all(torch.equal(v, fresh_opt.state_dict()["state"][0][k]) for k, v in opt_before.items())
+
+
+def test_model_only_export_in_bfloat16(tmp_path):
+    model, optimizer = _trained()
+    manager = _manager(tmp_path, model, optimizer, Counter(5), last_save_model_only=True, export_dtype="bfloat16")
+    manager.maybe_save(10, last_step=True)
+    exported = read_dcp(tmp_path / "step-10")
+    assert set(exported) == {"model"}
+    for name, value in model.state_dict().items():
+        assert exported["model"][name].dtype == torch.bfloat16
+        assert torch.equal(exported["model"][name], value.to(torch.bfloat16))
+    # Resuming from it restores the weights only, upcast into the fp32 model.
+    fresh_model, fresh_opt = _trained(seed=1)
+    loader = Counter(1)
+    assert _manager(tmp_path, fresh_model, fresh_opt, loader).load() == 10
+    assert torch.equal(fresh_model.head.weight, model.head.weight.to(torch.bfloat16).float())
+    assert loader.value == 1
+
+
+def test_pipeline_parts_merge_and_reshard_into_one_module(tmp_path):
+    model, _ = _trained()
+    stage0, stage1 = Toy(), Toy()
+    stage0.load_state_dict(model.state_dict())
+    stage1.load_state_dict(model.state_dict())
+    del stage0.layers["1"], stage0.layers["2"], stage0.head  # layers keep their global names
+    del stage1.embed, stage1.layers["0"]
+    optims = [torch.optim.AdamW(s.parameters(), lr=1e-2) for s in (stage0, stage1)]
+    for stage, opt in zip((stage0, stage1), optims):
+        for p in stage.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()
+    states = {"model": ModelState([stage0, stage1]), "optimizer": OptimizerState([stage0, stage1], optims)}
+    CheckpointManager(tmp_path, states, interval=1).save(1)
+
+    whole = Toy()
+    whole_opt = torch.optim.AdamW(whole.parameters(), lr=1e-2)
+    assert _manager(tmp_path, whole, whole_opt).load() == 1
+    expected_model = {**stage0.state_dict(), **stage1.state_dict()}
+    assert whole.state_dict().keys() == expected_model.keys()
+    for name, value in expected_model.items():
+        assert torch.equal(whole.state_dict()[name], value), name
+    expected_optim = states["optimizer"].state_dict()
+    loaded_optim = OptimizerState([whole], [whole_opt]).state_dict()
+    assert loaded_optim.keys() == expected_optim.keys()
+    for key, value in expected_optim.items():
+        assert torch.equal(loaded_optim[key], value) if isinstance(value, torch.Tensor) else loaded_optim[key] == value
+
+
+def test_rng_state_restores_generators(tmp_path):
+    import random
+
+    model, optimizer = _trained()
+    states = {"model": ModelState([model]), "rng": rng_state(0)}
+    torch.manual_seed(7)
+    random.seed(7)
+    CheckpointManager(tmp_path, states, interval=1).save(1)
+    expected = (torch.rand(3), random.random())
+    torch.manual_seed(8)
+    random.seed(8)
+    CheckpointManager(tmp_path, states, interval=1).load()
+    assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
+
+
+def test_constructor_errors(tmp_path):
+    model, optimizer = _trained()
+    with pytest.raises(ValueError, match="export_dtype 'float8' is not one of"):
+        _manager(tmp_path, model, optimizer, export_dtype="float8")
+    with pytest.raises(ValueError, match="async_mode 'sometimes'"):
+        _manager(tmp_path, model, optimizer, async_mode="sometimes")
+    with pytest.raises(ValueError, match="interval must be a positive integer, got 0"):
+        _manager(tmp_path, model, optimizer, interval=0)
+    with pytest.raises(ValueError, match="keep_latest_k must be an integer >= 0, got -1"):
+        _manager(tmp_path, model, optimizer, keep_latest_k=-1)
+    with pytest.raises(ValueError, match="exclude_from_loading names unknown state 'rng'"):
+        _manager(tmp_path, model, optimizer, exclude_from_loading=("rng",))
+    with pytest.raises(ValueError, match="state name 'a.b' must"):
+        CheckpointManager(tmp_path, {"a.b": ModelState([model])}, interval=1)
+    with pytest.raises(ValueError, match="last_save_model_only needs a ModelState"):
+        CheckpointManager(tmp_path, {"x": Counter()}, interval=1, last_save_model_only=True)
+
+
+@pytest.fixture
+def saved(tmp_path):
+    model, optimizer = _trained()
+    _manager(tmp_path, model, optimizer).save(1)
+    return tmp_path, tmp_path / "step-1"
+
+
+def test_truncated_shard_is_named(saved):
+    folder, step_dir = saved
+    data = _data_file(step_dir)
+    data.write_bytes(data.read_bytes()[:-100])
+    model, optimizer = _trained(seed=1)
+    with pytest.raises(ValueError, match=re.escape(f"data file {data} is truncated")):
+        _manager(folder, model, optimizer).load()
+
+
+def test_corrupt_shard_bytes_are_named(saved):
+    folder, step_dir = saved
+    data = _data_file(step_dir)
+    data.write_bytes(b"\0" * data.stat().st_size)
+    model, optimizer = _trained(seed=1)
+    with pytest.raises(ValueError, match=re.escape(f"checkpoint data file {data} is corrupt")):
+        _manager(folder, model, optimizer).load(1)
+
+
+def test_missing_and_garbage_metadata(saved):
+    folder, step_dir = saved
+    model, optimizer = _trained(seed=1)
+    (step_dir / ".metadata").write_bytes(b"not a pickle")
+    with pytest.raises(ValueError, match=re.escape(f"checkpoint metadata {step_dir / '.metadata'} is unreadable")):
+        _manager(folder, model, optimizer).load(1)
+    (step_dir / ".metadata").unlink()
+    with pytest.raises(ValueError, match=re.escape(f"{step_dir / '.metadata'} is missing")):
+        _manager(folder, model, optimizer).load(1)
+    assert _manager(folder, model, optimizer).load() is None  # incomplete: not a candidate
+
+
+def test_shape_mismatch_names_key_and_shapes(saved):
+    folder, _ = saved
+    model, optimizer = _trained(dim=8)
+    with pytest.raises(ValueError, match=re.escape("'model.embed.weight' has shape (6, 4) there but (8, 4) here")):
+        _manager(folder, model, optimizer).load()
+
+
+def test_missing_key_is_named(saved):
+    folder, _ = saved
+    model, optimizer = _trained(n_layers=4)
+    with pytest.raises(ValueError, match="is missing key 'model.layers.3.weight'"):
+        _manager(folder, model, optimizer).load()
+
+
+class _Evil:
+    """Unpickling this creates a file: the stand-in for arbitrary code."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def test_pickled_code_in_metadata_is_refused(saved, tmp_path):
+    folder, step_dir = saved
+    marker = tmp_path / "pwned"
+    (step_dir / ".metadata").write_bytes(pickle.dumps(_Evil(str(marker))))
+    model, optimizer = _trained(seed=1)
+    with pytest.raises(ValueError, match="unreadable: refusing to load global (io|builtins).open"):
+        _manager(folder, model, optimizer).load()
+    assert not marker.exists()
+
+
+def test_pickled_code_in_an_object_entry_is_refused(tmp_path):
+    marker = tmp_path / "pwned"
+    model, optimizer = _trained()
+    sd = {"model": model.state_dict(), "dataloader": {"dp_rank_0": _Evil(str(marker))}}
+    dcp.save(sd, checkpoint_id=tmp_path / "ckpt" / "step-1", no_dist=True)
+    states = {"model": ModelState([model]), "dataloader": RankLocalState(Counter(), "dp_rank_0")}
+    with pytest.raises(ValueError, match="'dataloader.dp_rank_0' in checkpoint .* is not weights_only-safe"):
+        CheckpointManager(tmp_path / "ckpt", states, interval=1).load()
+    assert not marker.exists()
+
+
+def test_unsafe_rank_state_fails_at_save(tmp_path):
+    class Odd(Counter):
+        def state_dict(self):
+            return {"value": _Evil(os.devnull)}
+
+    model, _ = _trained()
+    manager = CheckpointManager(tmp_path, {"model": ModelState([model]), "x": RankLocalState(Odd(), "r0")}, interval=1)
+    with pytest.raises(ValueError, match="state 'r0' is not weights_only-safe"):
+        manager.save(1)
+    assert _steps(tmp_path) == []
+
+
+def test_whole_checkpoint_formats(saved, tmp_path):
+    _, step_dir = saved
+    whole = read_dcp(step_dir)
+    assert set(whole) == {"model", "optimizer"}
+    assert whole["optimizer"]["param_groups.embed.weight.lr"] == 1e-2
+    assert set(read_dcp(step_dir, only="model")) == set(whole["model"])
+    with pytest.raises(ValueError, match="has no state 'rng'; it holds \\['model', 'optimizer'\\]"):
+        read_dcp(step_dir, only="rng")
+
+    dcp_to_torch_save(step_dir, tmp_path / "whole.pt")
+    loaded = torch.load(tmp_path / "whole.pt", weights_only=True)
+    assert torch.equal(loaded["model"]["head.bias"], whole["model"]["head.bias"])
+    torch_save_to_dcp(tmp_path / "whole.pt", tmp_path / "again")
+    again = read_dcp(tmp_path / "again")
+    assert torch.equal(again["optimizer"]["state.head.bias.exp_avg"], whole["optimizer"]["state.head.bias.exp_avg"])
+    with pytest.raises(ValueError, match="already exists; refusing to overwrite"):
+        write_dcp({"x": torch.zeros(1)}, tmp_path / "again")
+    with pytest.raises(FileNotFoundError, match="DCP checkpoint folder .*absent does not exist"):
+        read_dcp(tmp_path / "absent")
+    buffer = io.BytesIO()
+    torch.save({"x": _Evil(str(tmp_path / "pwned"))}, buffer)
+    (tmp_path / "evil.pt").write_bytes(buffer.getvalue())
+    with pytest.raises(ValueError, match="evil.pt is not a weights_only-loadable"):
+        torch_save_to_dcp(tmp_path / "evil.pt", tmp_path / "evil")
+    assert not (tmp_path / "pwned").exists()

@@ -1,0 +1,100 @@
+"""Data parallelism for models that follow Tessera's module conventions.
+
+Conventions: ``model.layers`` is an ``nn.ModuleDict`` of transformer blocks (a pipeline stage may
+have deleted some), and ``model.tok_embeddings``, ``model.norm`` and ``model.output`` are optional
+(absent or None on a pipeline stage that does not own them).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed._composable.replicate import replicate
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+RESHARD_POLICIES = ("default", "always", "never")
+
+
+def _blocks(model: nn.Module) -> nn.ModuleDict:
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, nn.ModuleDict):
+        raise ValueError(f"{type(model).__name__} has no `layers` nn.ModuleDict of transformer blocks")
+    return layers
+
+
+def _tied(embedding: nn.Module | None, output: nn.Module | None) -> bool:
+    """True when the output projection shares its weight with the embedding (tied embeddings)."""
+    if embedding is None or output is None:
+        return False
+    return any(p is q for p in embedding.parameters() for q in output.parameters())
+
+
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    *,
+    param_dtype: torch.dtype = torch.float32,
+    reduce_dtype: torch.dtype = torch.float32,
+    reshard_after_forward: str = "default",
+    cpu_offload: bool = False,
+) -> nn.Module:
+    """Shards ``model`` in place with FSDP2 over ``dp_mesh`` and returns it.
+
+    A 1-D ``dp_mesh`` fully shards; a 2-D (dp_replicate, dp_shard) mesh shards on the second dim
+    and replicates on the first (HSDP). Communication groups: one per block of ``model.layers``,
+    one for ``tok_embeddings``, one for ``output``, and the root (``norm`` and anything left).
+    With tied embeddings, embedding and output stay together in the root group.
+
+    ``reshard_after_forward``: "default" frees a group's gathered weights after its forward
+    except where backward needs them straight away (the last block, the output projection,
+    the root), saving those all-gathers; "always" frees every group (least memory); "never"
+    keeps every group gathered from forward to backward (no backward all-gathers, ZeRO-2-like
+    memory).
+    """
+    if reshard_after_forward not in RESHARD_POLICIES:
+        raise ValueError(
+            f"reshard_after_forward={reshard_after_forward!r} is not one of {list(RESHARD_POLICIES)}"
+        )
+    blocks = _blocks(model)
+    policy = {"mesh": dp_mesh, "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)}
+    if cpu_offload:
+        # pinning needs an accelerator; CPUOffloadPolicy() fails on a machine without one
+        policy["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+
+    def reshard(needed_first_in_backward: bool) -> bool:
+        if reshard_after_forward == "default":
+            return not needed_first_in_backward
+        return reshard_after_forward == "always"
+
+    embedding, output = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
+    if not _tied(embedding, output):
+        # The embedding runs first in forward and its gradient comes last in backward: its own
+        # group is freed in between instead of staying gathered with the root for the whole step
+        # (vocab x dim weights, the largest in the model).
+        if embedding is not None:
+            fully_shard(embedding, reshard_after_forward=reshard(False), **policy)
+        # The output projection is as large, and its own group lets its reduce-scatter overlap
+        # the blocks' backward instead of waiting for the root's at the end. Backward needs it
+        # first, so "default" keeps it gathered.
+        if output is not None:
+            fully_shard(output, reshard_after_forward=reshard(True), **policy)
+    names = list(blocks)
+    for name in names:
+        fully_shard(blocks[name], reshard_after_forward=reshard(name == names[-1]), **policy)
+    fully_shard(model, reshard_after_forward=reshard(True), **policy)
+    return model
+
+
+def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
+    """Replicates ``model`` over the 1-D ``dp_mesh`` (DDP: gradients all-reduced in buckets).
+
+    Uses the composable ``torch.distributed._composable.replicate``, which wraps
+    DistributedDataParallel and leaves parameters plain tensors (the FSDP-based replicate in
+    ``replicate_with_fsdp`` turns them into DTensors). For models small enough that every rank
+    holds all weights and optimizer state.
+    """
+    if dp_mesh.ndim != 1:
+        raise ValueError(f"apply_ddp needs a 1-D data-parallel mesh, got {dp_mesh.ndim} dims {dp_mesh.mesh_dim_names}")
+    replicate(model, device_mesh=dp_mesh)
+    return model

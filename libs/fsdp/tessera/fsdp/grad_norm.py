@@ -1,0 +1,102 @@
+"""Gradient-norm clipping across any mix of DTensor and plain-tensor gradients."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+
+def _grouped_by_mesh(params: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+    """Parameters with a gradient: those with plain-tensor grads, and those with DTensor grads
+    grouped by mesh (in first-seen order, which is the same on every rank of a mesh)."""
+    plain, by_mesh = [], {}
+    for p in params:
+        if p.grad is None:
+            continue
+        if isinstance(p.grad, DTensor):
+            by_mesh.setdefault(p.grad.device_mesh, []).append(p)
+        else:
+            plain.append(p)
+    return plain, list(by_mesh.values())
+
+
+def _total_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """Norm of all grads, accumulated in float64: CPU fp32 norm kernels drift by ~1e-4
+    relative on a 256k-element tensor, enough that the same gradients, sharded differently,
+    gave norms differing in the 4th digit. The cost is one float64 copy of one gradient (shard)
+    at a time."""
+    norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float64) for g in grads]
+    return torch.linalg.vector_norm(torch.stack(norms), norm_type)
+
+
+def _mesh_norm(params: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The norm of DTensor grads on one mesh, as a plain tensor, identical on all its ranks."""
+    norm = _total_norm([p.grad for p in params], norm_type)
+    mesh = norm.device_mesh
+    if norm.device.type != mesh.device_type:  # CPU-offloaded grads on an accelerator mesh
+        norm = norm.to(mesh.device_type)
+    return norm.full_tensor()
+
+
+def _combine(norms: list[torch.Tensor], norm_type: float, pp_mesh: DeviceMesh | None) -> torch.Tensor:
+    device = torch.device(pp_mesh.device_type) if pp_mesh is not None else norms[0].device
+    total = torch.linalg.vector_norm(torch.stack([n.to(device, torch.float64) for n in norms]), norm_type)
+    if pp_mesh is None:
+        return total
+    # each pipeline stage holds different parameters: add p-th powers (or take the max)
+    if math.isinf(norm_type):
+        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=pp_mesh.get_group())
+        return total
+    total = total**norm_type
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_mesh.get_group())
+    return total ** (1.0 / norm_type)
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor] | torch.Tensor,
+    max_norm: float,
+    norm_type: float = 2.0,
+    pp_mesh: DeviceMesh | None = None,
+    *,
+    error_if_nonfinite: bool = True,
+) -> torch.Tensor:
+    """Scales gradients in place so their global ``norm_type`` norm is at most ``max_norm``.
+
+    Works for any mix of DTensor gradients (any meshes, any placements: FSDP, HSDP, TP, FSDP x TP)
+    and plain-tensor gradients (DDP, or norm weights under TP without sequence parallel). Plain
+    gradients are taken as identical on every rank of the stage, as DDP and TP leave them, and
+    count once. With ``pp_mesh``, norms of the pipeline stages are combined (sum of p-th
+    powers, or max for inf). Every rank of the job must call it, even with no gradients.
+
+    Returns the global norm before clipping as a plain float32 tensor, equal on every rank.
+    The clip coefficient is torch's: ``min(max_norm / (norm + 1e-6), 1)``. A non-finite norm
+    would make it nan/0 and poison the weights at the next optimizer step, so by default it
+    raises RuntimeError with the gradients untouched; with ``error_if_nonfinite=False`` the
+    gradients are scaled by that coefficient as torch does, and the caller must skip the step
+    when the returned norm is not finite.
+    """
+    norm_type = float(norm_type)
+    if not (norm_type > 0):
+        raise ValueError(f"norm_type={norm_type} must be positive (or inf)")
+    if not (max_norm > 0):
+        raise ValueError(f"max_norm={max_norm} must be positive")
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    plain, mesh_groups = _grouped_by_mesh(params)
+    norms = [_mesh_norm(group, norm_type) for group in mesh_groups]
+    if plain:
+        norms.append(_total_norm([p.grad for p in plain], norm_type))
+    if not norms:
+        norms.append(torch.zeros((), device=torch.device(pp_mesh.device_type) if pp_mesh is not None else "cpu"))
+    total = _combine(norms, norm_type, pp_mesh).float()
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"gradient norm is {total.item()}: gradients left unscaled; skip this optimizer step")
+    for group in [plain, *mesh_groups]:
+        if group:
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total
