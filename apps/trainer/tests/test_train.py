@@ -54,9 +54,9 @@ def test_activation_checkpointing_keeps_the_numbers(tmp_path, mode, option):
         assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-5)
 
 
-def test_bf16_validation_tensorboard_and_profiler_outputs(tmp_path, capsys):
+def test_validation_tensorboard_and_profiler_outputs(tmp_path, capsys):
     history = run(
-        tmp_path, "--training.steps", "4", "--training.mixed_precision_param", "bfloat16",
+        tmp_path, "--training.steps", "4",
         "--validation.enable", "true", "--validation.freq", "2", "--validation.steps", "2",
         "--metrics.enable_tensorboard", "true", "--profiling.enable_profiling", "true", "--profiling.profile_freq", "2",
     )

@@ -21,7 +21,7 @@ GPU_PEAK_TFLOPS = (
 
 
 @functools.lru_cache(maxsize=None)
-def measured_cpu_peak_tflops(dtype: torch.dtype, size: int = 1024, repeats: int = 4) -> float:
+def measured_cpu_peak_tflops(dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:
     """Best matmul rate this CPU reaches with the current thread count: the MFU denominator on
     CPU, where no data sheet applies (AVX-512 BF16 makes bf16 several times faster than fp32)."""
     a = torch.randn(size, size, dtype=dtype)

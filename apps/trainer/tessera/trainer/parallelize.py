@@ -72,7 +72,8 @@ def parallelize(model: nn.Module, spec, args, config: JobConfig, dims: ParallelD
     """Applies the configured parallelisms and wrappers; returns the model to train."""
     par = config.parallelism
     if dims.tp_enabled:
-        tp.check_tp_degree(dims.tp, spec.tp_divisible(args))
+        # sequence parallel splits every sequence across the tp ranks, too
+        tp.check_tp_degree(dims.tp, {**spec.tp_divisible(args), "seq_len": config.training.seq_len})
         tp.apply_tp(
             model, meshes["tp"], spec.tp_plan,
             sequence_parallel=True, loss_parallel=not par.disable_loss_parallel,

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from tessera import fsdp, tp
 from tessera.data import build_dataloader, load_dataset, load_tokenizer
@@ -26,6 +27,7 @@ from tessera.mesh import (
     resolve_parallel_dims,
 )
 from tessera.models import get_model_spec
+from tessera.trainer.checkpointing import Checkpointer
 from tessera.trainer.config import ConfigError, JobConfig, to_dict
 from tessera.trainer.lr_schedule import build_lr_scheduler
 from tessera.trainer.metrics import MetricLogger, memory_gib, peak_tflops
@@ -93,6 +95,12 @@ def _all_reduce_mean(value: torch.Tensor, mesh) -> float:
     return value.item()
 
 
+def _plain(loss: torch.Tensor) -> torch.Tensor:
+    """A detached plain tensor: under loss parallel the loss is a replicated DTensor."""
+    loss = loss.detach()
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean next-token loss in fp32 (logits come in the parameter/compute dtype)."""
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
@@ -139,7 +147,7 @@ def validate(model, config: JobConfig, tokenizer, dp_rank: int, dp: int, loss_me
     total, count = torch.zeros(()), 0
     for inputs, labels in loader:
         with autocast(), tp.loss_parallel_context(loss_parallel):
-            total += cross_entropy(model(inputs), labels).detach().cpu()
+            total += _plain(cross_entropy(model(inputs), labels)).cpu()
         count += 1
         if count == section.steps:
             break
@@ -152,11 +160,13 @@ def validate(model, config: JobConfig, tokenizer, dp_rank: int, dp: int, loss_me
 def train(config: JobConfig) -> list[dict]:
     """Runs the job; returns the metrics of every logged step (loss, grad_norm, lr, ...)."""
     device = device_type()
+    owns_process_group = not dist.is_initialized()  # a caller's group (tests, benchmarks) stays up
     info = init_distributed(device, timeout_s=config.comm.init_timeout_seconds)
     try:
         return _train(config, device, info)
     finally:
-        destroy_distributed()
+        if owns_process_group:
+            destroy_distributed()
 
 
 def _train(config: JobConfig, device: str, info) -> list[dict]:
@@ -195,6 +205,11 @@ def _train(config: JobConfig, device: str, info) -> list[dict]:
         optimizer, training.steps, warmup_steps=sched.warmup_steps, decay_ratio=sched.decay_ratio,
         decay_type=sched.decay_type, min_lr_factor=sched.min_lr_factor,
     )
+    checkpointer = Checkpointer(config, spec, args, model, optimizer, scheduler, loader, dp_rank, info.rank, info.world_size)
+    if config.checkpoint.create_seed_checkpoint:
+        checkpointer.save_seed()
+        return []
+    start_step = checkpointer.restore()
 
     compute_dtype = DTYPES[training.mixed_precision_param]
     # FSDP casts parameters itself (MixedPrecisionPolicy); elsewhere autocast gives bf16 compute.
@@ -208,7 +223,8 @@ def _train(config: JobConfig, device: str, info) -> list[dict]:
     loss_mesh = meshes.get("dp_cp")
     flops_per_token = spec.flops_per_token(args, training.seq_len)
     peak = peak_tflops(device, compute_dtype) * 1e12
-    tokens_per_step = training.local_batch_size * training.seq_len * accumulation
+    # Per device, as torchtitan reports: the tp (and cp, pp) ranks of one dp rank share its tokens.
+    tokens_per_step = training.local_batch_size * training.seq_len * accumulation / (dims.tp * dims.cp * dims.pp)
     logger = MetricLogger(
         training.steps,
         dump / config.metrics.save_tb_folder if config.metrics.enable_tensorboard else None,
@@ -229,7 +245,7 @@ def _train(config: JobConfig, device: str, info) -> list[dict]:
     window_start, window_steps = time.perf_counter(), 0
     try:
         with _profiler(config, dump, info.rank, device) as profiler:
-            for step in range(1, training.steps + 1):
+            for step in range(start_step + 1, training.steps + 1):
                 if step % training.gc_freq == 0:
                     gc.collect(1)
                 loss_sum = torch.zeros((), device=device)
@@ -243,7 +259,7 @@ def _train(config: JobConfig, device: str, info) -> list[dict]:
                         with autocast():
                             loss = loss_fn(model(inputs), labels) / accumulation
                         loss.backward()
-                    loss_sum += loss.detach()
+                    loss_sum += _plain(loss)
                 grad_norm = fsdp.clip_grad_norm_(model.parameters(), training.max_norm)
                 lr = scheduler.get_last_lr()[0]
                 optimizer.step()
@@ -280,7 +296,9 @@ def _train(config: JobConfig, device: str, info) -> list[dict]:
                     window_start, window_steps = time.perf_counter(), 0
                 if config.profiling.enable_memory_snapshot and step % config.profiling.profile_freq == 0:
                     _save_memory_snapshot(config, dump, info.rank, step)
+                checkpointer.after_step(step, last_step=step == training.steps)
     finally:
         gc.enable()
         logger.close()
+        checkpointer.close()
     return history

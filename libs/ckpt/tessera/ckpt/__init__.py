@@ -1,5 +1,6 @@
 """Distributed checkpoints over torch.distributed.checkpoint, plus Hugging Face safetensors I/O."""
 
+from tessera.ckpt.dcp_io import load_into
 from tessera.ckpt.formats import dcp_to_torch_save, read_dcp, torch_save_to_dcp, write_dcp
 from tessera.ckpt.hf import load_hf, save_hf
 from tessera.ckpt.manager import ASYNC_MODES, EXPORT_DTYPES, CheckpointManager
@@ -14,6 +15,7 @@ __all__ = [
     "RankLocalState",
     "dcp_to_torch_save",
     "load_hf",
+    "load_into",
     "read_dcp",
     "rng_state",
     "save_hf",

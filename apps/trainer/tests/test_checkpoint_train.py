@@ -1,0 +1,254 @@
+"""Checkpoints through the trainer in one process: exact resume after a SIGKILL, load_step,
+exclude_from_loading, keep_latest_k, the final model-only save, async saves, Hugging Face
+export and import, and bad input."""
+
+import dataclasses
+import io
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tessera.ckpt import load_hf, read_dcp, save_hf
+from tessera.data import build_dataloader, load_dataset, load_tokenizer
+from tessera.models import get_model_spec
+from tessera.trainer.config import load_config
+from tessera.trainer.main import main
+from tessera.trainer.train import cross_entropy, train
+
+# One thread: faster on a shared 2-core box, and the SIGKILL test's subprocess must compute
+# bit for bit like this process (OMP_NUM_THREADS=1 there).
+torch.set_num_threads(1)
+
+SMALL = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--training.mixed_precision_param",
+         "float32", "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1",
+         "--metrics.disable_color_printing", "true"]
+CKPT = ["--checkpoint.enable", "true", "--checkpoint.interval", "2", "--checkpoint.last_save_model_only", "false"]
+
+
+def run(dump, *extra):
+    return train(load_config([*SMALL, "--job.dump_folder", str(dump), *extra]))
+
+
+def numbers(history):
+    return [(h["step"], h["loss"], h["grad_norm"], h["lr"]) for h in history]
+
+
+def steps_in(folder):
+    return sorted(p.name for p in Path(folder).iterdir())
+
+
+def assert_same(a, b, where=""):
+    """Nested checkpoint contents equal: tensors bit for bit (dtype too), objects by ==."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and sorted(a) == sorted(b), where
+        for key in a:
+            assert_same(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b), where
+    else:
+        assert a == b, where
+
+
+@pytest.fixture(scope="module")
+def run4(tmp_path_factory):
+    """4 steps, full checkpoints at steps 2 and 4: (history, dump folder). Tests copy it."""
+    dump = tmp_path_factory.mktemp("run4")
+    return run(dump, "--training.steps", "4", *CKPT), dump
+
+
+def copy_steps(run4, dest, *steps):
+    for step in steps:
+        shutil.copytree(run4[1] / "checkpoint" / f"step-{step}", dest / "checkpoint" / f"step-{step}")
+    return dest
+
+
+def test_sigkill_then_resume_matches_the_uninterrupted_run(tmp_path):
+    steps = 10
+    argv = [*SMALL, "--training.steps", str(steps), "--checkpoint.enable", "true", "--checkpoint.interval", "2",
+            "--job.dump_folder", str(tmp_path / "run")]
+    folder = tmp_path / "run" / "checkpoint"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+    log = tmp_path / "killed.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "tessera.trainer.main", *argv], env=env, stdout=out, stderr=out)
+    try:
+        deadline = time.monotonic() + 300
+        while not (folder / "step-4" / ".metadata").is_file():
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "no step-4 checkpoint within 300 s"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    done = max(int(p.name[5:]) for p in folder.glob("step-*") if (p / ".metadata").is_file())
+    assert 4 <= done < steps, f"the run was killed too late (newest checkpoint step-{done})"
+    # A save that crashed half-way: data written, no .metadata (the kill may have left one too).
+    partial = folder / f".step-{done + 2}.tmp"
+    partial.mkdir(exist_ok=True)
+    (partial / "__0_0.distcp").write_bytes(b"\0" * 1000)
+
+    resumed = train(load_config(argv))
+    reference = run(tmp_path / "reference", "--training.steps", str(steps))
+    assert numbers(resumed) == numbers(reference)[done:]  # bit for bit: loss, grad norm and lr
+    assert steps_in(folder) == sorted(f"step-{s}" for s in range(2, steps + 1, 2))  # leftover gone
+
+
+def test_load_step_resumes_an_older_checkpoint_exactly(run4, tmp_path):
+    dump = copy_steps(run4, tmp_path, 2, 4)
+    resumed = run(dump, "--training.steps", "4", *CKPT, "--checkpoint.load_step", "2")
+    assert numbers(resumed) == numbers(run4[0])[2:]
+
+
+def decoded(step_dir, state, key):
+    """A per-rank state as saved (RankLocalState stores torch.save bytes)."""
+    return torch.load(io.BytesIO(read_dcp(step_dir, only=state)[key]), weights_only=True)
+
+
+def test_rng_is_restored(run4, tmp_path):
+    # Another seed: only restoring the rng state makes the generators equal the first run's.
+    dump = copy_steps(run4, tmp_path, 2)
+    resumed = run(dump, "--training.steps", "4", *CKPT, "--debug.seed", "5")
+    assert numbers(resumed) == numbers(run4[0])[2:]
+    rng = decoded(dump / "checkpoint" / "step-4", "rng", "rank_0")
+    assert torch.equal(rng["torch"], decoded(run4[1] / "checkpoint" / "step-4", "rng", "rank_0")["torch"])
+    torch.manual_seed(5)
+    assert not torch.equal(rng["torch"], torch.get_rng_state())
+
+
+def test_exclude_dataloader_restarts_the_data(run4, tmp_path):
+    dump = copy_steps(run4, tmp_path, 2)
+    resumed = run(dump, "--training.steps", "4", *CKPT, "--checkpoint.exclude_from_loading", "dataloader")
+    assert [h["step"] for h in resumed] == [3, 4]  # the step counter was restored
+    assert resumed[0]["loss"] != run4[0][2]["loss"]  # other data than the uninterrupted step 3
+    # Two batches after the restart the loader stands where the first run stood after step 2.
+    after_restart = decoded(dump / "checkpoint" / "step-4", "dataloader", "dp_rank_0")
+    assert after_restart == decoded(run4[1] / "checkpoint" / "step-2", "dataloader", "dp_rank_0")
+    assert after_restart != decoded(run4[1] / "checkpoint" / "step-4", "dataloader", "dp_rank_0")
+
+
+def test_keep_latest_k(tmp_path):
+    run(tmp_path, "--training.steps", "5", *CKPT, "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "2")
+    assert steps_in(tmp_path / "checkpoint") == ["step-4", "step-5"]
+
+
+def test_last_save_model_only_in_bfloat16(run4, tmp_path):
+    run(tmp_path, "--training.steps", "2", "--checkpoint.enable", "true", "--checkpoint.interval", "1",
+        "--checkpoint.export_dtype", "bfloat16")
+    folder = tmp_path / "checkpoint"
+    assert set(read_dcp(folder / "step-1")) == {"train_state", "model", "optimizer", "lr_scheduler", "dataloader", "rng"}
+    final = read_dcp(folder / "step-2")
+    assert set(final) == {"model"}
+    # Warmup (2 steps) does not depend on the horizon, so step 2 equals the 4-step run's step 2.
+    full = read_dcp(run4[1] / "checkpoint" / "step-2", only="model")
+    assert_same(final["model"], {key: value.to(torch.bfloat16) for key, value in full.items()})
+
+
+def test_async_and_sync_saves_hold_the_same_tensors(run4, tmp_path):
+    run(tmp_path, "--training.steps", "4", *CKPT, "--checkpoint.async_mode", "async")
+    for step in (2, 4):
+        async_saved = read_dcp(tmp_path / "checkpoint" / f"step-{step}")
+        assert_same(async_saved, read_dcp(run4[1] / "checkpoint" / f"step-{step}"), f"step-{step}")
+
+
+def test_resume_of_another_model_is_refused(run4, tmp_path, capsys):
+    dump = copy_steps(run4, tmp_path, 2)
+    assert main([*SMALL, "--job.dump_folder", str(dump), "--training.steps", "4", *CKPT, "--model.name", "llama2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: checkpoint was written by a llama3/debugmodel run, this run trains llama2/debugmodel (model.name/model.flavor)"
+
+
+def llama3_debug():
+    """The spec and the args the trainer builds from SMALL (tokenizer vocabulary, seq_len 32)."""
+    spec = get_model_spec("llama3")
+    return spec, dataclasses.replace(spec.flavors["debugmodel"], vocab_size=load_tokenizer().vocab_size, max_seq_len=32)
+
+
+def test_last_save_in_hf_loads_back_like_the_dcp_checkpoint(tmp_path):
+    run(tmp_path / "a", "--training.steps", "2", "--checkpoint.enable", "true", "--checkpoint.last_save_in_hf", "true")
+    folder = tmp_path / "a" / "checkpoint"
+    spec, args = llama3_debug()
+    exported = load_hf(folder / "step-2-hf")
+    assert "model.layers.0.self_attn.q_proj.weight" in exported  # Hugging Face names
+    assert_same(spec.hf_adapter.from_hf(exported, args), read_dcp(folder / "step-2", only="model"))
+
+    from_hf = run(tmp_path / "b", "--training.steps", "1", "--checkpoint.initial_load_path", str(folder / "step-2-hf"),
+                  "--checkpoint.initial_load_in_hf", "true")
+    from_dcp = run(tmp_path / "c", "--training.steps", "1", "--checkpoint.initial_load_path", str(folder / "step-2"))
+    fresh = run(tmp_path / "d", "--training.steps", "1")
+    assert numbers(from_hf) == numbers(from_dcp) != numbers(fresh)
+
+
+def test_hugging_face_llama_file_gives_the_original_logits(tmp_path):
+    spec, args = llama3_debug()
+    torch.manual_seed(3)  # not the trainer's seed: its own initial weights would not match
+    original = spec.build(args)
+    save_hf(spec.hf_adapter.to_hf(original.state_dict(), args), tmp_path / "hf")
+    inputs, labels = next(build_dataloader(load_dataset(None), load_tokenizer(), 32, 2))
+    with torch.no_grad():
+        logits = original(inputs)
+        reloaded = spec.build(args)
+        reloaded.load_state_dict(spec.hf_adapter.from_hf(load_hf(tmp_path / "hf"), args))
+        assert torch.equal(reloaded(inputs), logits)
+    history = run(tmp_path / "run", "--training.steps", "1", "--checkpoint.initial_load_path", str(tmp_path / "hf"),
+                  "--checkpoint.initial_load_in_hf", "true")
+    assert history[0]["loss"] == cross_entropy(logits, labels).item()
+
+
+def _wrong_shape_hf(dump):
+    spec, args = llama3_debug()
+    state_dict = spec.hf_adapter.to_hf(spec.build(args).state_dict(), args)
+    state_dict["model.norm.weight"] = state_dict["model.norm.weight"][:-1]
+    save_hf(state_dict, dump / "hf")
+
+
+def _truncate_data(step_dir):
+    data = sorted(step_dir.glob("*.distcp"))[0]
+    data.write_bytes(data.read_bytes()[:1000])
+
+
+def _garble_metadata(step_dir):
+    (step_dir / ".metadata").write_bytes(b"not a pickle")
+
+
+@pytest.mark.parametrize(
+    "extra, damage, message",
+    [
+        (["--checkpoint.load_step", "3"], None, "no checkpoint for step 3 in {folder}; available steps: [2, 4]"),
+        ([], _truncate_data, "checkpoint {folder}/step-4 is corrupt: data file"),
+        ([], _garble_metadata, "checkpoint metadata {folder}/step-4/.metadata is unreadable"),
+        (["--checkpoint.initial_load_path", "/no/such/ckpt", "--checkpoint.folder", "other"], None,
+         "checkpoint.initial_load_path /no/such/ckpt does not exist"),
+        (["--checkpoint.create_seed_checkpoint", "true", "--checkpoint.folder", "seed"], "seed",
+         "seed checkpoint {dump}/seed/step-0 already exists"),
+        (["--checkpoint.enable", "false", "--checkpoint.load_step", "2"], None,
+         "checkpoint.load_step needs checkpoint.enable = true"),
+        (["--checkpoint.folder", "other", "--checkpoint.initial_load_path", "{dump}/hf", "--checkpoint.initial_load_in_hf",
+          "true"], "hf", "Hugging Face checkpoint {dump}/hf: 'norm.weight' has shape (255,), the model needs (256,)"),
+    ],
+)
+def test_bad_checkpoints_fail_in_one_line_and_change_nothing(run4, tmp_path, capsys, extra, damage, message):
+    dump = copy_steps(run4, tmp_path, 2, 4)
+    folder = dump / "checkpoint"
+    if damage == "seed":
+        (dump / "seed" / "step-0").mkdir(parents=True)
+    elif damage == "hf":
+        _wrong_shape_hf(dump)
+    elif damage is not None:
+        damage(folder / "step-4")
+    before = {p: p.stat().st_size for p in sorted(dump.rglob("*"))}
+    extra = [arg.format(dump=dump) for arg in extra]
+    assert main([*SMALL, "--job.dump_folder", str(dump), "--training.steps", "6", *CKPT, *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err, err
+    assert message.format(folder=folder, dump=dump) in err, err
+    assert {p: p.stat().st_size for p in sorted(dump.rglob("*"))} == before  # nothing written or deleted

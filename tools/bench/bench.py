@@ -1,0 +1,139 @@
+"""Side-by-side CPU benchmark: Tessera's trainer against a bare PyTorch loop (the floor) on the
+same model, data and batch, plus Tessera under FSDP and TP on 2 local ranks.
+
+Each variant runs in its own process, so peak RSS is that variant's own. Prints tokens/s per
+rank, peak RSS per rank, and the ratio to the bare loop, all measured in this one run.
+
+  bazel run //tools/bench -- [--steps 20] [--warmup 3] [--variants bare,tessera,fsdp2,tp2] [--section.key value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+
+VARIANTS = {
+    "bare": ("bare PyTorch loop", 1),
+    "tessera": ("tessera trainer", 1),
+    "fsdp2": ("tessera FSDP", 2),
+    "tp2": ("tessera TP (SP, loss parallel)", 2),
+}
+LAYOUT_ARGS = {
+    "fsdp2": ["--parallelism.data_parallel_shard_degree", "2"],
+    "tp2": ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
+}
+
+
+def _peak_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def _tokens_per_second(per_step_tps: list[float], warmup: int) -> float:
+    """Tokens over time for the steps after warm-up (a mean of rates would overweight fast steps)."""
+    timed = per_step_tps[warmup:]
+    return len(timed) / sum(1.0 / tps for tps in timed)
+
+
+def measure_bare(overrides: list[str], steps: int, warmup: int) -> dict:
+    import contextlib
+    import dataclasses
+
+    import torch
+    import torch.nn.functional as F
+
+    from tessera.data import build_dataloader, load_dataset, load_tokenizer
+    from tessera.models import get_model_spec
+    from tessera.trainer.config import load_config
+
+    config = load_config(overrides)
+    t = config.training
+    torch.manual_seed(config.debug.seed)
+    tokenizer = load_tokenizer(config.model.tokenizer_path or None)
+    spec = get_model_spec(config.model.name)
+    args = dataclasses.replace(spec.flavors[config.model.flavor], vocab_size=tokenizer.vocab_size, max_seq_len=t.seq_len)
+    model = spec.build(args)
+    loader = build_dataloader(load_dataset(t.dataset_path or None), tokenizer, t.seq_len, t.local_batch_size)
+    o = config.optimizer
+    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
+    bf16 = t.mixed_precision_param == "bfloat16"
+    rates = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        inputs, labels = next(loader)
+        with torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
+            loss = F.cross_entropy(model(inputs).flatten(0, 1).float(), labels.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss.item()
+        rates.append(t.local_batch_size * t.seq_len / (time.perf_counter() - start))
+    return {"tps": _tokens_per_second(rates, warmup), "rss": _peak_rss_gib()}
+
+
+def _trainer_rank(rank: int, world_size: int, overrides: list[str], warmup: int) -> dict:
+    from tessera.trainer.config import load_config
+    from tessera.trainer.train import train
+
+    history = train(load_config(overrides))
+    return {"tps": _tokens_per_second([h["tps"] for h in history if "tps" in h], warmup), "rss": _peak_rss_gib()}
+
+
+def measure_tessera(overrides: list[str], steps: int, warmup: int, ranks: int) -> dict:
+    overrides = [*overrides, "--training.steps", str(steps), "--metrics.log_freq", "1"]
+    if ranks == 1:
+        return _trainer_rank(0, 1, overrides, warmup)
+    from tessera.mesh.testing import run_on_ranks
+
+    per_rank = run_on_ranks(_trainer_rank, ranks, overrides, warmup)
+    return {"tps": sum(r["tps"] for r in per_rank) / ranks, "rss": max(r["rss"] for r in per_rank)}
+
+
+def _child(variant: str, overrides: list[str], steps: int, warmup: int) -> dict:
+    command = [sys.executable, __file__, "--measure", variant, "--steps", str(steps), "--warmup", str(warmup), *overrides]
+    proc = subprocess.run(command, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"bench: variant {variant} failed:\n{proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3, help="first steps left out of the timing")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--measure", choices=sorted(VARIANTS), help=argparse.SUPPRESS)
+    known, overrides = parser.parse_known_args()
+    if known.steps <= known.warmup:
+        parser.error("--steps must exceed --warmup")
+    variants = known.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
+
+    if known.measure:
+        layout = LAYOUT_ARGS.get(known.measure, [])
+        if known.measure == "bare":
+            result = measure_bare(overrides, known.steps, known.warmup)
+        else:
+            result = measure_tessera([*overrides, *layout], known.steps, known.warmup, VARIANTS[known.measure][1])
+        print(json.dumps(result))
+        return 0
+
+    results = {v: _child(v, overrides, known.steps, known.warmup) for v in variants}
+    floor = results.get("bare")
+    print(f"\n{'variant':34} {'ranks':>5} {'tokens/s/rank':>14} {'peak RSS/rank':>14} {'tok/s vs bare':>14}")
+    for v, r in results.items():
+        name, ranks = VARIANTS[v]
+        ratio = f"{r['tps'] / floor['tps']:.2f}x" if floor else "-"
+        print(f"{name:34} {ranks:>5} {r['tps']:>14,.1f} {r['rss']:>11.2f}GiB {ratio:>14}")
+    print(f"({known.steps} steps, first {known.warmup} untimed; overrides: {' '.join(overrides) or 'none'})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
