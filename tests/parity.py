@@ -110,6 +110,13 @@ def reference() -> dict:
     return train(build_model())
 
 
+def clipping_reference() -> dict:
+    """reference(), checked to clip on every step, so the comparisons cover clipping too."""
+    result = reference()
+    assert min(result["norm"]) > MAX_NORM
+    return result
+
+
 def _dp_mesh(meshes):
     """FSDP's mesh: 2-D (dp_replicate, dp_shard) for HSDP, else the 1-D shard (or dp) mesh."""
     if "dp_replicate" in meshes and "dp_shard" in meshes:
