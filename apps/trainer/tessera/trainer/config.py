@@ -139,7 +139,6 @@ class Profiling:
 @dataclasses.dataclass
 class Comm:
     init_timeout_seconds: int = 300
-    train_timeout_seconds: int = 100
 
 
 @dataclasses.dataclass

@@ -136,18 +136,18 @@ def _save_memory_snapshot(config: JobConfig, dump: Path, rank: int, step: int) -
 
 
 @torch.no_grad()
-def validate(model, config: JobConfig, tokenizer, dp_rank: int, dp: int, loss_mesh, loss_parallel: bool, autocast) -> float:
+def validate(model, dataset, config: JobConfig, tokenizer, dp_rank: int, dp: int, loss_mesh, loss_parallel: bool,
+             autocast, device: str) -> float:
     """Mean loss over validation.steps batches from the start of the validation set."""
     section = config.validation
     loader = build_dataloader(
-        load_dataset(_dataset_source(section)), tokenizer, config.training.seq_len,
-        config.training.local_batch_size, dp_rank, dp, infinite=False,
+        dataset, tokenizer, config.training.seq_len, config.training.local_batch_size, dp_rank, dp, infinite=False,
     )
     model.eval()
     total, count = torch.zeros(()), 0
     for inputs, labels in loader:
         with autocast(), tp.loss_parallel_context(loss_parallel):
-            total += _plain(cross_entropy(model(inputs), labels)).cpu()
+            total += _plain(cross_entropy(model(inputs.to(device)), labels.to(device))).cpu()
         count += 1
         if count == section.steps:
             break
@@ -191,6 +191,10 @@ def _train(config: JobConfig, device: str, info) -> list[dict]:
     spec = get_model_spec(config.model.name)
     args = _model_args(config, spec, tokenizer.vocab_size)
     dataset = load_dataset(_dataset_source(training), text_field=training.dataset_text_field)
+    val_dataset = (
+        load_dataset(_dataset_source(config.validation), text_field=training.dataset_text_field)
+        if config.validation.enable else None
+    )
     loader = build_dataloader(dataset, tokenizer, training.seq_len, training.local_batch_size, dp_rank, dp)
 
     model = parallelize(build_model(spec, args, device), spec, args, config, dims, meshes, device)
@@ -288,7 +292,8 @@ def _train(config: JobConfig, device: str, info) -> list[dict]:
                     window_start, window_steps = time.perf_counter(), 0
 
                 if config.validation.enable and step % config.validation.freq == 0:
-                    val_loss = validate(model, config, tokenizer, dp_rank, dp, loss_mesh, loss_parallel, autocast)
+                    val_loss = validate(model, val_dataset, config, tokenizer, dp_rank, dp, loss_mesh, loss_parallel,
+                                        autocast, device)
                     if is_logging_rank:
                         print(f"validate step {step}: loss {val_loss:.4f}", flush=True)
                     logger.scalars(step, {"validation_loss": val_loss})
