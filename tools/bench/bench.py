@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -48,6 +49,7 @@ def measure_bare(overrides: list[str], steps: int, warmup: int) -> dict:
     from tessera.data import build_dataloader, load_dataset, load_tokenizer
     from tessera.models import get_model_spec
     from tessera.trainer.config import load_config
+    from tessera.trainer.train import dataset_source
 
     config = load_config(overrides)
     t = config.training
@@ -56,7 +58,9 @@ def measure_bare(overrides: list[str], steps: int, warmup: int) -> dict:
     spec = get_model_spec(config.model.name)
     args = dataclasses.replace(spec.flavors[config.model.flavor], vocab_size=tokenizer.vocab_size, max_seq_len=t.seq_len)
     model = spec.build(args)
-    loader = build_dataloader(load_dataset(t.dataset_path or None), tokenizer, t.seq_len, t.local_batch_size)
+    loader = build_dataloader(
+        load_dataset(dataset_source(t), text_field=t.dataset_text_field), tokenizer, t.seq_len, t.local_batch_size
+    )
     o = config.optimizer
     optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
     bf16 = t.mixed_precision_param == "bfloat16"
@@ -95,7 +99,8 @@ def measure_tessera(overrides: list[str], steps: int, warmup: int, ranks: int) -
 
 def _child(variant: str, overrides: list[str], steps: int, warmup: int) -> dict:
     command = [sys.executable, __file__, "--measure", variant, "--steps", str(steps), "--warmup", str(warmup), *overrides]
-    proc = subprocess.run(command, capture_output=True, text=True)
+    # a CPU benchmark: keep every variant (and the bare floor) off any visible GPU
+    proc = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     if proc.returncode != 0:
         raise SystemExit(f"bench: variant {variant} failed:\n{proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -63,6 +63,10 @@ def test_relative_paths_resolve_against_the_users_directory(tmp_path, monkeypatc
         (["--lr_scheduler.decay_ratio", "1.5"], r"decay_ratio: 1.5 must be within \[0, 1\]"),
         (["--job.config_file", "/nonexistent/x.toml"], r"config file not found: /nonexistent/x.toml"),
         (["--model.converters", "float8"], r"model.converters"),
+        (["--training.max_norm", "0"], r"training.max_norm: 0.0 must be > 0"),
+        (["--validation.steps", "0"], r"validation.steps: 0 must be >= 1 or -1"),
+        (["--compile.components", "modle"], r"compile.components: \['modle'\] not in"),
+        (["--float8.recipe_name", "rowwise"], r"\[float8\]: float8 training is not available yet"),
     ],
 )
 def test_errors_name_the_culprit(argv, message):

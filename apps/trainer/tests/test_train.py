@@ -85,6 +85,8 @@ def test_own_text_dataset_and_tokenizer_errors(tmp_path):
         (["--training.global_batch_size", "3"], "global_batch_size 3 is not a multiple"),
         (["--training.enable_cpu_offload", "true"], "enable_cpu_offload needs FSDP"),
         (["--nproc", "0"], "--nproc '0' must be a positive integer"),
+        (["--parallelism.enable_async_tensor_parallel", "true"], "enable_async_tensor_parallel needs CUDA and compile"),
+        (["--job.dump_folder", "/etc/hostname"], "/etc/hostname"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):

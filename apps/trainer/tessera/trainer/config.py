@@ -306,6 +306,8 @@ def _read_toml(path: Path) -> dict:
         raise ConfigError(f"config file not found: {path}") from None
     except IsADirectoryError:
         raise ConfigError(f"config file is a directory: {path}") from None
+    except OSError as e:
+        raise ConfigError(f"config file {path} cannot be read: {e.strerror}") from None
     except tomli.TOMLDecodeError as e:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
 
@@ -350,7 +352,7 @@ def validate(config: JobConfig) -> None:
         if value < 1:
             raise ConfigError(f"config key {section}.{key}: {value} must be >= 1")
     non_negative = [("lr_scheduler", "warmup_steps"), ("optimizer", "lr"), ("optimizer", "eps"),
-                    ("optimizer", "weight_decay"), ("training", "max_norm"), ("checkpoint", "keep_latest_k")]
+                    ("optimizer", "weight_decay"), ("checkpoint", "keep_latest_k")]
     for section, key in non_negative:
         if getattr(getattr(config, section), key) < 0:
             raise ConfigError(f"config key {section}.{key}: must be >= 0")
@@ -362,6 +364,15 @@ def validate(config: JobConfig) -> None:
     option = config.activation_checkpoint.selective_ac_option
     if option != "op" and not (option.isdigit() and int(option) >= 1):
         raise ConfigError(f"config key activation_checkpoint.selective_ac_option: {option!r} is not 'op' or a positive int")
+    if config.training.max_norm <= 0:
+        raise ConfigError(f"config key training.max_norm: {config.training.max_norm} must be > 0")
+    if config.validation.steps < 1 and config.validation.steps != -1:
+        raise ConfigError(f"config key validation.steps: {config.validation.steps} must be >= 1 or -1 (the whole set)")
+    unknown = sorted(set(config.compile.components) - {"model", "loss"})
+    if unknown:
+        raise ConfigError(f"config key compile.components: {unknown} not in ['model', 'loss']")
+    if config.float8 != Float8():
+        raise ConfigError("config section [float8]: float8 training is not available yet; leave its keys at their defaults")
     if config.model.converters:
         raise ConfigError(f"config key model.converters: {config.model.converters} — no model converters (float8) are available yet")
 

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         from tessera.trainer.train import train  # torch and friends load only for real runs
 
         train(config)
-    except (ConfigError, ValueError, FileNotFoundError, NotADirectoryError) as e:
+    except (ConfigError, ValueError, OSError) as e:  # OSError: unwritable dump folder, unreadable files
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

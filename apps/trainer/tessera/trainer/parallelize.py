@@ -61,8 +61,12 @@ def check_layout(config: JobConfig, dims: ParallelDims, device: str) -> None:
             "compile.enable with tensor_parallel_degree > 1 is not supported: per-block compile "
             "fails in backward on TP-sharded embedding outputs"
         )
-    if par.enable_async_tensor_parallel and not dims.tp_enabled:
-        raise ConfigError("parallelism.enable_async_tensor_parallel needs tensor_parallel_degree > 1")
+    if par.enable_async_tensor_parallel:
+        # tessera.tp.enable_async_tp needs CUDA and torch.compile; compile with TP is refused above
+        raise ConfigError(
+            "parallelism.enable_async_tensor_parallel needs CUDA and compile.enable with tensor parallel, "
+            "which the trainer does not support yet (per-block compile fails with TP)"
+        )
     if config.training.enable_cpu_offload and not dims.fsdp_enabled:
         raise ConfigError("training.enable_cpu_offload needs FSDP (data_parallel_shard_degree > 1)")
 
@@ -78,8 +82,6 @@ def parallelize(model: nn.Module, spec, args, config: JobConfig, dims: ParallelD
             model, meshes["tp"], spec.tp_plan,
             sequence_parallel=True, loss_parallel=not par.disable_loss_parallel,
         )
-        if par.enable_async_tensor_parallel:
-            tp.enable_async_tp(meshes["tp"], device, compile_enabled=config.compile.enable)
     if config.activation_checkpoint.mode != "none":
         apply_activation_checkpointing(
             model, config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option

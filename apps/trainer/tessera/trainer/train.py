@@ -52,14 +52,15 @@ def build_model(spec, args, device: str) -> torch.nn.Module:
         return spec.build(args)
 
 
-def _materialise(model: torch.nn.Module, device: str) -> None:
+def _materialise(model: torch.nn.Module, device: str, cpu_offload: bool) -> None:
+    """Allocates and initialises a meta-built model; FSDP-offloaded parameters live on CPU."""
     if device != "cpu":
-        model.to_empty(device=device)
+        model.to_empty(device="cpu" if cpu_offload else device)
         with torch.no_grad():
             model.init_weights(buffer_device=torch.device(device))
 
 
-def _dataset_source(section) -> str | None:
+def dataset_source(section) -> str | None:
     if section.dataset_path:
         return section.dataset_path
     if section.dataset != "default":
@@ -80,6 +81,9 @@ def _accumulation_steps(config: JobConfig, dp: int) -> int:
 
 def _seed_everything(seed: int, deterministic: bool) -> None:
     torch.manual_seed(seed)
+    # fp32 matmuls on tensor cores (TF32), as the fp32 MFU peak assumes
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
     if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
@@ -190,15 +194,15 @@ def _train(config: JobConfig, device: str, info) -> list[dict]:
     tokenizer = load_tokenizer(config.model.tokenizer_path or None)
     spec = get_model_spec(config.model.name)
     args = _model_args(config, spec, tokenizer.vocab_size)
-    dataset = load_dataset(_dataset_source(training), text_field=training.dataset_text_field)
+    dataset = load_dataset(dataset_source(training), text_field=training.dataset_text_field)
     val_dataset = (
-        load_dataset(_dataset_source(config.validation), text_field=training.dataset_text_field)
+        load_dataset(dataset_source(config.validation), text_field=training.dataset_text_field)
         if config.validation.enable else None
     )
     loader = build_dataloader(dataset, tokenizer, training.seq_len, training.local_batch_size, dp_rank, dp)
 
     model = parallelize(build_model(spec, args, device), spec, args, config, dims, meshes, device)
-    _materialise(model, device)
+    _materialise(model, device, training.enable_cpu_offload)
     opt = config.optimizer
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps, weight_decay=opt.weight_decay,
@@ -264,9 +268,12 @@ def _train(config: JobConfig, device: str, info) -> list[dict]:
                             loss = loss_fn(model(inputs), labels) / accumulation
                         loss.backward()
                     loss_sum += _plain(loss)
-                grad_norm = fsdp.clip_grad_norm_(model.parameters(), training.max_norm)
+                grad_norm = fsdp.clip_grad_norm_(model.parameters(), training.max_norm, error_if_nonfinite=False)
                 lr = scheduler.get_last_lr()[0]
-                optimizer.step()
+                if torch.isfinite(grad_norm):
+                    optimizer.step()
+                elif is_logging_rank:  # one bad batch must not poison the weights or end the run
+                    print(f"step {step}: gradient norm {grad_norm.item()}, optimizer step skipped", flush=True)
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
                 if profiler is not None:
