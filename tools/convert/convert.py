@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from tessera.ckpt import dcp_to_torch_save, load_hf, read_dcp, save_hf, write_dcp
+from tessera.ckpt import check_state_dict, dcp_to_torch_save, load_hf, read_dcp, save_hf, write_dcp
 from tessera.models import get_model_spec
 
 
@@ -34,14 +34,7 @@ def _check_against_model(state_dict: dict, spec, args, source: str, what: str) -
     """Keys and shapes must be exactly those of the model the flavor builds."""
     with torch.device("meta"):
         expected = {key: tuple(value.shape) for key, value in spec.build(args).state_dict().items()}
-    for key, shape in expected.items():
-        if key not in state_dict:
-            raise ValueError(f"{source} lacks {key!r}, which {what} has")
-        if tuple(state_dict[key].shape) != shape:
-            raise ValueError(f"{source}: {key!r} has shape {tuple(state_dict[key].shape)} but {what} needs {shape}")
-    extra = sorted(set(state_dict) - set(expected))
-    if extra:
-        raise ValueError(f"{source} has {extra[0]!r}, which {what} does not have")
+    check_state_dict(state_dict, expected, source, what)
 
 
 def dcp_to_hf(args: argparse.Namespace) -> None:

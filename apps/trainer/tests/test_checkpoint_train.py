@@ -233,7 +233,7 @@ def _garble_metadata(step_dir):
         (["--checkpoint.enable", "false", "--checkpoint.load_step", "2"], None,
          "checkpoint.load_step needs checkpoint.enable = true"),
         (["--checkpoint.folder", "other", "--checkpoint.initial_load_path", "{dump}/hf", "--checkpoint.initial_load_in_hf",
-          "true"], "hf", "Hugging Face checkpoint {dump}/hf: 'norm.weight' has shape (255,), the model needs (256,)"),
+          "true"], "hf", "Hugging Face checkpoint {dump}/hf: 'norm.weight' has shape (255,) but the model needs (256,)"),
     ],
 )
 def test_bad_checkpoints_fail_in_one_line_and_change_nothing(run4, tmp_path, capsys, extra, damage, message):

@@ -14,7 +14,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from tessera.ckpt import (
-    EXPORT_DTYPES, CheckpointManager, ModelState, OptimizerState, RankLocalState, load_hf, load_into, rng_state, save_hf,
+    EXPORT_DTYPES, CheckpointManager, ModelState, OptimizerState, RankLocalState, check_state_dict, load_hf, load_into,
+    rng_state, save_hf,
 )
 from tessera.trainer.config import ConfigError, JobConfig
 
@@ -115,15 +116,9 @@ class Checkpointer:
 
     def _load_full_model_state(self, state_dict: dict[str, torch.Tensor], source: str) -> None:
         """Full (unsharded) tensors, read on every rank, into the possibly sharded model."""
-        expected = get_model_state_dict(self.model)  # DTensor .shape is the global shape
-        for key, value in expected.items():
-            if key not in state_dict:
-                raise ValueError(f"{source} lacks {key!r}")
-            if tuple(state_dict[key].shape) != tuple(value.shape):
-                raise ValueError(f"{source}: {key!r} has shape {tuple(state_dict[key].shape)}, the model needs {tuple(value.shape)}")
-        extra = sorted(set(state_dict) - set(expected))
-        if extra:
-            raise ValueError(f"{source} has {extra[0]!r}, which the model does not have")
+        # DTensor .shape is the global shape
+        expected = {key: tuple(value.shape) for key, value in get_model_state_dict(self.model).items()}
+        check_state_dict(state_dict, expected, source, "the model")
         set_model_state_dict(self.model, state_dict, options=StateDictOptions(full_state_dict=True))
 
     def save_seed(self) -> None:

@@ -1,7 +1,7 @@
 """Distributed checkpoints over torch.distributed.checkpoint, plus Hugging Face safetensors I/O."""
 
 from tessera.ckpt.dcp_io import load_into
-from tessera.ckpt.formats import dcp_to_torch_save, read_dcp, torch_save_to_dcp, write_dcp
+from tessera.ckpt.formats import check_state_dict, dcp_to_torch_save, read_dcp, torch_save_to_dcp, write_dcp
 from tessera.ckpt.hf import load_hf, save_hf
 from tessera.ckpt.manager import ASYNC_MODES, EXPORT_DTYPES, CheckpointManager
 from tessera.ckpt.states import ModelState, OptimizerState, RankLocalState, rng_state
@@ -13,6 +13,7 @@ __all__ = [
     "ModelState",
     "OptimizerState",
     "RankLocalState",
+    "check_state_dict",
     "dcp_to_torch_save",
     "load_hf",
     "load_into",

@@ -20,6 +20,19 @@ from tessera.ckpt.dcp_io import check_storage_files, load_into, read_metadata, s
 from tessera.ckpt.folders import publish
 
 
+def check_state_dict(state_dict: dict[str, Any], expected: dict[str, tuple[int, ...]], source: str, target: str) -> None:
+    """Keys and shapes of ``state_dict`` must be exactly ``expected`` (key -> shape of ``target``);
+    the first difference is a ValueError naming ``source``, the key and both shapes."""
+    for key, shape in expected.items():
+        if key not in state_dict:
+            raise ValueError(f"{source} lacks {key!r}, which {target} has")
+        if tuple(state_dict[key].shape) != tuple(shape):
+            raise ValueError(f"{source}: {key!r} has shape {tuple(state_dict[key].shape)} but {target} needs {tuple(shape)}")
+    extra = sorted(set(state_dict) - set(expected))
+    if extra:
+        raise ValueError(f"{source} has {extra[0]!r}, which {target} does not have")
+
+
 def read_dcp(dcp_dir: str | os.PathLike, only: str | None = None) -> dict[str, Any]:
     """Everything in a DCP checkpoint, consolidated into full CPU tensors and nested as saved
     (e.g. ``{"model": {...}, "optimizer": {...}}``); ``only="model"`` reads just that state."""
