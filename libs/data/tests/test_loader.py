@@ -1,10 +1,13 @@
 import itertools
 import pickle
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from tessera.data import build_dataloader, load_dataset, load_tokenizer
+from tessera.data import Peers, build_dataloader, distributed_peers, load_dataset, load_tokenizer
 
 BOS, EOS = 1000, 1001
 
@@ -166,3 +169,132 @@ def test_default_tokenizer_and_corpus():
     assert inputs[0, 0].item() == tok.bos_id
     assert torch.equal(inputs[:, 1:], labels[:, :-1])
     assert 0 <= int(inputs.min()) and int(inputs.max()) < tok.vocab_size
+
+
+# Peers: processes sharing the encoding of one stream, simulated here by threads.
+
+
+class CountingTokenizer(CharTokenizer):
+    """Records the index of every document it encodes."""
+
+    def __init__(self):
+        self.encoded = []
+
+    def encode(self, text, bos, eos):
+        self.encoded.append(DOCS.index(text))
+        return super().encode(text, bos, eos)
+
+
+def run_peers(size, fn):
+    """fn(peers) on `size` threads whose all_gather meets at a barrier; results in rank order."""
+    barrier = threading.Barrier(size, timeout=30)
+    slots = [None] * size
+
+    def peer(rank):
+        def all_gather(obj):
+            slots[rank] = obj
+            barrier.wait()
+            gathered = list(slots)
+            barrier.wait()  # nobody overwrites a slot before everyone has read them all
+            return gathered
+
+        try:
+            return fn(Peers(rank, size, all_gather))
+        except BaseException:
+            barrier.abort()  # release the other peers at once instead of at the timeout
+            raise
+
+    with ThreadPoolExecutor(size) as pool:
+        return list(pool.map(peer, range(size)))
+
+
+# (peers, dp world size): dp rank = peer rank // (peers // dp), so with (4, 2) the
+# tensor-parallel pairs (0, 1) and (2, 3) share dp ranks 0 and 1 and read the same batches.
+LAYOUTS = [(1, 1), (2, 1), (2, 2), (3, 1), (3, 3), (4, 2)]
+
+
+def peer_loader(peers, dp, tokenizer=None, block=None, seq_len=4, batch=2, infinite=True):
+    dp_rank = peers.rank // (peers.size // dp)
+    tokenizer = tokenizer or CharTokenizer()
+    return build_dataloader(DOCS, tokenizer, seq_len, batch, dp_rank, dp, infinite, peers, block)
+
+
+def _equal(expected, got):
+    return len(expected) == len(got) and all(
+        torch.equal(a, b) for e, g in zip(expected, got) for a, b in zip(e, g)
+    )
+
+
+@pytest.mark.parametrize("size, dp", LAYOUTS)
+@pytest.mark.parametrize("block", [None, 1, 2, 3])
+def test_peers_yield_the_single_process_batches(size, dp, block):
+    got = run_peers(size, lambda peers: _take(peer_loader(peers, dp, block=block), 12))
+    for rank, batches in enumerate(got):  # 12 steps of 2 * dp windows of 5: epochs run on
+        assert _equal(_take(loader(4, 2, rank // (size // dp), dp), 12), batches)
+
+
+@pytest.mark.parametrize("size, dp", LAYOUTS)
+@pytest.mark.parametrize("block", [2, 3])
+def test_peers_encode_each_document_once_per_epoch(size, dp, block):
+    epochs = 3 * dp  # windows of 29 tokens = one epoch each; 3 steps of dp windows
+
+    def encoded(peers):
+        tokenizer = CountingTokenizer()
+        _take(peer_loader(peers, dp, tokenizer, block, seq_len=28, batch=1), 3)
+        return tokenizer.encoded
+
+    for rank, docs in enumerate(run_peers(size, encoded)):
+        assert docs == [j for _ in range(epochs) for j in range(len(DOCS)) if j % size == rank]
+
+
+@pytest.mark.parametrize("size, dp", LAYOUTS)
+def test_peers_finite_stop_together_after_one_encoding(size, dp):
+    def run(peers):
+        tokenizer = CountingTokenizer()
+        return list(peer_loader(peers, dp, tokenizer, seq_len=2, infinite=False)), tokenizer.encoded
+
+    results = run_peers(size, run)
+    for rank, (batches, docs) in enumerate(results):
+        assert _equal(list(loader(2, 2, rank // (size // dp), dp, infinite=False)), batches)
+        assert docs == [j for j in range(len(DOCS)) if j % size == rank]
+    assert len({len(batches) for batches, _ in results}) == 1
+
+
+@pytest.mark.parametrize("size, dp", LAYOUTS)
+@pytest.mark.parametrize("k", [1, 2])
+def test_peers_resume_mid_block(size, dp, k):
+    def run(peers):
+        first = peer_loader(peers, dp, block=2)
+        _take(first, k)
+        state = pickle.loads(pickle.dumps(first.state_dict()))
+        # Peer 0 restores into its used loader (block cached), the others into new ones: all
+        # must still exchange at the same points.
+        resumed = first if peers.rank == 0 else peer_loader(peers, dp, block=2)
+        resumed.load_state_dict(state)
+        return state, _take(resumed, 6)
+
+    for rank, (state, got) in enumerate(run_peers(size, run)):
+        assert (state["doc_index"] % 2, state["token_offset"]) != (0, 0)  # inside a block
+        assert _equal(_take(loader(4, 2, rank // (size // dp), dp), k + 6)[k:], got)
+
+
+def test_distributed_peers_single_process_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        peers = distributed_peers()
+        assert (peers.rank, peers.size, peers.all_gather({"a": 1})) == (0, 1, [{"a": 1}])
+        got = _take(build_dataloader(DOCS, CharTokenizer(), 4, 2, peers=peers), 5)
+        assert _equal(_take(loader(4, 2), 5), got)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_bad_peers_and_block():
+    with pytest.raises(ValueError, match=r"peers rank must be in \[0, 2\), got 2"):
+        Peers(2, 2, list)
+    with pytest.raises(ValueError, match="peers size must be a positive int, got 0"):
+        Peers(0, 0, list)
+    with pytest.raises(ValueError, match="block_documents must be a positive int, got 0"):
+        build_dataloader(DOCS, CharTokenizer(), 4, 2, block_documents=0)
+    with pytest.raises(ValueError, match="distributed_peers needs an initialised"):
+        distributed_peers()

@@ -45,6 +45,7 @@ def test_flattened_dims_name_only_active_dims():
         (4, dict(dp_shard=-2), "dp_shard=-2 must be >= 1 or -1"),
         (4, dict(pp=1.5), "pp=1.5 must be an integer"),
         (4, dict(ep=3), "ep=3 must divide dp_shard*cp"),
+        (8, dict(dp_shard=2, cp=4, ep=2), "ep=2 must be a multiple of cp=4"),
         (0, dict(), "world_size=0"),
     ],
 )
@@ -56,6 +57,7 @@ def test_errors_name_the_culprit(world, kwargs, message):
 def test_expert_parallel_borrows_from_dp_shard_and_cp():
     dims = resolve_parallel_dims(8, dp_shard=4, cp=2, ep=8)
     assert dims.ep == 8 and dims.world_size == 8
+    assert (dims.dp_shard_mod_ep, dims.dp_shard_in_ep) == (1, 4)
 
 
 @pytest.mark.parametrize("kwargs", [dict(dp_replicate=2, dp_shard=2, tp=2), dict(pp=2, dp_shard=2, tp=2), dict(dp_shard=8)])

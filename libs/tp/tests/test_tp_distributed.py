@@ -9,10 +9,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.parallel import ColwiseParallel
 
 from tessera.mesh import build_meshes, resolve_parallel_dims
 from tessera.mesh.testing import run_on_ranks
-from tessera.tp import apply_tp, check_tp_degree, enable_async_tp, loss_parallel_context
+from tessera.tp import ROLES, apply_tp, check_tp_degree, enable_async_tp, loss_parallel_context, resolve_plan
 
 DIM, N_HEADS, N_KV_HEADS, VOCAB, FFN_HIDDEN, N_LAYERS = 32, 8, 4, 64, 64, 2
 BATCH, SEQ, STEPS, SEED = 2, 8, 3, 0
@@ -184,6 +185,24 @@ def _async_tp_wiring(tp_mesh):
     return inductor_config._micro_pipeline_tp, is_symm_mem_enabled_for_group(tp_mesh.get_group().group_name)
 
 
+class _CountingColwise(ColwiseParallel):
+    applied = 0
+
+    def _apply(self, module, device_mesh):
+        type(self).applied += 1
+        return super()._apply(module, device_mesh)
+
+
+def _injected_styles(tp_mesh):
+    """A caller's factory replaces a role's style, and a role only the caller knows is accepted."""
+    plan = {**PLAN, "layers.*.feed_forward.w1": "counted_colwise"}
+    styles = {"counted_colwise": lambda layouts: _CountingColwise(), "colwise": lambda layouts: _CountingColwise()}
+    model = build()
+    colwise = sum(role in styles for role in resolve_plan(model, plan, styles.keys() | ROLES).values())
+    apply_tp(model, tp_mesh, plan, styles=styles)
+    return _CountingColwise.applied, colwise, isinstance(model.layers["0"].feed_forward.w1.weight, DTensor)
+
+
 def _on_four_ranks(rank, world_size):
     """All distributed checks in one spawn (a spawn costs seconds). TP 4 uses the whole world;
     for TP 2 it splits into two independent TP groups."""
@@ -193,6 +212,7 @@ def _on_four_ranks(rank, world_size):
     out["collectives"] = _collective_counts(meshes[4]["tp"])
     out["tie_mismatch"] = _tie_mismatch_error(meshes[4]["tp"])
     out["async_tp"] = _async_tp_wiring(meshes[4]["tp"])
+    out["injected_styles"] = _injected_styles(meshes[4]["tp"])
     return out
 
 
@@ -247,3 +267,8 @@ def test_tied_weights_need_matching_roles(distributed):
 
 def test_async_tp_turns_on_micro_pipelining_and_symmetric_memory(distributed):
     assert distributed["async_tp"] == (True, True)
+
+
+def test_caller_supplied_styles_replace_and_add_roles(distributed):
+    applied, colwise_modules, sharded = distributed["injected_styles"]
+    assert applied == colwise_modules > 0 and sharded

@@ -17,7 +17,7 @@ from tessera.ckpt import (
     EXPORT_DTYPES, CheckpointManager, ModelState, OptimizerState, RankLocalState, check_state_dict, load_hf, load_into,
     rng_state, save_hf,
 )
-from tessera.trainer.config import ConfigError, JobConfig
+from tessera.trainer.config import JobConfig
 
 
 class TrainState:
@@ -37,33 +37,16 @@ class TrainState:
         self.step = state["step"]
 
 
-def _check_config(config: JobConfig, spec, world_size: int) -> None:
-    ckpt = config.checkpoint
-    if ckpt.create_seed_checkpoint and world_size != 1:
-        raise ConfigError(f"checkpoint.create_seed_checkpoint needs a single process, not {world_size}: seed weights are written before any sharding")
-    if not ckpt.enable and ckpt.load_step != -1:
-        raise ConfigError("checkpoint.load_step needs checkpoint.enable = true")
-    if not ckpt.enable and ckpt.last_save_in_hf:
-        raise ConfigError("checkpoint.last_save_in_hf needs checkpoint.enable = true")
-    if ckpt.initial_load_in_hf and not ckpt.initial_load_path:
-        raise ConfigError("checkpoint.initial_load_in_hf needs checkpoint.initial_load_path (a Hugging Face folder)")
-    if ckpt.initial_load_in_hf and not ckpt.initial_load_model_only:
-        raise ConfigError("checkpoint.initial_load_in_hf loads model weights only: set initial_load_model_only = true")
-    if (ckpt.initial_load_in_hf or ckpt.last_save_in_hf) and spec.hf_adapter is None:
-        raise ConfigError(f"model {spec.name} has no Hugging Face adapter (checkpoint.initial_load_in_hf/last_save_in_hf)")
-
-
 class Checkpointer:
     """Saves and restores the run: model, optimizer, lr_scheduler, dataloader (per dp rank),
     train_state and rng (per rank) in ``<dump_folder>/<checkpoint.folder>/step-<N>``.
 
     Build it on every rank once the model is parallelized and the optimizer, scheduler and
-    loader exist; every method is collective.
+    loader exist; every method is collective. The job plan has checked the [checkpoint] keys.
     """
 
     def __init__(self, config: JobConfig, spec, args, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 scheduler, dataloader, dp_rank: int, rank: int, world_size: int) -> None:
-        _check_config(config, spec, world_size)
+                 scheduler, dataloader, dp_rank: int, rank: int) -> None:
         self.config = config.checkpoint
         self.spec, self.args, self.model, self.rank = spec, args, model, rank
         self.folder = Path(config.job.dump_folder) / self.config.folder
@@ -103,7 +86,10 @@ class Checkpointer:
         if not path.is_dir():
             raise FileNotFoundError(f"checkpoint.initial_load_path {path} does not exist or is not a folder")
         if self.config.initial_load_in_hf:
-            self._load_full_model_state(self.spec.hf_adapter.from_hf(load_hf(path), self.args), f"Hugging Face checkpoint {path}")
+            from tessera.ckpt import import_hf  # TODO(checkpointing.py owner): move to the module's imports
+
+            # tensor by tensor into the (possibly sharded) model: no rank holds the whole model
+            import_hf(self.model, path, lambda state_dict: self.spec.hf_adapter.from_hf(state_dict, self.args))
             self._say(f"initial weights from Hugging Face checkpoint {path}")
             return
         excluded = set(self.config.exclude_from_loading)
@@ -113,13 +99,6 @@ class Checkpointer:
         for name in names:
             self.states[name].load_state_dict(state_dict[name])
         self._say(f"initial {'weights' if self.config.initial_load_model_only else 'state'} from {path}")
-
-    def _load_full_model_state(self, state_dict: dict[str, torch.Tensor], source: str) -> None:
-        """Full (unsharded) tensors, read on every rank, into the possibly sharded model."""
-        # DTensor .shape is the global shape
-        expected = {key: tuple(value.shape) for key, value in get_model_state_dict(self.model).items()}
-        check_state_dict(state_dict, expected, source, "the model")
-        set_model_state_dict(self.model, state_dict, options=StateDictOptions(full_state_dict=True))
 
     def save_seed(self) -> None:
         """Writes the initial weights as the model-only checkpoint ``step-0``."""
@@ -139,25 +118,15 @@ class Checkpointer:
             self._export_hf(step)
 
     def _export_hf(self, step: int) -> None:
-        """The model as Hugging Face safetensors in ``step-<N>-hf``, cast to export_dtype;
-        written under a ``.step-*`` tmp name (removed by the next save if this one crashes)."""
-        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        try:
-            if self.rank == 0:
-                final = self.folder / f"step-{step}-hf"
-                if final.exists():
-                    self._say(f"{final} already exists; not exporting again")
-                    return
-                dtype = EXPORT_DTYPES[self.config.export_dtype]
-                hf = {key: value.to(dtype) for key, value in self.spec.hf_adapter.to_hf(full, self.args).items()}
-                tmp = self.folder / f".step-{step}-hf.tmp"
-                shutil.rmtree(tmp, ignore_errors=True)
-                save_hf(hf, tmp)
-                os.rename(tmp, final)
-                self._say(f"Hugging Face export written to {final}")
-        finally:  # the other ranks wait for the file, and for a failure to surface on rank 0
-            if dist.is_initialized():
-                dist.barrier()
+        """The model as Hugging Face safetensors in ``step-<N>-hf``, cast to export_dtype, one
+        tensor gathered at a time; written under a ``.step-*`` tmp name (removed by the next
+        save if this one crashes)."""
+        from tessera.ckpt import export_hf  # TODO(checkpointing.py owner): move to the module's imports
+
+        final = self.folder / f"step-{step}-hf"
+        exported = export_hf(self.model, final, lambda state_dict: self.spec.hf_adapter.to_hf(state_dict, self.args),
+                             dtype=EXPORT_DTYPES[self.config.export_dtype])
+        self._say(f"Hugging Face export written to {final}" if exported else f"{final} already exists; not exporting again")
 
     def close(self) -> None:
         """Waits for an in-flight async save; call before the process group goes."""

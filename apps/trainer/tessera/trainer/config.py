@@ -3,17 +3,40 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import os
+import types
 import typing
+from collections.abc import Iterator
 from pathlib import Path
 
 import tomli
 
+from tessera.ckpt import ASYNC_MODES, EXPORT_DTYPES
+from tessera.fsdp import MIXED_PRECISION_DTYPES, RESHARD_POLICIES
+from tessera.models import AC_MODES
+from tessera.trainer.converters import registered_converters
+from tessera.trainer.lr_schedule import DECAY_TYPES
+
 
 class ConfigError(ValueError):
-    """A config file, key or value the trainer cannot use; the message names it."""
+    """Bad user input — a config file, key or value, or a file it names — that the trainer cannot
+    use; the message names it. The command line prints it as one line and exits 2."""
+
+
+@contextlib.contextmanager
+def user_input() -> Iterator[None]:
+    """Around reading what the user named (data, checkpoints): the libraries' ValueErrors there
+    describe that input, so they become ConfigErrors. Elsewhere a ValueError is a bug and keeps
+    its traceback."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
 
 
 @dataclasses.dataclass
@@ -46,7 +69,7 @@ class Optimizer:
 @dataclasses.dataclass
 class LRScheduler:
     warmup_steps: int = 10
-    decay_ratio: typing.Optional[float] = None  # None: decay over every step after warmup
+    decay_ratio: float | None = None  # None: decay over every step after warmup
     decay_type: str = "linear"  # linear | sqrt | cosine
     min_lr_factor: float = 0.0
 
@@ -175,17 +198,18 @@ class JobConfig:
     debug: Debug = dataclasses.field(default_factory=Debug)
 
 
-# Allowed values of string keys; checked after parsing so a typo is caught before any work.
+# Allowed values of string keys, each owned by the code that implements them; checked after
+# parsing so a typo is caught before any work.
 CHOICES = {
     ("optimizer", "name"): ("AdamW",),
     ("optimizer", "implementation"): ("foreach", "fused", "for-loop"),
-    ("lr_scheduler", "decay_type"): ("linear", "sqrt", "cosine"),
-    ("training", "mixed_precision_param"): ("bfloat16", "float32"),
-    ("training", "mixed_precision_reduce"): ("float32", "bfloat16"),
-    ("parallelism", "fsdp_reshard_after_forward"): ("default", "always", "never"),
-    ("checkpoint", "async_mode"): ("disabled", "async", "async_with_pinned_mem"),
-    ("checkpoint", "export_dtype"): ("float32", "bfloat16", "float16"),
-    ("activation_checkpoint", "mode"): ("none", "full", "selective"),
+    ("lr_scheduler", "decay_type"): DECAY_TYPES,
+    ("training", "mixed_precision_param"): tuple(MIXED_PRECISION_DTYPES),
+    ("training", "mixed_precision_reduce"): tuple(MIXED_PRECISION_DTYPES),
+    ("parallelism", "fsdp_reshard_after_forward"): RESHARD_POLICIES,
+    ("checkpoint", "async_mode"): ASYNC_MODES,
+    ("checkpoint", "export_dtype"): tuple(EXPORT_DTYPES),
+    ("activation_checkpoint", "mode"): AC_MODES,
 }
 
 # Keys holding paths a user types: relative ones resolve against the user's directory.
@@ -225,8 +249,13 @@ def _field_type(section: str, key: str) -> typing.Any:
     return hints[key]
 
 
+def _is_optional(tp: typing.Any) -> bool:
+    """`X | None` (PEP 604) or `typing.Optional[X]`."""
+    return typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in typing.get_args(tp)
+
+
 def _type_name(tp: typing.Any) -> str:
-    if typing.get_origin(tp) is typing.Union:
+    if _is_optional(tp):
         return " or ".join(_type_name(a) for a in typing.get_args(tp) if a is not type(None)) + " or none"
     if typing.get_origin(tp) is list:
         return "list of strings"
@@ -237,7 +266,7 @@ def _convert(section: str, key: str, value: typing.Any, from_cli: bool) -> typin
     """Checks (TOML) or parses (CLI string) `value` for the declared type of section.key."""
     tp = _field_type(section, key)
     bad = ConfigError(f"config key {section}.{key}: value {value!r} is not a {_type_name(tp)}")
-    if typing.get_origin(tp) is typing.Union:
+    if _is_optional(tp):
         if value is None or (from_cli and str(value).lower() in ("none", "null", "")):
             return None
         tp = next(a for a in typing.get_args(tp) if a is not type(None))
@@ -373,8 +402,9 @@ def validate(config: JobConfig) -> None:
         raise ConfigError(f"config key compile.components: {unknown} not in ['model', 'loss']")
     if config.float8 != Float8():
         raise ConfigError("config section [float8]: float8 training is not available yet; leave its keys at their defaults")
-    if config.model.converters:
-        raise ConfigError(f"config key model.converters: {config.model.converters} — no model converters (float8) are available yet")
+    unknown = [name for name in config.model.converters if name not in registered_converters()]
+    if unknown:
+        raise ConfigError(f"config key model.converters: {unknown} not registered; available: {registered_converters()}")
 
 
 def to_dict(config: JobConfig) -> dict:

@@ -7,6 +7,8 @@ import math
 
 import torch
 
+DECAY_TYPES = ("linear", "sqrt", "cosine")
+
 
 def lr_factor(
     step: int, *, warmup_steps: int, total_steps: int, decay_ratio: float | None,

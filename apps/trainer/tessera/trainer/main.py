@@ -1,26 +1,37 @@
-"""Command line: `trainer [--nproc N] [--job.config_file F] [--section.key value ...]`.
+"""Command line: `trainer [--nproc N] [--check [--check_world_size N]] [--job.config_file F] [--section.key value ...]`.
 
-Bad input ends with one line on stderr naming the culprit and exit status 2, never a traceback.
-`--nproc N` starts N local worker processes through torch's own launcher (torchrun's engine);
-under `torchrun` or `srun torchrun` leave it out.
+Bad input ends with one line on stderr naming the culprit and exit status 2; a bug keeps its
+traceback. `--nproc N` starts N local worker processes through torch's own launcher (torchrun's
+engine) once the job plan has checked the config for N ranks; under `torchrun` or `srun torchrun`
+leave it out. `--check` prints the job plan for `--check_world_size` (else `--nproc`, else
+torchrun's WORLD_SIZE, else 1) ranks and exits 0 without building the model.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 from tessera.trainer.config import ConfigError, load_config
 
 
-def _split_nproc(argv: list[str]) -> tuple[int | None, list[str]]:
+def _take_option(argv: list[str], name: str, takes_value: bool = True) -> tuple[str | None, list[str]]:
+    """Removes `name` (with its value: `name V` or `name=V`) from argv: (value, rest), value ""
+    for a flag, or (None, argv) when absent."""
     for i, arg in enumerate(argv):
-        if arg == "--nproc" or arg.startswith("--nproc="):
-            value = arg.partition("=")[2] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
-            rest = argv[:i] + argv[i + (1 if "=" in arg else 2):]
-            if not value.isdigit() or int(value) < 1:
-                raise ConfigError(f"--nproc {value!r} must be a positive integer")
-            return int(value), rest
+        if arg == name and not takes_value:
+            return "", argv[:i] + argv[i + 1:]
+        if takes_value and arg.startswith(name + "="):
+            return arg.partition("=")[2], argv[:i] + argv[i + 1:]
+        if takes_value and arg == name:
+            return (argv[i + 1] if i + 1 < len(argv) else ""), argv[:i] + argv[i + 2:]
     return None, argv
+
+
+def _positive_int(name: str, value: str | None) -> int | None:
+    if value is not None and (not value.isdigit() or int(value) < 1):
+        raise ConfigError(f"{name} {value!r} must be a positive integer")
+    return None if value is None else int(value)
 
 
 def _launch_local(nproc: int, argv: list[str]) -> int:
@@ -41,15 +52,29 @@ def _launch_local(nproc: int, argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        nproc, argv = _split_nproc(argv)
-        if nproc is not None:
-            load_config(argv)  # fail fast, once, before any worker starts
-            return _launch_local(nproc, argv)
+        nproc, argv = _take_option(argv, "--nproc")
+        nproc = _positive_int("--nproc", nproc)
+        check, argv = _take_option(argv, "--check", takes_value=False)
+        check_world_size, argv = _take_option(argv, "--check_world_size")
+        check_world_size = _positive_int("--check_world_size", check_world_size)
+        if check_world_size is not None and check is None:
+            raise ConfigError("--check_world_size needs --check")
         config = load_config(argv)
-        from tessera.trainer.train import train  # torch and friends load only for real runs
+        from tessera.trainer.plan import make_plan
+
+        if check is not None:
+            from tessera.trainer.check import describe
+
+            world_size = check_world_size or nproc or int(os.environ.get("WORLD_SIZE", "1"))
+            print(describe(make_plan(config, world_size, check_only=True)), flush=True)
+            return 0
+        if nproc is not None:
+            make_plan(config, nproc)  # every config error once, before any worker starts
+            return _launch_local(nproc, argv)
+        from tessera.trainer.train import train
 
         train(config)
-    except (ConfigError, ValueError, OSError) as e:  # OSError: unwritable dump folder, unreadable files
+    except (ConfigError, OSError) as e:  # OSError: unwritable dump folder, full disk, unreadable files
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

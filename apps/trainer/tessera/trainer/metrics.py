@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) from the vendors' data sheets.
 GPU_PEAK_TFLOPS = (
@@ -56,6 +58,39 @@ def memory_gib(device: str) -> tuple[float, float]:
                 rss_kib = int(line.split()[1])
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss_kib / 2**20, peak_kib / 2**20
+
+
+def all_reduce_mean(value: torch.Tensor, mesh: DeviceMesh | None) -> float:
+    """The mean of a per-rank scalar over `mesh` (None: this rank's value)."""
+    if mesh is None:
+        return value.item()
+    value = value.detach().clone()
+    dist.all_reduce(value, op=dist.ReduceOp.AVG, group=mesh.get_group())
+    return value.item()
+
+
+class StepTimer:
+    """Throughput over the steps since the last restart: a window that logging and validation
+    restart, so neither counts as training time."""
+
+    def __init__(self, tokens_per_step: float, flops_per_token: float, peak_tflops: float):
+        self.tokens_per_step, self.flops_per_token, self.peak = tokens_per_step, flops_per_token, peak_tflops * 1e12
+        self.restart()
+
+    def restart(self) -> None:
+        self.start, self.steps = time.perf_counter(), 0
+
+    def step_done(self) -> None:
+        self.steps += 1
+
+    @property
+    def seconds_per_step(self) -> float:
+        return (time.perf_counter() - self.start) / max(self.steps, 1)
+
+    def rates(self) -> dict[str, float]:
+        """Tokens/s per device, achieved TFLOP/s and MFU (%) of the window."""
+        tps = self.tokens_per_step / self.seconds_per_step
+        return {"tps": tps, "tflops": self.flops_per_token * tps / 1e12, "mfu_pct": 100 * self.flops_per_token * tps / self.peak}
 
 
 class _Colors:

@@ -2,7 +2,7 @@
 
 from tessera.ckpt.dcp_io import load_into
 from tessera.ckpt.formats import check_state_dict, dcp_to_torch_save, read_dcp, torch_save_to_dcp, write_dcp
-from tessera.ckpt.hf import load_hf, save_hf
+from tessera.ckpt.hf import export_hf, import_hf, load_hf, save_hf
 from tessera.ckpt.manager import ASYNC_MODES, EXPORT_DTYPES, CheckpointManager
 from tessera.ckpt.states import ModelState, OptimizerState, RankLocalState, rng_state
 
@@ -15,6 +15,8 @@ __all__ = [
     "RankLocalState",
     "check_state_dict",
     "dcp_to_torch_save",
+    "export_hf",
+    "import_hf",
     "load_hf",
     "load_into",
     "read_dcp",

@@ -1,35 +1,55 @@
 """Hugging Face safetensors files: one ``model.safetensors`` or shards plus an index.
 
-Only files here; renaming keys to and from HF names is the model adapters' job (tessera.models).
+Renaming keys to and from HF names is the model adapters' job (tessera.models): ``import_hf``
+and ``export_hf`` take them as callables. Those two move a (sharded) model to and from such a
+folder one tensor at a time, so that no rank ever holds the whole model (70B/405B).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
-from torch.distributed.tensor import DTensor
+import torch.distributed as dist
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from tessera.ckpt.folders import publish
+from tessera.ckpt.formats import check_state_dict
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+
+# An adapter bound to its model args, e.g. ``lambda sd: spec.hf_adapter.to_hf(sd, args)``: it
+# must accept any subset of keys, since it is called with one tensor at a time.
+Convert = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+Plan = list[tuple[str, list[str]]]  # (file name, tensor names in it), in writing order
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _plain_tensors(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Contiguous CPU tensors, no two sharing memory (safetensors refuses shared storage)."""
-    out, seen = {}, set()
+def _check_tensors(state_dict: dict[str, object]) -> None:
     for name, tensor in state_dict.items():
         if isinstance(tensor, DTensor):
             raise ValueError(f"save_hf: {name!r} is a DTensor; gather it with .full_tensor() first")
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"save_hf: {name!r} is a {type(tensor).__name__}, not a tensor")
+
+
+def _plain_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous CPU tensors, no two sharing memory (safetensors refuses shared storage)."""
+    out, seen = {}, set()
+    for name, tensor in tensors.items():
         tensor = tensor.detach().cpu().contiguous()
         if tensor.untyped_storage().data_ptr() in seen:
             tensor = tensor.clone()
@@ -38,74 +58,232 @@ def _plain_tensors(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     return out
 
 
+def _shard_plan(sizes: dict[str, int], max_shard_bytes: int) -> Plan:
+    """HF's layout for tensors of these byte sizes: files filled in key order up to
+    ``max_shard_bytes`` (a bigger tensor gets a file of its own); one file is ``model.safetensors``."""
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    shards: list[list[str]] = [[]]
+    shard_bytes = 0
+    for name, size in sizes.items():
+        if shards[-1] and shard_bytes + size > max_shard_bytes:
+            shards.append([])
+            shard_bytes = 0
+        shards[-1].append(name)
+        shard_bytes += size
+    if len(shards) == 1:
+        return [(SINGLE_FILE, shards[0])]
+    return [(f"model-{i:05d}-of-{len(shards):05d}.safetensors", names) for i, names in enumerate(shards, start=1)]
+
+
+def _write_file(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    save_file(_plain_tensors(tensors), path, metadata={"format": "pt"})
+
+
+def _write_files(folder: Path, plan: Plan, total_size: int, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Writes the planned files, taking ``(name, tensor)`` pairs from ``tensors`` in plan order:
+    one file's tensors are held at a time. Several files get ``model.safetensors.index.json``
+    ({"metadata": {"total_size": bytes}, "weight_map": {name: file}})."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for filename, names in plan:
+        _write_file(folder / filename, dict(itertools.islice(tensors, len(names))))
+    if len(plan) > 1:
+        index = {"metadata": {"total_size": total_size}, "weight_map": {n: f for f, names in plan for n in names}}
+        (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+
 def save_hf(state_dict: dict[str, torch.Tensor], folder: str | os.PathLike, max_shard_bytes: int = 5 * 10**9) -> None:
     """Writes ``state_dict`` (HF names, full tensors) to ``folder`` in Hugging Face's layout.
 
     Up to ``max_shard_bytes`` it is one ``model.safetensors``; beyond, shards
-    ``model-0000i-of-0000n.safetensors`` filled in key order plus ``model.safetensors.index.json``
-    ({"metadata": {"total_size": bytes}, "weight_map": {name: file}}). A folder that already
-    holds such files is refused rather than mixed.
+    ``model-0000i-of-0000n.safetensors`` filled in key order plus ``model.safetensors.index.json``.
+    A folder that already holds such files is refused rather than mixed.
     """
-    if max_shard_bytes <= 0:
-        raise ValueError(f"save_hf: max_shard_bytes must be positive, got {max_shard_bytes}")
     folder = Path(folder)
     existing = sorted(folder.glob("model*.safetensors*")) if folder.is_dir() else []
     if existing:
         raise ValueError(f"save_hf: {folder} already holds a checkpoint ({existing[0].name}); use an empty folder")
-    tensors = _plain_tensors(state_dict)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    shard_bytes = 0
-    for name, tensor in tensors.items():
-        if shards[-1] and shard_bytes + _nbytes(tensor) > max_shard_bytes:
-            shards.append({})
-            shard_bytes = 0
-        shards[-1][name] = tensor
-        shard_bytes += _nbytes(tensor)
-
-    folder.mkdir(parents=True, exist_ok=True)
-    if len(shards) == 1:
-        save_file(shards[0], folder / SINGLE_FILE, metadata={"format": "pt"})
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards, start=1):
-        filename = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, folder / filename, metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, filename))
-    index = {"metadata": {"total_size": sum(_nbytes(t) for t in tensors.values())}, "weight_map": weight_map}
-    (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    _check_tensors(state_dict)
+    sizes = {name: _nbytes(tensor) for name, tensor in state_dict.items()}
+    plan = _shard_plan(sizes, max_shard_bytes)
+    _write_files(folder, plan, sum(sizes.values()), iter(state_dict.items()))
 
 
-def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    if not path.is_file():
-        raise FileNotFoundError(f"load_hf: {path} does not exist")
-    try:
-        return load_file(path)
-    except (SafetensorError, OSError) as e:
-        raise ValueError(f"load_hf: {path} is not a readable safetensors file: {e}") from None
-
-
-def load_hf(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """Reads a Hugging Face checkpoint folder (single file or index + shards) onto the CPU."""
-    folder = Path(folder)
+def _checkpoint_files(folder: Path) -> dict[Path, list[str] | None]:
+    """The folder's safetensors files, each with the names the index puts there (None: a
+    single file, whose own header lists them)."""
     if not folder.is_dir():
-        raise FileNotFoundError(f"load_hf: folder {folder} does not exist")
+        raise FileNotFoundError(f"Hugging Face checkpoint folder {folder} does not exist")
     index_path = folder / INDEX_FILE
     if not index_path.is_file():
         if not (folder / SINGLE_FILE).is_file():
-            raise FileNotFoundError(f"load_hf: {folder} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
-        return _load_safetensors(folder / SINGLE_FILE)
+            raise FileNotFoundError(f"{folder} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
+        return {folder / SINGLE_FILE: None}
     try:
-        weight_map = json.loads(index_path.read_text())["weight_map"]
+        weight_map = dict(json.loads(index_path.read_text())["weight_map"])
     except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"load_hf: {index_path} is not a valid index ({e!r})") from None
-    files: dict[str, dict[str, torch.Tensor]] = {}
-    state_dict = {}
+        raise ValueError(f"{index_path} is not a valid index ({e!r})") from None
+    files: dict[Path, list[str] | None] = {}
     for name, filename in weight_map.items():
         if not isinstance(filename, str) or Path(filename).name != filename:
-            raise ValueError(f"load_hf: {index_path} maps {name!r} to {filename!r}, not a file name in the folder")
-        if filename not in files:
-            files[filename] = _load_safetensors(folder / filename)
-        if name not in files[filename]:
-            raise ValueError(f"load_hf: {name!r} is listed in {index_path} but missing from {folder / filename}")
-        state_dict[name] = files[filename][name]
+            raise ValueError(f"{index_path} maps {name!r} to {filename!r}, not a file name in the folder")
+        files.setdefault(folder / filename, []).append(name)
+    return files
+
+
+def _open(path: Path):
+    """A safetensors handle reading tensors one by one (the header is checked against the file size)."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist")
+    try:
+        return safe_open(path, framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{path} is not a readable safetensors file: {e}") from None
+
+
+def _names(handle, path: Path, listed: list[str] | None) -> list[str]:
+    """The names to read from an open file: all, or those the index lists, which must be there."""
+    if listed is None:
+        return list(handle.keys())
+    present = set(handle.keys())
+    missing = [name for name in listed if name not in present]
+    if missing:
+        raise ValueError(f"{missing[0]!r} is listed in {path.parent / INDEX_FILE} but missing from {path}")
+    return listed
+
+
+def load_hf(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Reads a whole Hugging Face checkpoint folder (single file or index + shards) onto the CPU."""
+    state_dict = {}
+    for path, listed in _checkpoint_files(Path(folder)).items():
+        with _open(path) as handle:
+            for name in _names(handle, path, listed):
+                state_dict[name] = handle.get_tensor(name)
     return state_dict
+
+
+def _file_shapes(folder: Path) -> dict[Path, dict[str, list[int]]]:
+    """Each file's tensor names and shapes, from the headers only."""
+    shapes = {}
+    for path, listed in _checkpoint_files(folder).items():
+        with _open(path) as handle:
+            shapes[path] = {name: handle.get_slice(name).get_shape() for name in _names(handle, path, listed)}
+    return shapes
+
+
+def _convert_names(tensors: dict[str, torch.Tensor], convert: Convert, source: str) -> dict[str, dict[str, torch.Tensor]]:
+    """What ``convert`` makes of each tensor alone: name -> {converted name: tensor}. Given meta
+    tensors it costs no data and still checks the shapes the conversion (e.g. a permutation)
+    needs. A converted name made from two tensors is ambiguous, hence an error."""
+    converted, origin = {}, {}
+    for name, tensor in tensors.items():
+        converted[name] = convert({name: tensor})
+        for new_name in converted[name]:
+            if new_name in origin:
+                raise ValueError(f"{source}: {origin[new_name]!r} and {name!r} both convert to {new_name!r}")
+            origin[new_name] = name
+    return converted
+
+
+def _copy_full(target: torch.Tensor, full: torch.Tensor) -> None:
+    """Copies a full tensor into a model tensor in place (so tied parameters stay one tensor);
+    a DTensor takes only its own shard, cut locally: every rank has the full tensor already."""
+    with torch.no_grad():
+        if isinstance(target, DTensor):
+            full = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local()
+            target = target.to_local()
+        target.copy_(full)
+
+
+def _load_tensor(handle, name: str, from_hf: Convert, model_state: dict[str, torch.Tensor]) -> None:
+    """Reads one tensor and copies what it converts to into the model. Everything read dies on
+    return, so the next read starts with no full tensor alive."""
+    for key, full in from_hf({name: handle.get_tensor(name)}).items():
+        if key in model_state:
+            _copy_full(model_state[key], full)
+
+
+def import_hf(model: nn.Module, folder: str | os.PathLike, from_hf: Convert, *,
+              model_shapes: dict[str, tuple[int, ...]] | None = None) -> None:
+    """Loads a Hugging Face checkpoint folder into ``model`` (plain, FSDP, TP: any DTensor
+    placements) in place, holding at most one full tensor at a time and reading each at most once.
+
+    Call it on every rank; it needs no communication. Names and shapes are checked against
+    ``model_shapes`` (default: ``model``'s own) from the file headers before any data is read
+    (one-line ValueError). Pass the whole model's shapes when ``model`` is one pipeline stage:
+    tensors the stage lacks are then not read at all.
+    """
+    folder = Path(folder)
+    source = f"Hugging Face checkpoint {folder}"
+    file_shapes = _file_shapes(folder)
+    metas = {name: torch.empty(shape, device="meta") for shapes in file_shapes.values() for name, shape in shapes.items()}
+    targets = _convert_names(metas, from_hf, source)
+    model_state = get_model_state_dict(model)  # tensors sharing storage with the model's own
+    if model_shapes is None:
+        model_shapes = {key: tuple(value.shape) for key, value in model_state.items()}  # DTensor: global shape
+    check_state_dict({key: meta for keys in targets.values() for key, meta in keys.items()}, model_shapes, source, "the model")
+    for path, shapes in file_shapes.items():
+        needed = [name for name in shapes if model_state.keys() & targets[name].keys()]
+        if needed:
+            with _open(path) as handle:
+                for name in needed:
+                    _load_tensor(handle, name, from_hf, model_state)
+
+
+def _writer_decides(answer: bool) -> bool:
+    """Rank 0's answer on every rank, so that all ranks take the same (collective) branch."""
+    if not dist.is_initialized():
+        return answer
+    box = [answer]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _gather_converted(key: str, value: torch.Tensor, to_hf: Convert, dtype: torch.dtype | None,
+                      keep: bool) -> dict[str, torch.Tensor]:
+    """One model tensor, whole, in HF names as CPU tensors of ``dtype`` where ``keep`` (the
+    writer), else nothing. ``full_tensor()`` is collective: every rank calls this in one order."""
+    full = value.full_tensor() if isinstance(value, DTensor) else value
+    if not keep:
+        return {}
+    return {name: tensor.to("cpu", dtype) for name, tensor in to_hf({key: full}).items()}
+
+
+def _gathered(model_state: dict[str, torch.Tensor], keys: list[str], to_hf: Convert, dtype: torch.dtype | None,
+              keep: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    for key in keys:
+        yield from _gather_converted(key, model_state[key], to_hf, dtype, keep).items()
+
+
+def export_hf(model: nn.Module, folder: str | os.PathLike, to_hf: Convert, *, dtype: torch.dtype | None = None,
+              max_shard_bytes: int = 5 * 10**9) -> bool:
+    """Writes ``model`` (whole on every rank: plain or DTensor parameters; no pipeline stages)
+    as a Hugging Face folder, cast to ``dtype`` (default: as the model holds it). Collective.
+
+    Files are planned up front from the global shapes (``save_hf``'s layout), then filled one
+    tensor at a time: rank 0 holds at most one file's tensors (on the CPU), the others one tensor.
+    Written to ``.<name>.tmp`` next to ``folder`` and renamed when complete, so ``folder`` is
+    whole or absent. Returns False, writing nothing, when ``folder`` already exists.
+    """
+    final = Path(folder)
+    if _writer_decides(final.exists()):
+        return False
+    writer = not dist.is_initialized() or dist.get_rank() == 0
+    model_state = get_model_state_dict(model)
+    metas = {key: torch.empty(value.shape, dtype=dtype or value.dtype, device="meta") for key, value in model_state.items()}
+    hf_metas = _convert_names(metas, to_hf, f"Hugging Face export {final}")
+    sizes = {name: _nbytes(meta) for names in hf_metas.values() for name, meta in names.items()}
+    plan = _shard_plan(sizes, max_shard_bytes)
+    tensors = _gathered(model_state, [key for key, names in hf_metas.items() if names], to_hf, dtype, writer)
+    tmp = final.with_name(f".{final.name}.tmp")
+    try:
+        if writer:
+            shutil.rmtree(tmp, ignore_errors=True)
+            _write_files(tmp, plan, sum(sizes.values()), tensors)
+            publish(tmp, final)
+    finally:
+        for _ in tensors:  # the other ranks gather here; a writer that failed keeps pace with them
+            pass
+        if dist.is_initialized():  # the others wait for the folder, and for a failure to surface on rank 0
+            dist.barrier()
+    return True

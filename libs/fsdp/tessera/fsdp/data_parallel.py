@@ -14,6 +14,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 RESHARD_POLICIES = ("default", "always", "never")
+# Parameter / gradient-reduction dtypes of mixed precision, by the names configs use.
+MIXED_PRECISION_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def _blocks(model: nn.Module) -> nn.ModuleDict:

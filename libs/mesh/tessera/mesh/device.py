@@ -1,4 +1,4 @@
-"""Device and backend choice, process-group start-up and the named DeviceMesh."""
+"""Device and backend choice and process-group start-up."""
 
 from __future__ import annotations
 
@@ -8,9 +8,6 @@ import os
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
-from tessera.mesh.parallel_dims import ParallelDims, flattened_dims, mesh_dim_names, mesh_shape
 
 _BACKENDS = {"cuda": "nccl", "cpu": "gloo"}
 
@@ -74,22 +71,3 @@ def destroy_distributed() -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
-
-
-def build_meshes(dims: ParallelDims, device: str) -> dict[str, DeviceMesh]:
-    """The world DeviceMesh and its named sub-meshes, as a dict.
-
-    Keys: "world"; each dim with degree > 1 ("pp", "dp_replicate", "dp_shard", "cp", "tp"); and the
-    flattened dims of flattened_dims() that span at least one active dim ("dp", "dp_shard_cp",
-    "dp_cp"). A missing key means that parallelism is off. Flattened meshes are kept here because
-    torch deprecates slicing them back out of the root mesh.
-    """
-    if dims.world_size != dist.get_world_size():
-        raise ValueError(f"parallel dims describe {dims.world_size} ranks but the world has {dist.get_world_size()}")
-    world = init_device_mesh(device, mesh_shape(dims), mesh_dim_names=mesh_dim_names(dims))
-    meshes = {"world": world}
-    meshes.update({name: world[name] for name in mesh_dim_names(dims)})
-    for flat, parts in flattened_dims(dims).items():
-        if parts:
-            meshes[flat] = world[parts]._flatten(mesh_dim_name=flat) if parts != (flat,) else world[flat]
-    return meshes

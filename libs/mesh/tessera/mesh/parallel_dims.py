@@ -13,7 +13,8 @@ MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 class ParallelDims:
     """Resolved degrees of every parallel dimension; their product is the world size.
 
-    Expert parallelism does not add ranks: the ep group is carved out of dp_shard x cp.
+    Expert parallelism does not add ranks: an ep group is all of cp and part of dp_shard
+    (dp_shard = dp_shard_mod_ep x dp_shard_in_ep, ep = dp_shard_in_ep x cp).
     """
 
     dp_replicate: int
@@ -56,6 +57,16 @@ class ParallelDims:
     @property
     def ep_enabled(self) -> bool:
         return self.ep > 1
+
+    @property
+    def dp_shard_in_ep(self) -> int:
+        """The part of dp_shard inside one ep group: ep takes all of cp and this much of dp_shard."""
+        return self.ep // self.cp if self.ep_enabled else 1
+
+    @property
+    def dp_shard_mod_ep(self) -> int:
+        """The dp_shard ranks that hold the same experts, so expert weights are FSDP-sharded over them."""
+        return self.dp_shard // self.dp_shard_in_ep
 
     def degrees(self) -> dict[str, int]:
         """Degree of each mesh dimension, in mesh order."""
@@ -101,41 +112,19 @@ def resolve_parallel_dims(
             f"dp_replicate*dp_shard*cp*tp*pp = {dp_replicate}*{dp_shard}*{cp}*{tp}*{pp} = {product} "
             f"does not equal the world size {world_size}"
         )
+    if ep > 1 and ep % cp:
+        raise ValueError(f"ep={ep} must be a multiple of cp={cp}: an ep group takes all cp ranks and part of dp_shard")
     if (dp_shard * cp) % ep:
         raise ValueError(f"ep={ep} must divide dp_shard*cp = {dp_shard}*{cp} = {dp_shard * cp}")
     return ParallelDims(dp_replicate, dp_shard, cp, tp, pp, ep, world_size)
-
-
-def flattened_dims(dims: ParallelDims) -> dict[str, tuple[str, ...]]:
-    """The flattened sub-meshes the parallel libraries use, each as the mesh dims it spans.
-
-    "dp" (batch sharding of the data loader), "dp_shard_cp" (FSDP shards parameters over cp too,
-    since cp ranks hold the same weights), "dp_cp" (loss and gradient-norm all-reduce).
-    """
-    wanted = {
-        "dp": ("dp_replicate", "dp_shard"),
-        "dp_shard_cp": ("dp_shard", "cp"),
-        "dp_cp": ("dp_replicate", "dp_shard", "cp"),
-    }
-    active = set(mesh_dim_names(dims))
-    return {flat: tuple(d for d in parts if d in active) for flat, parts in wanted.items()}
-
-
-def mesh_dim_names(dims: ParallelDims) -> tuple[str, ...]:
-    """Mesh dims with degree > 1, in mesh order; a 1-rank world keeps a single dp_shard dim."""
-    names = tuple(name for name, degree in dims.degrees().items() if degree > 1)
-    return names or ("dp_shard",)
-
-
-def mesh_shape(dims: ParallelDims) -> tuple[int, ...]:
-    return tuple(getattr(dims, name) for name in mesh_dim_names(dims))
 
 
 def data_parallel_rank_and_size(dims: ParallelDims, rank: int) -> tuple[int, int]:
     """This rank's index in the dp group and the dp group size, from the global rank alone.
 
     Needed before a mesh exists (e.g. to shard the data loader) and matches the mesh layout:
-    ranks are laid out row-major over MESH_ORDER.
+    ranks are laid out row-major over MESH_ORDER, an order that splitting dp_shard for expert
+    parallelism keeps.
     """
     coords = {}
     remaining = rank

@@ -9,11 +9,13 @@ replicated: the all-reduce becomes an all-gather before and a reduce-scatter aft
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -23,53 +25,76 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-ROLES = frozenset({"vocab_embedding", "vocab_output", "norm", "block_input", "colwise", "rowwise"})
+
+@dataclass(frozen=True)
+class Layouts:
+    """What a role's style depends on: whether activations between blocks are split on the
+    sequence (SP), and whether the logits stay split on vocab (loss parallel)."""
+
+    sequence_parallel: bool
+    loss_parallel: bool
+
+    @property
+    def between_blocks(self) -> Placement:
+        """Layout of the hidden state between blocks: split on the sequence under SP, else whole."""
+        return Shard(1) if self.sequence_parallel else Replicate()
 
 
-def _style_for_role(role: str, sequence_parallel: bool, loss_parallel: bool) -> ParallelStyle | None:
-    """The ParallelStyle a role gets; None where the module stays as it is (a norm without SP)."""
-    # Layout of the hidden state between blocks: split on the sequence under SP, else whole.
-    between_blocks = Shard(1) if sequence_parallel else Replicate()
-    if role == "vocab_embedding":
-        return RowwiseParallel(input_layouts=Replicate(), output_layouts=between_blocks)
-    if role == "vocab_output":
-        # Loss parallel keeps the logits split on vocab (a DTensor) so the full logits never exist.
-        return ColwiseParallel(
-            input_layouts=between_blocks,
-            output_layouts=Shard(-1) if loss_parallel else Replicate(),
-            use_local_output=not loss_parallel,
-        )
-    if role == "norm":
-        return SequenceParallel() if sequence_parallel else None
-    if role == "block_input":
-        # The block gets a Replicate DTensor (use_local_output=False), so the gradients its
-        # colwise linears send back accumulate as one Partial DTensor: one reduce-scatter (SP)
-        # or all-reduce per block in backward instead of one per linear.
-        return PrepareModuleInput(input_layouts=(between_blocks,), desired_input_layouts=(Replicate(),))
-    if role == "colwise":
-        return ColwiseParallel()
-    if role == "rowwise":
-        return RowwiseParallel(output_layouts=between_blocks)
-    raise ValueError(f"unknown tensor-parallel role {role!r}; known roles: {sorted(ROLES)}")
+# A role's ParallelStyle for given layouts; None leaves the module as it is (a norm without SP).
+StyleFactory = Callable[[Layouts], "ParallelStyle | None"]
+
+
+def _vocab_output(layouts: Layouts) -> ParallelStyle:
+    # Loss parallel keeps the logits split on vocab (a DTensor) so the full logits never exist.
+    return ColwiseParallel(
+        input_layouts=layouts.between_blocks,
+        output_layouts=Shard(-1) if layouts.loss_parallel else Replicate(),
+        use_local_output=not layouts.loss_parallel,
+    )
+
+
+def _block_input(layouts: Layouts) -> ParallelStyle:
+    # The block gets a Replicate DTensor (use_local_output=False), so the gradients its colwise
+    # linears send back accumulate as one Partial DTensor: one reduce-scatter (SP) or all-reduce
+    # per block in backward instead of one per linear.
+    return PrepareModuleInput(input_layouts=(layouts.between_blocks,), desired_input_layouts=(Replicate(),))
+
+
+# The roles tessera.tp knows and their styles: the one source of role names. Other libraries
+# (float8, expert parallel) pass their own factories to apply_tp to override or add roles.
+DEFAULT_STYLES: Mapping[str, StyleFactory] = MappingProxyType({
+    "vocab_embedding": lambda layouts: RowwiseParallel(input_layouts=Replicate(), output_layouts=layouts.between_blocks),
+    "vocab_output": _vocab_output,
+    "norm": lambda layouts: SequenceParallel() if layouts.sequence_parallel else None,
+    "block_input": _block_input,
+    "colwise": lambda layouts: ColwiseParallel(),
+    "rowwise": lambda layouts: RowwiseParallel(output_layouts=layouts.between_blocks),
+})
+ROLES = frozenset(DEFAULT_STYLES)
+
+
+def styles_with(overrides: Mapping[str, StyleFactory] | None) -> Mapping[str, StyleFactory]:
+    """DEFAULT_STYLES with a caller's factories replacing or adding roles."""
+    return {**DEFAULT_STYLES, **(overrides or {})}
 
 
 def _matches(pattern: list[str], path: list[str]) -> bool:
     return len(pattern) == len(path) and all(p in ("*", name) for p, name in zip(pattern, path))
 
 
-def resolve_plan(model: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
+def resolve_plan(model: nn.Module, plan: Mapping[str, str], roles: Collection[str] = ROLES) -> dict[str, str]:
     """Expands ``plan`` to {module path: role} over ``model``'s modules.
 
-    ``*`` matches exactly one path component. An unknown role, a pattern matching no module, or
-    a module matched by two patterns is a ValueError naming the culprit.
+    ``*`` matches exactly one path component. A role outside ``roles``, a pattern matching no
+    module, or a module matched by two patterns is a ValueError naming the culprit.
     """
     paths = [name for name, _ in model.named_modules() if name]
     resolved: dict[str, str] = {}
     claimed_by: dict[str, str] = {}
     for pattern, role in plan.items():
-        if role not in ROLES:
+        if role not in roles:
             raise ValueError(
-                f"tensor-parallel plan entry {pattern!r}: unknown role {role!r}; known roles: {sorted(ROLES)}"
+                f"tensor-parallel plan entry {pattern!r}: unknown role {role!r}; known roles: {sorted(roles)}"
             )
         parts = pattern.split(".")
         hits = [path for path in paths if _matches(parts, path.split("."))]
@@ -114,6 +139,7 @@ def apply_tp(
     *,
     sequence_parallel: bool = True,
     loss_parallel: bool = True,
+    styles: Mapping[str, StyleFactory] | None = None,
 ) -> nn.Module:
     """Shards ``model`` in place over the 1-D ``tp_mesh`` following ``plan``; returns it.
 
@@ -121,11 +147,15 @@ def apply_tp(
     give them different layouts show only after sharding (ValueError). Under ``loss_parallel``
     the model returns logits as a DTensor split on vocab: compute the loss and run backward
     inside ``loss_parallel_context(True)``. Weights are taken from the mesh's first rank.
+    ``styles`` (role -> StyleFactory) replaces or adds to DEFAULT_STYLES, e.g. float8 linears
+    or expert-parallel modules from other libraries.
     """
-    resolved = resolve_plan(model, plan)
+    factories = styles_with(styles)
+    resolved = resolve_plan(model, plan, roles=factories.keys())
     tied = _shared_parameters(model)
+    layouts = Layouts(sequence_parallel, loss_parallel)
     for path, role in resolved.items():
-        style = _style_for_role(role, sequence_parallel, loss_parallel)
+        style = factories[role](layouts)
         if style is not None:
             parallelize_module(model.get_submodule(path), tp_mesh, style)
     _tie_again(tied)

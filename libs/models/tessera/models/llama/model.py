@@ -8,6 +8,14 @@ Conventions other libraries rely on:
   ``norm``, ``output``;
 - heads are reshaped with ``-1`` and K/V are repeated by the ratio n_heads // n_kv_heads, so
   tensor-parallel linears holding fewer local heads work unchanged;
+- ``attention.inner_attention`` is the swappable attention kernel (default
+  ``tessera.models.attention.CausalSDPA``): q, k, v [batch, heads, seq, head_dim] with K/V
+  repeated, causal over the tokens it is given -> [batch, heads, seq, head_dim];
+- positions are explicit: ``forward(tokens, positions=None)`` takes position ids ([T] or [B, T],
+  default 0..T-1), and the RoPE table is indexed by them once at model entry, where the tokens
+  are the whole sequence this rank holds; blocks get that rotation as the keyword ``freqs_cis``
+  and use it whole, since under sequence parallel a block sees the full sequence only after its
+  input is gathered, while between blocks it holds a shard;
 - a block's sub-modules take the hidden state as their only positional argument;
 - pipeline stages may set ``tok_embeddings``/``norm``/``output`` to None and delete layers.
 """
@@ -16,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tessera.models.attention import CausalSDPA
 from tessera.models.llama.args import ModelArgs
 from tessera.models.llama.rope import apply_rotary_emb, precompute_freqs_cis
 
@@ -34,7 +43,8 @@ def _trunc_normal(weight: torch.Tensor, std: float) -> None:
 
 
 class Attention(nn.Module):
-    """Causal grouped-query self-attention with rotary embeddings."""
+    """Causal grouped-query self-attention with rotary embeddings; the attention kernel itself
+    is the swappable submodule ``inner_attention`` (see ``tessera.models.attention``)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -44,6 +54,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.inner_attention = CausalSDPA()
 
     def init_weights(self, init_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
@@ -51,15 +62,15 @@ class Attention(nn.Module):
         _trunc_normal(self.wo.weight, init_std)
 
     def forward(self, x: torch.Tensor, *, freqs_cis: torch.Tensor) -> torch.Tensor:
+        """x [bs, seqlen, dim]; freqs_cis: the rotation of each of the seqlen tokens,
+        [seqlen, head_dim // 2] or [bs, seqlen, head_dim // 2]."""
         bs, seqlen, _ = x.shape
         q = self.wq(x).view(bs, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bs, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
-        q, k = apply_rotary_emb(q, k, freqs_cis[:seqlen])
+        q, k = apply_rotary_emb(q, k, freqs_cis)
         k, v = repeat_kv(k, self.n_rep), repeat_kv(v, self.n_rep)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )
+        out = self.inner_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
 
@@ -101,7 +112,7 @@ class TransformerBlock(nn.Module):
         self.attention.init_weights(self.weight_init_std)
         self.feed_forward.init_weights(self.weight_init_std)
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, freqs_cis: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), freqs_cis=freqs_cis)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -164,13 +175,21 @@ class Transformer(nn.Module):
             std = self.args.dim**-0.5
             nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [B, T] -> logits [B, T, vocab]. Pipeline stages without ``tok_embeddings``
-        take hidden states [B, T, dim]; without ``norm``/``output`` they return hidden states."""
+        take hidden states [B, T, dim]; without ``norm``/``output`` they return hidden states.
+
+        positions: position ids (long, [T] or [B, T], each < ``max_seq_len``) of the T tokens,
+        default 0..T-1; a rank holding a later part of a sequence passes that part's ids, and so
+        does a later pipeline stage under sequence parallel (its input is a sequence shard).
+        """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        # The whole table goes down: under sequence parallel h holds only this rank's part of
-        # the sequence here, and attention slices the table once it sees the full length.
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=self.freqs_cis.device)
+        # Indexed here, from the tokens: under sequence parallel h already holds only this rank's
+        # shard of the sequence, while attention sees (and rotates) all T tokens.
+        freqs_cis = self.freqs_cis[positions]
         for layer in self.layers.values():
-            h = layer(h, self.freqs_cis)
+            h = layer(h, freqs_cis=freqs_cis)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h

@@ -38,8 +38,9 @@ def precompute_freqs_cis(
 def apply_rotary_emb(
     xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q and k ([bs, seqlen, heads, head_dim]) by ``freqs_cis`` ([seqlen, head_dim // 2])."""
-    rotation = freqs_cis[None, :, None, :]  # broadcast over batch and heads
+    """Rotate q and k ([bs, seqlen, heads, head_dim]) by ``freqs_cis``: one rotation per token,
+    [seqlen, head_dim // 2] shared by the batch or [bs, seqlen, head_dim // 2] per sequence."""
+    rotation = freqs_cis.unsqueeze(-2)  # broadcast over heads (and batch when 2-D)
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
         pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))

@@ -1,0 +1,51 @@
+"""Model converters: named steps that swap modules of a freshly built model before tensor parallel
+and FSDP wrap it (float8 linears now, other quantisations later), as `model.converters` lists them.
+
+A converter is registered under its config name with a factory. The job plan calls the factory
+with the config and the parallel degrees, so a converter that cannot serve a layout raises its
+ConfigError there, once, before any worker starts. What the factory returns says everything the
+rest of the build needs from it: the swap itself, tensor-parallel styles for roles its modules
+need (handed to tessera.tp), and hooks to run after every optimizer step (e.g. float8 scale
+precompute for FSDP).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+if TYPE_CHECKING:
+    from tessera.mesh import ParallelDims
+    from tessera.trainer.config import JobConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConverter:
+    name: str
+    convert: Callable[[nn.Module], None]  # swaps modules in place; runs before TP, AC, compile, FSDP
+    tp_styles: Mapping[str, Callable] = dataclasses.field(default_factory=dict)  # role -> tessera.tp StyleFactory
+    post_optimizer_hooks: tuple[Callable[[nn.Module], None], ...] = ()
+
+
+ConverterFactory = Callable[["JobConfig", "ParallelDims"], ModelConverter]
+
+_REGISTRY: dict[str, ConverterFactory] = {}
+
+
+def register_converter(name: str, factory: ConverterFactory) -> None:
+    """Makes `name` usable in `model.converters`; a taken name is a ValueError."""
+    if name in _REGISTRY:
+        raise ValueError(f"model converter {name!r} is already registered")
+    _REGISTRY[name] = factory
+
+
+def registered_converters() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def build_converters(config: JobConfig, dims: ParallelDims) -> tuple[ModelConverter, ...]:
+    """The configured converters, in the order `model.converters` lists them."""
+    return tuple(_REGISTRY[name](config, dims) for name in config.model.converters)

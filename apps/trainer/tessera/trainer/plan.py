@@ -1,0 +1,210 @@
+"""The job plan: everything decided from the config and the world size before any process group,
+model or tensor exists — parallel degrees and meshes, model args, batch arithmetic, dtypes,
+converters, FLOPs — together with every check of the user's choices, so a mistake ends the run
+once (under `--nproc`, before any worker starts) instead of on every rank half-way through set-up.
+
+It reads the config and the tokenizer's size and nothing else; file paths are only looked at.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tessera import tp
+from tessera.data import load_tokenizer
+from tessera.fsdp import MIXED_PRECISION_DTYPES
+from tessera.mesh import MeshLayout, ParallelDims, device_type, mesh_layout, resolve_parallel_dims
+from tessera.models import ModelSpec, get_model_spec
+from tessera.trainer.config import ConfigError, JobConfig, user_input
+from tessera.trainer.converters import ModelConverter, build_converters
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchPlan:
+    local: int  # sequences per micro-batch on each data-parallel rank
+    dp: int  # data-parallel degree: how many different micro-batches run at once
+    accumulation: int  # micro-batches per optimizer step
+    seq_len: int
+    devices_per_batch: int  # tp * cp * pp ranks share one data-parallel rank's tokens
+
+    @property
+    def global_size(self) -> int:
+        """Sequences per optimizer step, all ranks together."""
+        return self.local * self.dp * self.accumulation
+
+    @property
+    def tokens_per_device(self) -> float:
+        """Tokens per optimizer step per device, as torchtitan reports throughput."""
+        return self.local * self.seq_len * self.accumulation / self.devices_per_batch
+
+
+@dataclasses.dataclass(frozen=True)
+class JobPlan:
+    config: JobConfig
+    world_size: int
+    device: str
+    dims: ParallelDims
+    meshes: MeshLayout
+    spec: ModelSpec
+    model_args: Any  # the flavor's args with the tokenizer's vocab and the run's seq_len
+    batch: BatchPlan
+    param_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    autocast: bool  # low-precision compute through autocast; under FSDP its MixedPrecisionPolicy casts instead
+    loss_parallel: bool  # logits stay split on vocab over the tp ranks
+    converters: tuple[ModelConverter, ...]
+    tp_styles: Mapping[str, tp.StyleFactory]  # tessera.tp's role styles, with the converters' overrides
+    flops_per_token: float
+    dataset: str | None  # None: the embedded corpus
+    validation_dataset: str | None
+    notes: tuple[str, ...] = ()  # what a check-only plan could not verify on this host
+
+    @property
+    def post_optimizer_hooks(self) -> tuple:
+        return tuple(hook for converter in self.converters for hook in converter.post_optimizer_hooks)
+
+
+def dataset_source(section) -> str | None:
+    """The path a [training] or [validation] section reads, or None for the embedded corpus."""
+    if section.dataset_path:
+        return section.dataset_path
+    if section.dataset != "default":
+        raise ConfigError(f"dataset {section.dataset!r} is not built in: use 'default' or set dataset_path to a file or folder")
+    return None
+
+
+def make_plan(config: JobConfig, world_size: int, device: str | None = None, *, check_only: bool = False) -> JobPlan:
+    """Resolves and checks `config` for `world_size` ranks on `device` (default: this host's).
+
+    Raises ConfigError naming the culprit. With `check_only` (planning a run for another host),
+    files the run would read are not required here: what cannot be verified becomes a note.
+    """
+    device = device or device_type()
+    par, training = config.parallelism, config.training
+    notes: list[str] = []
+    with user_input():
+        dims = resolve_parallel_dims(
+            world_size, dp_replicate=par.data_parallel_replicate_degree,
+            dp_shard=par.data_parallel_shard_degree, tp=par.tensor_parallel_degree,
+        )
+        spec = get_model_spec(config.model.name)
+    args = _model_args(config, spec, _vocab_size(config, spec, notes if check_only else None))
+    converters = build_converters(config, dims)
+    styles = tp.styles_with({role: f for c in converters for role, f in c.tp_styles.items()})
+    _check_tensor_parallel(config, spec, args, dims, styles)
+    _check_layout(config, dims, device)
+    _check_checkpoint(config, spec, world_size)
+    _check_paths(config, notes if check_only else None)
+    param_dtype = MIXED_PRECISION_DTYPES[training.mixed_precision_param]
+    return JobPlan(
+        config=config, world_size=world_size, device=device, dims=dims, meshes=mesh_layout(dims), spec=spec,
+        model_args=args, batch=_batch(config, dims), param_dtype=param_dtype,
+        reduce_dtype=MIXED_PRECISION_DTYPES[training.mixed_precision_reduce],
+        autocast=param_dtype != torch.float32 and not dims.fsdp_enabled,
+        loss_parallel=dims.tp_enabled and not par.disable_loss_parallel,
+        converters=converters, tp_styles=styles, flops_per_token=spec.flops_per_token(args, training.seq_len),
+        dataset=dataset_source(training),
+        validation_dataset=dataset_source(config.validation) if config.validation.enable else None,
+        notes=tuple(notes),
+    )
+
+
+def _vocab_size(config: JobConfig, spec: ModelSpec, notes: list[str] | None) -> int:
+    """The tokenizer decides the vocabulary. Check-only plans fall back to the flavor's size."""
+    try:
+        with user_input():
+            return load_tokenizer(config.model.tokenizer_path or None).vocab_size
+    except (ConfigError, OSError) as e:
+        flavor = spec.flavors.get(config.model.flavor)
+        if notes is None or flavor is None:
+            raise ConfigError(str(e)) from e
+        notes.append(f"tokenizer not read here ({e}); vocab_size {flavor.vocab_size} from the flavor")
+        return flavor.vocab_size
+
+
+def _model_args(config: JobConfig, spec: ModelSpec, vocab_size: int):
+    flavors = spec.flavors
+    if config.model.flavor not in flavors:
+        raise ConfigError(f"model.flavor {config.model.flavor!r} is not a flavor of {spec.name}; choose from {sorted(flavors)}")
+    # The run decides how many positions RoPE needs.
+    return dataclasses.replace(flavors[config.model.flavor], vocab_size=vocab_size, max_seq_len=config.training.seq_len)
+
+
+def _batch(config: JobConfig, dims: ParallelDims) -> BatchPlan:
+    local, global_ = config.training.local_batch_size, config.training.global_batch_size
+    if global_ > 0 and global_ % (local * dims.dp):
+        raise ConfigError(
+            f"training.global_batch_size {global_} is not a multiple of local_batch_size * data-parallel degree = "
+            f"{local} * {dims.dp}"
+        )
+    accumulation = global_ // (local * dims.dp) if global_ > 0 else 1
+    return BatchPlan(local, dims.dp, accumulation, config.training.seq_len, dims.tp * dims.cp * dims.pp)
+
+
+def _check_tensor_parallel(config: JobConfig, spec: ModelSpec, args, dims: ParallelDims, styles) -> None:
+    unknown = sorted(set(spec.tp_plan.values()) - set(styles))
+    if unknown:
+        raise ConfigError(f"model {spec.name!r}: tp_plan roles {unknown} have no tensor-parallel style; known: {sorted(styles)}")
+    if dims.tp_enabled:
+        with user_input():  # sequence parallel splits every sequence across the tp ranks, too
+            tp.check_tp_degree(dims.tp, {**spec.tp_divisible(args), "seq_len": config.training.seq_len})
+
+
+def _check_layout(config: JobConfig, dims: ParallelDims, device: str) -> None:
+    """Combinations the trainer cannot run."""
+    if config.compile.enable and dims.tp_enabled:
+        raise ConfigError(
+            "compile.enable with tensor_parallel_degree > 1 is not supported: per-block compile "
+            "fails in backward on TP-sharded embedding outputs"
+        )
+    if config.parallelism.enable_async_tensor_parallel:
+        # tessera.tp.enable_async_tp needs CUDA and torch.compile; compile with TP is refused above
+        raise ConfigError(
+            "parallelism.enable_async_tensor_parallel needs CUDA and compile.enable with tensor parallel, "
+            "which the trainer does not support yet (per-block compile fails with TP)"
+        )
+    if config.training.enable_cpu_offload and not dims.fsdp_enabled:
+        raise ConfigError("training.enable_cpu_offload needs FSDP (data_parallel_shard_degree > 1)")
+    if config.profiling.enable_memory_snapshot and device != "cuda":
+        raise ConfigError("profiling.enable_memory_snapshot records the CUDA caching allocator and needs a GPU")
+
+
+def _check_checkpoint(config: JobConfig, spec: ModelSpec, world_size: int) -> None:
+    ckpt = config.checkpoint
+    if ckpt.create_seed_checkpoint and world_size != 1:
+        raise ConfigError(f"checkpoint.create_seed_checkpoint needs a single process, not {world_size}: seed weights are written before any sharding")
+    if not ckpt.enable and ckpt.load_step != -1:
+        raise ConfigError("checkpoint.load_step needs checkpoint.enable = true")
+    if not ckpt.enable and ckpt.last_save_in_hf:
+        raise ConfigError("checkpoint.last_save_in_hf needs checkpoint.enable = true")
+    if ckpt.initial_load_in_hf and not ckpt.initial_load_path:
+        raise ConfigError("checkpoint.initial_load_in_hf needs checkpoint.initial_load_path (a Hugging Face folder)")
+    if ckpt.initial_load_in_hf and not ckpt.initial_load_model_only:
+        raise ConfigError("checkpoint.initial_load_in_hf loads model weights only: set initial_load_model_only = true")
+    if (ckpt.initial_load_in_hf or ckpt.last_save_in_hf) and spec.hf_adapter is None:
+        raise ConfigError(f"model {spec.name} has no Hugging Face adapter (checkpoint.initial_load_in_hf/last_save_in_hf)")
+
+
+def _check_paths(config: JobConfig, notes: list[str] | None) -> None:
+    """Paths the run will read exist, and the output folder can be one; a check-only plan notes
+    what is missing on this host instead."""
+    problems = []
+    for key, path in (("training.dataset_path", config.training.dataset_path),
+                      ("validation.dataset_path", config.validation.dataset_path if config.validation.enable else "")):
+        if path and not Path(path).exists():
+            problems.append(f"{key} {path} does not exist")
+    initial = config.checkpoint.initial_load_path
+    if initial and not Path(initial).is_dir():
+        problems.append(f"checkpoint.initial_load_path {initial} does not exist or is not a folder")
+    dump = Path(config.job.dump_folder)
+    if dump.exists() and not dump.is_dir():
+        problems.append(f"job.dump_folder {dump} is not a folder")
+    if notes is None and problems:
+        raise ConfigError(problems[0])
+    if notes is not None:
+        notes.extend(problems)

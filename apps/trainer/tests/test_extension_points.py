@@ -1,0 +1,199 @@
+"""The trainer's extension points, used from outside as another team would, with no edit to
+apps/trainer: a model family registered from this file (not from tessera.models) trains single
+process, under FSDP 2 and under TP 2 with the same losses; a model converter registered here runs
+before tensor parallel wraps the model and its post-optimizer hook runs after every step."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tessera.mesh.testing import run_on_ranks
+from tessera.models import ModelSpec, register_model_spec
+from tessera.trainer.config import load_config
+from tessera.trainer.converters import ModelConverter, register_converter
+from tessera.trainer.train import train
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelGPTArgs:
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    vocab_size: int = 256
+    max_seq_len: int = 64
+
+
+class SelfAttention(nn.Module):
+    """Causal multi-head attention without position encoding (NoPE): causality alone orders tokens."""
+
+    def __init__(self, args: ParallelGPTArgs):
+        super().__init__()
+        self.head_dim = args.dim // args.n_heads
+        self.qkv_q, self.qkv_k, self.qkv_v = (nn.Linear(args.dim, args.dim, bias=False) for _ in range(3))
+        self.proj = nn.Linear(args.dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bs, seq, _ = x.shape
+        q, k, v = (lin(x).view(bs, seq, -1, self.head_dim).transpose(1, 2) for lin in (self.qkv_q, self.qkv_k, self.qkv_v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(out.transpose(1, 2).reshape(bs, seq, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ParallelGPTArgs):
+        super().__init__()
+        self.fc_in = nn.Linear(args.dim, 4 * args.dim, bias=False)
+        self.fc_out = nn.Linear(4 * args.dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc_out(F.gelu(self.fc_in(x)))
+
+
+class ParallelBlock(nn.Module):
+    """GPT-J's parallel block: attention and MLP read the same normed input, x + attn(n) + mlp(n)."""
+
+    def __init__(self, args: ParallelGPTArgs):
+        super().__init__()
+        self.ln = nn.LayerNorm(args.dim, bias=False)
+        self.attn = SelfAttention(args)
+        self.mlp = MLP(args)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = self.ln(x)
+        return x + self.attn(n) + self.mlp(n)
+
+
+class ParallelGPT(nn.Module):
+    def __init__(self, args: ParallelGPTArgs):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): ParallelBlock(args) for i in range(args.n_layers)})
+        self.norm = nn.LayerNorm(args.dim, bias=False)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.init_weights()
+
+    def init_weights(self, buffer_device=None) -> None:
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+            elif isinstance(module, nn.LayerNorm):
+                module.reset_parameters()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+def _flops_per_token(args: ParallelGPTArgs, seq_len: int) -> float:
+    per_layer = 4 * args.dim * args.dim + 8 * args.dim * args.dim
+    return 6 * (args.n_layers * per_layer + args.dim * args.vocab_size) + 12 * args.n_layers * args.dim * seq_len
+
+
+register_model_spec(ModelSpec(
+    name="parallel_gpt",
+    flavors={"tiny": ParallelGPTArgs()},
+    build=ParallelGPT,
+    flops_per_token=_flops_per_token,
+    tp_plan={
+        "tok_embeddings": "vocab_embedding",
+        "layers.*.ln": "norm",
+        "layers.*.attn": "block_input",
+        "layers.*.attn.qkv_q": "colwise",
+        "layers.*.attn.qkv_k": "colwise",
+        "layers.*.attn.qkv_v": "colwise",
+        "layers.*.attn.proj": "rowwise",
+        "layers.*.mlp": "block_input",
+        "layers.*.mlp.fc_in": "colwise",
+        "layers.*.mlp.fc_out": "rowwise",
+        "norm": "norm",
+        "output": "vocab_output",
+    },
+    tp_divisible=lambda args: {"n_heads": args.n_heads, "vocab_size": args.vocab_size, "mlp": 4 * args.dim},
+))
+
+
+class MarkedLinear(nn.Linear):
+    """What a quantising converter would put in; computes exactly what nn.Linear does."""
+
+
+def _mark_linears(model: nn.Module) -> None:
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                marked = MarkedLinear(child.in_features, child.out_features, bias=child.bias is not None)
+                marked.load_state_dict(child.state_dict())
+                setattr(parent, name, marked)
+
+
+HOOK_CALLS: list[nn.Module] = []  # the model, once per optimizer step
+
+
+def _count_steps(model: nn.Module) -> None:
+    HOOK_CALLS.append(model)
+
+
+register_converter("mark_linears", lambda config, dims: ModelConverter(
+    "mark_linears", _mark_linears, post_optimizer_hooks=(_count_steps,),
+))
+
+STEPS = 3
+BASE = ["--model.name", "parallel_gpt", "--model.flavor", "tiny", "--training.seq_len", "32",
+        "--training.steps", str(STEPS), "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "1"]
+LAYOUTS = {
+    "fsdp2": ["--parallelism.data_parallel_shard_degree", "2"],
+    "tp2": ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
+}
+
+
+def _losses(argv):
+    return [(h["loss"], h["grad_norm"]) for h in train(load_config(argv))]
+
+
+def _rank(rank, world_size, argv):
+    return _losses(argv)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    dump = tmp_path_factory.mktemp("single")
+    return _losses([*BASE, "--training.local_batch_size", "4", "--job.dump_folder", str(dump)])
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_family_registered_outside_trains_under_every_layout(tmp_path, reference, layout):
+    local_batch = 2 if layout == "fsdp2" else 4
+    argv = [*BASE, *LAYOUTS[layout], "--training.local_batch_size", str(local_batch), "--job.dump_folder", str(tmp_path)]
+    for rank_losses in run_on_ranks(_rank, 2, argv):
+        for (loss, norm), (ref_loss, ref_norm) in zip(rank_losses, reference):
+            assert loss == pytest.approx(ref_loss, rel=1e-5)
+            assert norm == pytest.approx(ref_norm, rel=1e-5)
+    assert reference[-1][0] < reference[0][0]  # and it learns
+
+
+def _converted_under_tp(rank, world_size, argv):
+    losses = _losses(argv)
+    model = HOOK_CALLS[-1]
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    return {
+        "losses": losses,
+        "all_marked": all(type(m) is MarkedLinear for m in linears),
+        "sharded": type(model.layers["0"].attn.qkv_q.weight).__name__,
+        "hook_calls": len(HOOK_CALLS),
+    }
+
+
+def test_converter_runs_before_tensor_parallel_and_hooks_after_each_step(tmp_path, reference):
+    argv = [*BASE, *LAYOUTS["tp2"], "--training.local_batch_size", "4", "--model.converters", "mark_linears",
+            "--job.dump_folder", str(tmp_path)]
+    result = run_on_ranks(_converted_under_tp, 2, argv)[0]
+    assert result["all_marked"] and result["sharded"] == "DTensor"
+    assert result["hook_calls"] == STEPS
+    for (loss, _), (ref_loss, _) in zip(result["losses"], reference):
+        assert loss == pytest.approx(ref_loss, rel=1e-5)
+    assert math.isfinite(result["losses"][-1][0])

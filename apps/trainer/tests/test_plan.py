@@ -1,0 +1,127 @@
+"""The job plan: every user error raised from config + world size alone (no process group, no
+model, no data), `--check`, fail-once under --nproc, and bugs kept apart from bad input."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tessera import ckpt, fsdp, models
+from tessera.trainer import config as config_module
+from tessera.trainer.check import parameter_counts
+from tessera.trainer.config import ConfigError, load_config
+from tessera.trainer.main import main
+from tessera.trainer.plan import make_plan
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def plan(world_size=1, *argv, device="cpu"):
+    return make_plan(load_config(list(argv)), world_size, device)
+
+
+def test_plan_resolves_layout_batch_and_model():
+    p = plan(8, "--parallelism.tensor_parallel_degree", "2", "--training.global_batch_size", "32",
+             "--training.local_batch_size", "2", "--training.seq_len", "128")
+    assert (p.dims.dp_shard, p.dims.tp) == (4, 2)
+    assert (p.batch.local, p.batch.dp, p.batch.accumulation, p.batch.global_size) == (2, 4, 4, 32)
+    assert p.batch.tokens_per_device == 2 * 128 * 4 / 2  # tp peers share a dp rank's tokens
+    assert p.model_args.vocab_size == 2048 and p.model_args.max_seq_len == 128
+    assert p.loss_parallel and not p.autocast
+    assert p.meshes.describe()  # described without any process group
+
+
+@pytest.mark.parametrize(
+    "world_size, argv, message",
+    [
+        (1, ["--model.flavor", "huge"], "model.flavor 'huge' is not a flavor of llama3"),
+        (1, ["--model.name", "gpt9"], "unknown model 'gpt9'"),
+        (4, ["--parallelism.tensor_parallel_degree", "3"], "world size 4 is not divisible"),
+        (4, ["--parallelism.tensor_parallel_degree", "4", "--training.seq_len", "30"],
+         "tensor_parallel_degree 4 does not divide seq_len=30"),
+        (2, ["--training.global_batch_size", "6", "--training.local_batch_size", "4"], "global_batch_size 6 is not a multiple"),
+        (1, ["--training.enable_cpu_offload", "true"], "enable_cpu_offload needs FSDP"),
+        (2, ["--checkpoint.create_seed_checkpoint", "true"], "create_seed_checkpoint needs a single process, not 2"),
+        (1, ["--checkpoint.initial_load_in_hf", "true"], "initial_load_in_hf needs checkpoint.initial_load_path"),
+        (1, ["--profiling.enable_memory_snapshot", "true"], "enable_memory_snapshot records the CUDA caching allocator"),
+        (2, ["--compile.enable", "true", "--parallelism.tensor_parallel_degree", "2"], "compile.enable with tensor_parallel_degree"),
+        (1, ["--training.dataset_path", "/no/such/data.txt"], "training.dataset_path /no/such/data.txt does not exist"),
+        (1, ["--training.dataset", "c4"], "dataset 'c4' is not built in"),
+        (1, ["--model.tokenizer_path", "/no/such/tokenizer.model"], "/no/such/tokenizer.model"),
+        (1, ["--job.dump_folder", "/etc/hostname"], "job.dump_folder /etc/hostname is not a folder"),
+    ],
+)
+def test_every_user_error_comes_from_the_plan(world_size, argv, message):
+    with pytest.raises(ConfigError, match=message):
+        plan(world_size, *argv)
+
+
+def test_a_role_no_library_styles_is_refused_by_the_plan():
+    import dataclasses
+
+    llama = models.get_model_spec("llama3")
+    models.register_model_spec(dataclasses.replace(llama, name="llama3_sideways", tp_plan={**llama.tp_plan, "output": "sideways"}))
+    with pytest.raises(ConfigError, match=r"tp_plan roles \['sideways'\] have no tensor-parallel style"):
+        plan(1, "--model.name", "llama3_sideways")
+
+
+def test_check_only_plan_notes_files_it_cannot_see():
+    config = load_config(["--job.config_file", str(CONFIGS / "llama3_405b.toml")])
+    p = make_plan(config, 512, "cuda", check_only=True)
+    assert any("tokenizer" in note and "vocab_size 128256" in note for note in p.notes)
+    assert any("training.dataset_path" in note for note in p.notes)
+    total, per_rank = parameter_counts(p)
+    assert total == 405_853_388_800
+    # TP 8 splits every matrix, FSDP 64 the rest; the norms (dim 16384, 253 of them) are only FSDP-split
+    assert total / 512 < per_rank < total / 512 * 1.001
+
+
+def test_check_prints_the_plan_and_exits_0(capsys):
+    assert main(["--job.config_file", str(CONFIGS / "llama3_405b.toml"), "--check", "--check_world_size", "512"]) == 0
+    out = capsys.readouterr().out
+    assert "llama3/405B on 512" in out and "405,853,388,800 parameters" in out
+    assert "dp_shard 64 x tp 8" in out and "tokens per device" in out and "per token" in out
+
+
+def test_check_world_size_needs_check(capsys):
+    assert main(["--check_world_size", "4"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --check_world_size needs --check"
+
+
+def test_layout_error_under_nproc_is_one_line_before_any_worker():
+    argv = [sys.executable, "-m", "tessera.trainer.main", "--nproc", "4", "--parallelism.tensor_parallel_degree", "4",
+            "--training.seq_len", "30"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "error: tensor_parallel_degree 4 does not divide seq_len=30", proc.stderr
+    assert proc.stdout == ""  # no worker started, so no banner and no rank's own error
+
+
+def test_a_bug_keeps_its_traceback(tmp_path, monkeypatch):
+    import tessera.trainer.train as train_module
+
+    def broken(plan, meshes):
+        raise ValueError("a bug, not bad input")
+
+    monkeypatch.setattr(train_module, "build_parallel_model", broken)
+    with pytest.raises(ValueError, match="a bug, not bad input"):
+        main(["--training.steps", "1", "--job.dump_folder", str(tmp_path)])
+
+
+def test_choices_come_from_the_libraries_that_implement_them():
+    choices = config_module.CHOICES
+    assert choices[("parallelism", "fsdp_reshard_after_forward")] is fsdp.RESHARD_POLICIES
+    assert choices[("checkpoint", "async_mode")] is ckpt.ASYNC_MODES
+    assert choices[("checkpoint", "export_dtype")] == tuple(ckpt.EXPORT_DTYPES)
+    assert choices[("training", "mixed_precision_param")] == tuple(fsdp.MIXED_PRECISION_DTYPES)
+    assert choices[("activation_checkpoint", "mode")] is models.AC_MODES
+
+
+def test_pep604_optional_fields_parse(tmp_path):
+    toml = tmp_path / "c.toml"
+    toml.write_text("[lr_scheduler]\ndecay_ratio = 0.5\n")
+    assert load_config(["--job.config_file", str(toml)]).lr_scheduler.decay_ratio == 0.5
+    assert load_config(["--lr_scheduler.decay_ratio", "null"]).lr_scheduler.decay_ratio is None
+    with pytest.raises(ConfigError, match="decay_ratio: value 'x' is not a float or none"):
+        load_config(["--lr_scheduler.decay_ratio", "x"])

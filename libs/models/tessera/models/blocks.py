@@ -1,0 +1,72 @@
+"""Per-block transforms of a decoder: activation checkpointing and torch.compile.
+
+They act on any model whose transformer blocks are the children of ``model.layers`` (an
+``nn.ModuleDict``; a pipeline stage may hold only some of them) and replace each chosen block in
+place under its own name, so the wrappers sit inside whatever is applied later (FSDP per block).
+"""
+
+import functools
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts, noop_context_fn
+
+AC_MODES = ("none", "full", "selective")
+
+# Outputs kept by selective AC: recomputing matmuls dominates backward cost, the rest is cheap.
+_SAVED_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+}
+
+
+def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _every_n(option: str | int) -> int:
+    """N of an every-N-th-block option (2 or "2"); ValueError naming anything else."""
+    if (isinstance(option, int) or (isinstance(option, str) and option.isdigit())) and int(option) >= 1:
+        return int(option)
+    raise ValueError(f"selective activation checkpointing option {option!r} is not 'op' or a positive int")
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str, option: str | int = "op") -> None:
+    """Wrap blocks of ``model.layers`` so backward recomputes their activations instead of
+    keeping them, trading compute for memory.
+
+    mode (one of ``AC_MODES``): "none" leaves the model as it is; "full" recomputes every block;
+    "selective" with option "op" wraps every block but keeps the outputs of matmuls and attention
+    (the costly ops) and recomputes only the cheap ones (norms, activations, elementwise), and
+    with an integer option N (2 or "2") fully checkpoints every N-th block (indices 0, N, 2N, ...
+    in ``model.layers`` order) and leaves the others alone. ``option`` only matters for
+    "selective". ValueError naming the culprit for an unknown mode or option.
+
+    RNG state is not saved: the blocks have no dropout, and saving it costs every forward.
+    """
+    if mode not in AC_MODES:
+        raise ValueError(f"activation checkpointing mode {mode!r} is not one of {AC_MODES}")
+    if mode == "none":
+        return
+    every_n, context_fn = 1, noop_context_fn
+    if mode == "selective" and option == "op":
+        context_fn = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
+    elif mode == "selective":
+        every_n = _every_n(option)
+    for index, (name, block) in enumerate(model.layers.named_children()):
+        if index % every_n == 0:
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=context_fn)
+            model.layers.register_module(name, wrapped)
+
+
+def apply_compile(model: nn.Module) -> None:
+    """Compile each block of ``model.layers`` on its own (``fullgraph=True``): the blocks are
+    identical, so one graph is compiled and reused for all, and hooks that FSDP puts around each
+    block (all-gather before, reshard after) stay outside the compiled regions."""
+    for name, block in model.layers.named_children():
+        model.layers.register_module(name, torch.compile(block, fullgraph=True))

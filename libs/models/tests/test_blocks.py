@@ -1,0 +1,100 @@
+"""Activation checkpointing and per-block compile over ``model.layers``."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tessera.models import AC_MODES, apply_activation_checkpointing, apply_compile
+from tessera.models.llama import Transformer, llama3_flavors
+
+DEBUG = replace(llama3_flavors["debugmodel"], dim=64, n_layers=4, n_heads=4, vocab_size=128, max_seq_len=16)
+MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+
+
+def debug_model():
+    torch.manual_seed(0)
+    return Transformer(DEBUG)
+
+
+class MatmulCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in MATMULS
+        return func(*args, **(kwargs or {}))
+
+
+def loss_grads_and_backward_matmuls(model):
+    """Loss, gradients by parameter name (wrapper prefixes dropped) and matmuls run in backward."""
+    tokens = torch.randint(0, DEBUG.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
+    logits = model(tokens[:, :-1])
+    loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+    with MatmulCounter() as counter:
+        loss.backward()
+    grads = {name.replace("_checkpoint_wrapped_module.", ""): p.grad for name, p in model.named_parameters()}
+    return loss, grads, counter.count
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return loss_grads_and_backward_matmuls(debug_model())
+
+
+@pytest.mark.parametrize(
+    "mode, option, wrapped, recomputes_matmuls",
+    [
+        ("full", "op", ["0", "1", "2", "3"], True),
+        ("selective", "op", ["0", "1", "2", "3"], False),
+        ("selective", "2", ["0", "2"], True),
+        ("selective", 3, ["0", "3"], True),
+    ],
+)
+def test_checkpointing_keeps_loss_and_grads_and_wraps_the_expected_blocks(
+    reference, mode, option, wrapped, recomputes_matmuls
+):
+    model = debug_model()
+    apply_activation_checkpointing(model, mode, option)
+    assert [name for name, block in model.layers.items() if isinstance(block, CheckpointWrapper)] == wrapped
+    loss, grads, matmuls = loss_grads_and_backward_matmuls(model)
+    ref_loss, ref_grads, ref_matmuls = reference
+    torch.testing.assert_close(loss, ref_loss)
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], msg=name)
+    # "op" keeps matmul outputs: backward runs exactly the matmuls it runs without checkpointing.
+    assert (matmuls > ref_matmuls) == recomputes_matmuls, (matmuls, ref_matmuls)
+
+
+def test_none_leaves_the_model_alone():
+    model = debug_model()
+    blocks = list(model.layers.values())
+    apply_activation_checkpointing(model, "none", "op")
+    assert list(model.layers.values()) == blocks
+    assert AC_MODES == ("none", "full", "selective")
+
+
+@pytest.mark.parametrize(
+    "mode, option, culprit",
+    [("partial", "op", "'partial'"), ("selective", "ops", "'ops'"), ("selective", "0", "'0'"), ("selective", -2, "-2")],
+)
+def test_bad_mode_or_option_is_a_value_error_naming_it(mode, option, culprit):
+    model = debug_model()
+    with pytest.raises(ValueError, match=culprit):
+        apply_activation_checkpointing(model, mode, option)
+    assert not any(isinstance(block, CheckpointWrapper) for block in model.layers.values())
+
+
+def test_compile_wraps_each_block_on_its_own():
+    # Structure only: compiling even this model takes over 20 s on a cold CPU cache; the
+    # trainer's tests run compiled training.
+    model = debug_model()
+    blocks = list(model.layers.values())
+    apply_compile(model)
+    assert [block._orig_mod for block in model.layers.values()] == blocks
+    assert all(isinstance(block, torch._dynamo.eval_frame.OptimizedModule) for block in model.layers.values())
