@@ -49,7 +49,7 @@ def measure_bare(overrides: list[str], steps: int, warmup: int) -> dict:
     from tessera.data import build_dataloader, load_dataset, load_tokenizer
     from tessera.models import get_model_spec
     from tessera.trainer.config import load_config
-    from tessera.trainer.train import dataset_source
+    from tessera.trainer.plan import dataset_source
 
     config = load_config(overrides)
     t = config.training

@@ -20,7 +20,8 @@ from tessera.data import build_dataloader, load_dataset, load_tokenizer
 from tessera.models import get_model_spec
 from tessera.trainer.config import load_config
 from tessera.trainer.main import main
-from tessera.trainer.train import cross_entropy, train
+from tessera.trainer.step import cross_entropy
+from tessera.trainer.train import train
 
 # One thread: faster on a shared 2-core box, and the SIGKILL test's subprocess must compute
 # bit for bit like this process (OMP_NUM_THREADS=1 there).
