@@ -1,6 +1,6 @@
 import pytest
 
-from tessera.mesh import mesh_dim_names, mesh_layout, mesh_shape, resolve_parallel_dims
+from tessera.mesh import Meshes, mesh_dim_names, mesh_layout, mesh_shape, resolve_parallel_dims
 
 
 @pytest.mark.parametrize(
@@ -57,3 +57,10 @@ def test_one_rank_keeps_its_mapping_keys_and_no_accessors():
     layout = mesh_layout(resolve_parallel_dims(1))
     assert layout.mapping_keys == ("world", "dp_shard", "dp", "dp_shard_cp", "dp_cp")
     assert layout.accessors == ()
+
+
+def test_single_process_meshes_are_all_off():
+    meshes = Meshes.single()
+    assert meshes.layout.describe() == "world (dp_shard=1)"
+    assert all(getattr(meshes, name) is None for name in ("world", "batch", "loss", "fsdp", "tp", "pp", "cp", "ep"))
+    assert dict(meshes) == {}

@@ -4,18 +4,14 @@ Hugging Face export."""
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from tessera.ckpt import (
-    EXPORT_DTYPES, CheckpointManager, ModelState, OptimizerState, RankLocalState, check_state_dict, load_hf, load_into,
-    rng_state, save_hf,
+    EXPORT_DTYPES, CheckpointManager, ModelState, OptimizerState, RankLocalState, export_hf, import_hf, load_into,
+    rng_state,
 )
 from tessera.trainer.config import JobConfig
 
@@ -86,8 +82,6 @@ class Checkpointer:
         if not path.is_dir():
             raise FileNotFoundError(f"checkpoint.initial_load_path {path} does not exist or is not a folder")
         if self.config.initial_load_in_hf:
-            from tessera.ckpt import import_hf  # TODO(checkpointing.py owner): move to the module's imports
-
             # tensor by tensor into the (possibly sharded) model: no rank holds the whole model
             import_hf(self.model, path, lambda state_dict: self.spec.hf_adapter.from_hf(state_dict, self.args))
             self._say(f"initial weights from Hugging Face checkpoint {path}")
@@ -121,8 +115,6 @@ class Checkpointer:
         """The model as Hugging Face safetensors in ``step-<N>-hf``, cast to export_dtype, one
         tensor gathered at a time; written under a ``.step-*`` tmp name (removed by the next
         save if this one crashes)."""
-        from tessera.ckpt import export_hf  # TODO(checkpointing.py owner): move to the module's imports
-
         final = self.folder / f"step-{step}-hf"
         exported = export_hf(self.model, final, lambda state_dict: self.spec.hf_adapter.to_hf(state_dict, self.args),
                              dtype=EXPORT_DTYPES[self.config.export_dtype])

@@ -17,7 +17,7 @@ from tessera.mesh.parallel_dims import ParallelDims
 class Meshes(Mapping[str, DeviceMesh]):
     """The meshes of one job; an accessor is None when its parallelism is off.
 
-    - world: every rank, dims as in `layout`.
+    - world: every rank, dims as in `layout` (None in a process without a process group).
     - batch: the data-parallel ranks the data loader shards batches over (dp_replicate x dp_shard).
     - loss: where the loss and metrics are averaged (dp_replicate x dp_shard x cp).
     - fsdp: what FSDP shards parameters over: dp_shard x cp flattened, or 2-D
@@ -31,7 +31,7 @@ class Meshes(Mapping[str, DeviceMesh]):
     """
 
     layout: MeshLayout
-    world: DeviceMesh
+    world: DeviceMesh | None
     batch: DeviceMesh | None
     loss: DeviceMesh | None
     fsdp: DeviceMesh | None
@@ -42,6 +42,14 @@ class Meshes(Mapping[str, DeviceMesh]):
     ep: DeviceMesh | None
     expert_fsdp: DeviceMesh | None
     by_key: Mapping[str, DeviceMesh] = dataclasses.field(repr=False)
+
+    @classmethod
+    def single(cls) -> Meshes:
+        """A plain process with no process group: every mesh is None, so each library runs
+        unsharded (the libraries all accept mesh=None)."""
+        layout = mesh_layout(ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1))
+        return cls(layout=layout, world=None, **{name: None for name in ACCESSORS if name != "world"},
+                   by_key=types.MappingProxyType({}))
 
     def __getitem__(self, key: str) -> DeviceMesh:
         return self.by_key[key]
