@@ -13,7 +13,8 @@ import pytest
 # not resolve(): under Bazel the declared runfiles copy of each library is what gets installed
 LIBS = Path(__file__).absolute().parent.parent / "libs"
 # Tessera libraries a library may import (DEVELOPERS.md): installed next to it in the test.
-ALLOWED = {"mesh": [], "models": [], "data": [], "fsdp": ["mesh"], "tp": ["mesh"], "ckpt": ["mesh"]}
+ALLOWED = {"mesh": [], "models": [], "data": [], "fsdp": ["mesh"], "tp": ["mesh"], "ckpt": ["mesh"], "float8": ["mesh"],
+           "pp": ["mesh"]}
 SMOKE = {
     "mesh": "from tessera.mesh import resolve_parallel_dims; assert resolve_parallel_dims(4, tp=2).dp_shard == 2",
     "models": "from tessera.models import get_model_spec; assert 'debugmodel' in get_model_spec('llama3').flavors",
@@ -21,6 +22,8 @@ SMOKE = {
     "fsdp": "from tessera.fsdp import apply_fsdp, clip_grad_norm_",
     "tp": "from tessera.tp import apply_tp, check_tp_degree",
     "ckpt": "from tessera.ckpt import CheckpointManager, save_hf, load_hf",
+    "float8": "from tessera.float8 import Float8Options, check_options, convert, tp_styles",
+    "pp": "from tessera.pp import build_pipeline, even_split; assert len(even_split(2, 4)) == 2",
 }
 
 

@@ -144,7 +144,7 @@ register_converter("mark_linears", lambda config, dims: ModelConverter(
 
 STEPS = 3
 BASE = ["--model.name", "parallel_gpt", "--model.flavor", "tiny", "--training.seq_len", "32",
-        "--training.steps", str(STEPS), "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "1"]
+        "--training.steps", str(STEPS), "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "1", "--optimizer.lr", "3e-3"]
 LAYOUTS = {
     "fsdp2": ["--parallelism.data_parallel_shard_degree", "2"],
     "tp2": ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],

@@ -101,7 +101,7 @@ def test_layout_error_under_nproc_is_one_line_before_any_worker():
 def test_a_bug_keeps_its_traceback(tmp_path, monkeypatch):
     import tessera.trainer.train as train_module
 
-    def broken(plan, meshes):
+    def broken(*args):
         raise ValueError("a bug, not bad input")
 
     monkeypatch.setattr(train_module, "build_parallel_model", broken)

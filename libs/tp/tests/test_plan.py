@@ -54,6 +54,15 @@ def test_unmatched_pattern_is_named():
         resolve_plan(Model(), {**PLAN, "layers.*.feed_forward.w1": "colwise"})
 
 
+def test_a_pipeline_stage_skips_patterns_it_has_no_modules_for():
+    stage = Model()
+    stage.tok_embeddings = None
+    del stage.layers["0"]
+    resolved = resolve_plan(stage, PLAN, missing_ok=True)
+    assert "tok_embeddings" not in resolved and resolved["output"] == "vocab_output"
+    assert sorted(p for p in resolved if p.endswith("wq")) == ["layers.1.attention.wq", "layers.2.attention.wq"]
+
+
 def test_unknown_role_is_named():
     with pytest.raises(ValueError, match=r"entry 'output': unknown role 'vocab_head'"):
         resolve_plan(Model(), {**PLAN, "output": "vocab_head"})

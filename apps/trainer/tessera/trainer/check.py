@@ -8,7 +8,7 @@ import math
 import torch
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from tessera import tp
+from tessera import pp, tp
 from tessera.trainer.parallelize import convert
 from tessera.trainer.plan import JobPlan
 
@@ -24,20 +24,37 @@ def _tp_sharded(model: torch.nn.Module, plan: JobPlan) -> set[int]:
 
 
 def parameter_counts(plan: JobPlan) -> tuple[int, int]:
-    """(parameters of the model, parameters one rank holds) under the plan's TP and FSDP sharding:
-    exact where the degrees divide the sharded dims (fully_shard pads dim 0 otherwise, a few
-    rows more)."""
+    """(parameters of the model, parameters one rank holds) under the plan's TP, FSDP and
+    pipeline split (the busiest pp rank): exact where the degrees divide the sharded dims
+    (fully_shard pads dim 0 otherwise, a few rows more)."""
     with torch.device("meta"):
         model = plan.spec.build(plan.model_args)
     convert(model, plan)
     dims = plan.dims
     tp_sharded = _tp_sharded(model, plan) if dims.tp_enabled else set()
     fsdp_degree = dims.dp_shard * dims.cp if dims.fsdp_enabled else 1
-    total = per_rank = 0
-    for param in model.parameters():
+    stage_of = _stage_of(plan)
+    total, per_stage = 0, [0] * (len(plan.pipeline.parts) if plan.pipeline else 1)
+    for name, param in model.named_parameters():
         total += param.numel()
-        per_rank += math.ceil(param.numel() // (dims.tp if id(param) in tp_sharded else 1) / fsdp_degree)
-    return total, per_rank
+        per_stage[stage_of(name)] += math.ceil(param.numel() // (dims.tp if id(param) in tp_sharded else 1) / fsdp_degree)
+    if plan.pipeline is None:
+        return total, per_stage[0]
+    schedule, n_stages = plan.pipeline.schedule, len(plan.pipeline.parts)
+    return total, max(sum(per_stage[s] for s in pp.stage_ids(r, dims.pp, n_stages, schedule)) for r in range(dims.pp))
+
+
+def _stage_of(plan: JobPlan):
+    """parameter name -> the pipeline stage holding it (0 without pipeline parallelism)."""
+    if plan.pipeline is None:
+        return lambda name: 0
+    owner = {module: stage for stage, part in enumerate(plan.pipeline.parts) for module in part}
+
+    def stage_of(name: str) -> int:
+        parts = name.split(".")
+        return next(owner[".".join(parts[:n])] for n in range(1, len(parts)) if ".".join(parts[:n]) in owner)
+
+    return stage_of
 
 
 def describe(plan: JobPlan) -> str:
@@ -49,6 +66,7 @@ def describe(plan: JobPlan) -> str:
         f"job plan: {plan.spec.name}/{config.model.flavor} on {plan.world_size} {plan.device} rank(s); nothing was built",
         f"  model       {total:,} parameters; {per_rank:,} per rank ({degrees})",
         f"  meshes      {plan.meshes.describe()}",
+        *([f"  pipeline    {plan.pipeline.describe()}"] if plan.pipeline else []),
         f"  batch       {batch.local} sequences x {batch.dp} data-parallel x {batch.accumulation} micro-batches = "
         f"{batch.global_size} x {batch.seq_len} tokens per step; {batch.tokens_per_device:,.0f} tokens per device",
         f"  compute     params {str(plan.param_dtype).removeprefix('torch.')}, reductions "

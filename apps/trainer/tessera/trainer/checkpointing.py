@@ -34,26 +34,30 @@ class TrainState:
 
 
 class Checkpointer:
-    """Saves and restores the run: model, optimizer, lr_scheduler, dataloader (per dp rank),
+    """Saves and restores the run: model, optimizer, lr_scheduler, dataloader (global position),
     train_state and rng (per rank) in ``<dump_folder>/<checkpoint.folder>/step-<N>``.
 
     Build it on every rank once the model is parallelized and the optimizer, scheduler and
     loader exist; every method is collective. The job plan has checked the [checkpoint] keys.
     """
 
-    def __init__(self, config: JobConfig, spec, args, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 scheduler, dataloader, dp_rank: int, rank: int) -> None:
+    def __init__(self, config: JobConfig, spec, args, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
+                 scheduler, dataloader, rank: int, pp_group=None) -> None:
+        """parts: the model, or this rank's pipeline stages (one optimizer each); pp_group: the
+        pipeline's process group, which a Hugging Face export gathers the stages over."""
         self.config = config.checkpoint
-        self.spec, self.args, self.model, self.rank = spec, args, model, rank
+        self.spec, self.args, self.parts, self.rank, self.pp_group = spec, args, parts, rank, pp_group
         self.folder = Path(config.job.dump_folder) / self.config.folder
         self.train_state = TrainState(f"{config.model.name}/{config.model.flavor}")
         # train_state first: loading applies states in this order, so a wrong model fails first
         self.states = {
             "train_state": self.train_state,
-            "model": ModelState([model]),
-            "optimizer": OptimizerState([model], [optimizer]),
+            "model": ModelState(parts),
+            "optimizer": OptimizerState(parts, optimizers),
             "lr_scheduler": scheduler,  # holds no lr function: the horizon stays training.steps
-            "dataloader": RankLocalState(dataloader, f"dp_rank_{dp_rank}"),
+            # The loader's state is a global position, equal on every rank: one copy under the
+            # key a one-process run writes, so any data-parallel layout loads any other's.
+            "dataloader": RankLocalState(dataloader, "dp_rank_0"),
             "rng": rng_state(rank),
         }
         self.manager = None
@@ -82,8 +86,14 @@ class Checkpointer:
         if not path.is_dir():
             raise FileNotFoundError(f"checkpoint.initial_load_path {path} does not exist or is not a folder")
         if self.config.initial_load_in_hf:
-            # tensor by tensor into the (possibly sharded) model: no rank holds the whole model
-            import_hf(self.model, path, lambda state_dict: self.spec.hf_adapter.from_hf(state_dict, self.args))
+            # tensor by tensor into the (possibly sharded) model: no rank holds the whole model;
+            # a pipeline stage reads only its own tensors, checked against the whole model's names
+            shapes = None
+            if self.pp_group is not None:
+                with torch.device("meta"):
+                    shapes = {key: tuple(value.shape) for key, value in self.spec.build(self.args).state_dict().items()}
+            for part in self.parts:
+                import_hf(part, path, lambda state_dict: self.spec.hf_adapter.from_hf(state_dict, self.args), model_shapes=shapes)
             self._say(f"initial weights from Hugging Face checkpoint {path}")
             return
         excluded = set(self.config.exclude_from_loading)
@@ -116,8 +126,8 @@ class Checkpointer:
         tensor gathered at a time; written under a ``.step-*`` tmp name (removed by the next
         save if this one crashes)."""
         final = self.folder / f"step-{step}-hf"
-        exported = export_hf(self.model, final, lambda state_dict: self.spec.hf_adapter.to_hf(state_dict, self.args),
-                             dtype=EXPORT_DTYPES[self.config.export_dtype])
+        exported = export_hf(self.parts, final, lambda state_dict: self.spec.hf_adapter.to_hf(state_dict, self.args),
+                             dtype=EXPORT_DTYPES[self.config.export_dtype], pp_group=self.pp_group)
         self._say(f"Hugging Face export written to {final}" if exported else f"{final} already exists; not exporting again")
 
     def close(self) -> None:

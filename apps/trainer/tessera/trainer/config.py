@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import difflib
 import os
+import sys
 import types
 import typing
 from collections.abc import Iterator
@@ -15,8 +16,10 @@ from pathlib import Path
 import tomli
 
 from tessera.ckpt import ASYNC_MODES, EXPORT_DTYPES
+from tessera.data import parse_mixture
 from tessera.fsdp import MIXED_PRECISION_DTYPES, RESHARD_POLICIES
 from tessera.models import AC_MODES
+from tessera.trainer import float8_converter  # noqa: F401  registers "float8" and "quantize.linear.float8"
 from tessera.trainer.converters import registered_converters
 from tessera.trainer.lr_schedule import DECAY_TYPES
 
@@ -75,10 +78,27 @@ class LRScheduler:
 
 
 @dataclasses.dataclass
+class DataLoader:
+    """[training.dataloader], torchtitan's keys. Batches are prepared by one background thread
+    rather than worker processes (the loader is cheap; its state stays one global position):
+    num_workers > 0 turns it on, num_workers * prefetch_factor batches ahead."""
+
+    num_workers: int = 1  # torchtitan defaults to 0; prefetching keeps the step from waiting
+    prefetch_factor: int | None = None  # None: 2 when num_workers > 0
+    pin_memory: bool = False
+
+
+@dataclasses.dataclass
 class Training:
     dataset: str = "default"  # "default" = the embedded corpus; else a path (see dataset_path)
-    dataset_path: str = ""
+    dataset_path: str = ""  # a text source, or a folder of token shards from tools/pretokenize
     dataset_text_field: str = "text"
+    # ["path=weight", ...]: datasets mixed in these proportions (seeded by debug.seed); replaces
+    # dataset / dataset_path. Paths as dataset_path.
+    dataset_mixture: list[str] = dataclasses.field(default_factory=list)
+    shuffle: bool = True  # documents in a seeded (debug.seed) order per epoch, not file order
+    shuffle_buffer: int = 8192  # token shards: documents are permuted within groups of this many
+    dataloader: DataLoader = dataclasses.field(default_factory=DataLoader)
     # Defaults train the debug model on CPU in minutes; the shipped TOMLs set real-run values.
     local_batch_size: int = 8
     global_batch_size: int = -1  # -1: local_batch_size * data-parallel degree (no accumulation)
@@ -101,6 +121,14 @@ class Parallelism:
     tensor_parallel_degree: int = 1
     disable_loss_parallel: bool = False
     enable_async_tensor_parallel: bool = False
+    pipeline_parallel_degree: int = 1
+    pipeline_parallel_schedule: str = "1F1B"  # one of tessera.pp.SCHEDULES, case-insensitive
+    pipeline_parallel_schedule_csv: str = ""  # a file of actions per rank; overrides the schedule's order
+    pipeline_parallel_microbatch_size: int = 1  # sequences per pipeline micro-batch
+    pipeline_parallel_layers_per_stage: int | None = None  # None: pp stages (2 per rank when looped)
+    pipeline_parallel_first_stage_less_layers: int = 1  # the embedding weighs as this many blocks
+    pipeline_parallel_last_stage_less_layers: int = 1  # norm + output weigh as this many blocks
+    module_fqns_per_model_part: list[list[str]] | None = None  # explicit stages: module names each
 
 
 @dataclasses.dataclass
@@ -137,8 +165,9 @@ class Compile:
 class Float8:
     enable_fsdp_float8_all_gather: bool = False
     precompute_float8_dynamic_scale_for_fsdp: bool = False
-    recipe_name: str = ""
-    filter_fqns: list[str] = dataclasses.field(default_factory=lambda: ["output"])
+    recipe_name: str = ""  # "" = tensorwise; rowwise | rowwise_with_gw_hp
+    filter_fqns: list[str] = dataclasses.field(default_factory=lambda: ["output"])  # + "auto_filter_small_kn"
+    emulate: bool = False
 
 
 @dataclasses.dataclass
@@ -174,6 +203,18 @@ class Validation:
 
 
 @dataclasses.dataclass
+class Experimental:
+    """Where configs before torchtitan 0.1 put pipeline parallelism; read as the [parallelism]
+    keys with a deprecation note."""
+
+    pipeline_parallel_degree: int = 1
+    pipeline_parallel_schedule: str = ""
+    pipeline_parallel_schedule_csv: str = ""
+    pipeline_parallel_microbatches: int | None = None  # micro-batches per local batch
+    pipeline_parallel_split_points: list[str] = dataclasses.field(default_factory=list)  # first module of stages 1..
+
+
+@dataclasses.dataclass
 class Debug:
     seed: int = 0
     deterministic: bool = False
@@ -195,6 +236,7 @@ class JobConfig:
     profiling: Profiling = dataclasses.field(default_factory=Profiling)
     comm: Comm = dataclasses.field(default_factory=Comm)
     validation: Validation = dataclasses.field(default_factory=Validation)
+    experimental: Experimental = dataclasses.field(default_factory=Experimental)
     debug: Debug = dataclasses.field(default_factory=Debug)
 
 
@@ -220,6 +262,8 @@ PATH_KEYS = (
     ("training", "dataset_path"),
     ("validation", "dataset_path"),
     ("checkpoint", "initial_load_path"),
+    ("parallelism", "pipeline_parallel_schedule_csv"),
+    ("experimental", "pipeline_parallel_schedule_csv"),
 )
 
 
@@ -242,11 +286,14 @@ def _section_fields(section: str) -> dict[str, dataclasses.Field]:
 
 
 def _field_type(section: str, key: str) -> typing.Any:
-    fields = _section_fields(section)
+    fields, owner = _section_fields(section), type(getattr(JobConfig(), section))
+    group, dot, leaf = key.partition(".")
+    if dot and group in fields and dataclasses.is_dataclass(fields[group].default_factory):  # [section.group]
+        owner = fields[group].default_factory
+        fields, section, key = {f.name: f for f in dataclasses.fields(owner)}, f"{section}.{group}", leaf
     if key not in fields:
         raise ConfigError(f"unknown config key {section}.{key}{_closest(key, fields)}")
-    hints = typing.get_type_hints(type(getattr(JobConfig(), section)))
-    return hints[key]
+    return typing.get_type_hints(owner)[key]
 
 
 def _is_optional(tp: typing.Any) -> bool:
@@ -257,6 +304,8 @@ def _is_optional(tp: typing.Any) -> bool:
 def _type_name(tp: typing.Any) -> str:
     if _is_optional(tp):
         return " or ".join(_type_name(a) for a in typing.get_args(tp) if a is not type(None)) + " or none"
+    if tp == list[list[str]]:
+        return "list of lists of strings"
     if typing.get_origin(tp) is list:
         return "list of strings"
     return {bool: "bool", int: "int", float: "float", str: "string"}[tp]
@@ -265,11 +314,19 @@ def _type_name(tp: typing.Any) -> str:
 def _convert(section: str, key: str, value: typing.Any, from_cli: bool) -> typing.Any:
     """Checks (TOML) or parses (CLI string) `value` for the declared type of section.key."""
     tp = _field_type(section, key)
+    if dataclasses.is_dataclass(tp):
+        raise ConfigError(f"config key {section}.{key} is a table: set its keys, e.g. --{section}.{key}.<key>")
     bad = ConfigError(f"config key {section}.{key}: value {value!r} is not a {_type_name(tp)}")
     if _is_optional(tp):
         if value is None or (from_cli and str(value).lower() in ("none", "null", "")):
             return None
         tp = next(a for a in typing.get_args(tp) if a is not type(None))
+    if tp == list[list[str]]:  # on the command line: lists split by ";", items by ","
+        if from_cli:
+            return [[item.strip() for item in part.split(",") if item.strip()] for part in value.split(";")]
+        if isinstance(value, list) and all(isinstance(v, list) and all(isinstance(i, str) for i in v) for v in value):
+            return value
+        raise bad
     if typing.get_origin(tp) is list:
         if from_cli:
             return [item.strip() for item in value.split(",") if item.strip()]
@@ -324,7 +381,11 @@ def parse_overrides(argv: list[str]) -> list[tuple[str, str, str]]:
 
 def _apply(config: JobConfig, section: str, key: str, value: typing.Any, from_cli: bool) -> None:
     value = _convert(section, key, value, from_cli)  # validates section and key first
-    setattr(getattr(config, section), key, value)
+    owner = getattr(config, section)
+    group, dot, leaf = key.partition(".")
+    if dot:  # a key of a [section.group] table
+        owner, key = getattr(owner, group), leaf
+    setattr(owner, key, value)
 
 
 def _read_toml(path: Path) -> dict:
@@ -354,15 +415,49 @@ def load_config(argv: list[str]) -> JobConfig:
                 raise ConfigError(f"config file {path}: '{section}' must be a [section] table")
             _section_fields(section)
             for key, value in table.items():
-                _apply(config, section, key, value, from_cli=False)
+                if isinstance(value, dict):  # a [section.key] table
+                    for leaf, leaf_value in value.items():
+                        _apply(config, section, f"{key}.{leaf}", leaf_value, from_cli=False)
+                else:
+                    _apply(config, section, key, value, from_cli=False)
     for section, key, value in overrides:
         _apply(config, section, key, value, from_cli=True)
     for section, key in PATH_KEYS:
         value = getattr(getattr(config, section), key)
         if value:
             setattr(getattr(config, section), key, str(base / os.path.expanduser(value)))
+    config.training.dataset_mixture = [  # "path=weight": the paths resolve like dataset_path
+        f"{base / os.path.expanduser(path.strip())}={weight}" if path.strip() else entry
+        for entry in config.training.dataset_mixture
+        for path, _, weight in [entry.rpartition("=")]
+    ]
+    _read_experimental(config)
     validate(config)
     return config
+
+
+def _read_experimental(config: JobConfig) -> None:
+    """Older configs' [experimental] pipeline keys become today's [parallelism] ones (split
+    points need the model's depth and become stages in the job plan)."""
+    old, new, defaults = config.experimental, config.parallelism, Experimental()
+    moved = [key for key in ("pipeline_parallel_degree", "pipeline_parallel_schedule", "pipeline_parallel_schedule_csv")
+             if getattr(old, key) != getattr(defaults, key)]
+    for key in moved:
+        setattr(new, key, getattr(old, key))
+    microbatches = old.pipeline_parallel_microbatches
+    if microbatches is not None:
+        local = config.training.local_batch_size
+        if microbatches < 1 or local % microbatches:
+            raise ConfigError(f"config key experimental.pipeline_parallel_microbatches: {microbatches} does not divide "
+                              f"training.local_batch_size {local}")
+        new.pipeline_parallel_microbatch_size = local // microbatches
+        moved.append("pipeline_parallel_microbatches")
+    if old.pipeline_parallel_split_points:
+        moved.append("pipeline_parallel_split_points")
+    if moved and os.environ.get("RANK", "0") == "0":
+        print(f"note: config keys experimental.{{{', '.join(moved)}}} are deprecated; read as their [parallelism] "
+              "equivalents (microbatches -> pipeline_parallel_microbatch_size, split_points -> module_fqns_per_model_part)",
+              file=sys.stderr, flush=True)
 
 
 def validate(config: JobConfig) -> None:
@@ -375,6 +470,7 @@ def validate(config: JobConfig) -> None:
         ("training", "local_batch_size"), ("training", "seq_len"), ("training", "steps"),
         ("metrics", "log_freq"), ("checkpoint", "interval"), ("validation", "freq"),
         ("profiling", "profile_freq"), ("training", "gc_freq"), ("comm", "init_timeout_seconds"),
+        ("parallelism", "pipeline_parallel_degree"), ("parallelism", "pipeline_parallel_microbatch_size"),
     ]
     for section, key in positive:
         value = getattr(getattr(config, section), key)
@@ -393,6 +489,19 @@ def validate(config: JobConfig) -> None:
     option = config.activation_checkpoint.selective_ac_option
     if option != "op" and not (option.isdigit() and int(option) >= 1):
         raise ConfigError(f"config key activation_checkpoint.selective_ac_option: {option!r} is not 'op' or a positive int")
+    try:
+        parse_mixture(config.training.dataset_mixture)
+    except ValueError as e:
+        raise ConfigError(f"config key training.dataset_mixture: {e}") from None
+    if config.training.dataset_mixture and (config.training.dataset_path or config.training.dataset != "default"):
+        raise ConfigError("config key training.dataset_mixture replaces training.dataset and dataset_path; set one of them")
+    if config.training.shuffle_buffer < 1:
+        raise ConfigError(f"config key training.shuffle_buffer: {config.training.shuffle_buffer} must be >= 1")
+    loader = config.training.dataloader
+    if loader.num_workers < 0:
+        raise ConfigError(f"config key training.dataloader.num_workers: {loader.num_workers} must be >= 0")
+    if loader.prefetch_factor is not None and (loader.prefetch_factor < 1 or loader.num_workers == 0):
+        raise ConfigError("config key training.dataloader.prefetch_factor: must be >= 1, and needs num_workers > 0")
     if config.training.max_norm <= 0:
         raise ConfigError(f"config key training.max_norm: {config.training.max_norm} must be > 0")
     if config.validation.steps < 1 and config.validation.steps != -1:
@@ -400,8 +509,6 @@ def validate(config: JobConfig) -> None:
     unknown = sorted(set(config.compile.components) - {"model", "loss"})
     if unknown:
         raise ConfigError(f"config key compile.components: {unknown} not in ['model', 'loss']")
-    if config.float8 != Float8():
-        raise ConfigError("config section [float8]: float8 training is not available yet; leave its keys at their defaults")
     unknown = [name for name in config.model.converters if name not in registered_converters()]
     if unknown:
         raise ConfigError(f"config key model.converters: {unknown} not registered; available: {registered_converters()}")

@@ -42,3 +42,26 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, **sch
     """LambdaLR over lr_factor; LambdaLR counts from 0, so epoch e sets the lr of step e + 1."""
     factor = functools.partial(lr_factor, total_steps=total_steps, **schedule)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: factor(epoch + 1))
+
+
+class LockstepSchedulers:
+    """The schedules of the per-part optimizers (one per pipeline stage), stepped together.
+    They are equal, so one state is saved: the same as a single-part run's, and either loads
+    into the other."""
+
+    def __init__(self, schedulers: list[torch.optim.lr_scheduler.LRScheduler]) -> None:
+        self.schedulers = schedulers
+
+    def step(self) -> None:
+        for scheduler in self.schedulers:
+            scheduler.step()
+
+    def get_last_lr(self) -> list[float]:
+        return self.schedulers[0].get_last_lr()
+
+    def state_dict(self) -> dict:
+        return self.schedulers[0].state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        for scheduler in self.schedulers:
+            scheduler.load_state_dict(state)

@@ -4,20 +4,27 @@ because each stage wraps what the previous one produced:
 1. build: the spec's model, whole on CPU, on the meta device on GPU;
 2. convert: the plan's model converters swap modules (float8 linears) while the module tree is
    still plain;
-3. parallelise: tensor parallel (with the converters' styles), activation checkpointing and
-   per-block compile, then FSDP/HSDP or DDP outermost;
+3. parallelise: under pipeline parallel the model is first cut into the stages this rank runs
+   (tessera.pp), then each part gets tensor parallel (with the converters' styles), activation
+   checkpointing and per-block compile, then FSDP/HSDP or DDP outermost;
 4. materialise: a meta-built model gets storage and its initial weights, now sharded.
+
+The result is a list of model parts (one, or one per local pipeline stage) whose parameter
+names are the whole model's, so checkpoints load under any layout.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
-from tessera import fsdp, tp
+from tessera import fsdp, pp, tp
 from tessera.mesh import Meshes
 from tessera.models import apply_activation_checkpointing, apply_compile
 from tessera.trainer.plan import JobPlan
+from tessera.trainer.step import LossFn
 
 
 def build_model(plan: JobPlan) -> nn.Module:
@@ -36,12 +43,12 @@ def convert(model: nn.Module, plan: JobPlan) -> None:
 
 
 def parallelize(model: nn.Module, plan: JobPlan, meshes: Meshes | None) -> nn.Module:
-    """Applies the planned parallelisms and wrappers; returns the model to train."""
+    """Applies the planned parallelisms and wrappers to the model or one pipeline stage of it."""
     config, dims = plan.config, plan.dims
     if dims.tp_enabled:
         tp.apply_tp(
-            model, meshes.tp, plan.spec.tp_plan,
-            sequence_parallel=True, loss_parallel=plan.loss_parallel, styles=plan.tp_styles,
+            model, meshes.tp, plan.spec.tp_plan, sequence_parallel=True, loss_parallel=plan.loss_parallel,
+            styles=plan.tp_styles, missing_ok=plan.pipeline is not None,
         )
     ac = config.activation_checkpoint
     if ac.mode != "none":
@@ -51,7 +58,7 @@ def parallelize(model: nn.Module, plan: JobPlan, meshes: Meshes | None) -> nn.Mo
     if dims.fsdp_enabled:
         fsdp.apply_fsdp(
             model, meshes.fsdp, param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype,
-            reshard_after_forward=config.parallelism.fsdp_reshard_after_forward,
+            reshard_after_forward=plan.pipeline.reshard_after_forward if plan.pipeline else config.parallelism.fsdp_reshard_after_forward,
             cpu_offload=config.training.enable_cpu_offload,
         )
     elif dims.dp_replicate > 1:
@@ -67,9 +74,27 @@ def materialise(model: nn.Module, plan: JobPlan) -> None:
             model.init_weights(buffer_device=torch.device(plan.device))
 
 
-def build_parallel_model(plan: JobPlan, meshes: Meshes | None) -> nn.Module:
+@dataclasses.dataclass
+class ParallelModel:
+    parts: list[nn.Module]  # the whole model, or this rank's pipeline stages in schedule order
+    pipeline: pp.Pipeline | None  # runs the parts under pipeline parallel
+
+
+def build_parallel_model(plan: JobPlan, meshes: Meshes | None, loss_fn: LossFn) -> ParallelModel:
+    """`loss_fn` is the mean loss of one micro-batch; a pipeline computes it on its last stage."""
     model = build_model(plan)
     convert(model, plan)
-    model = parallelize(model, plan, meshes)
-    materialise(model, plan)
-    return model
+    if plan.pipeline is None:
+        parts, pipeline = [parallelize(model, plan, meshes)], None
+    else:
+        accumulation = plan.batch.accumulation
+        pipeline = pp.build_pipeline(
+            model, meshes.pp, plan.device, parts=plan.pipeline.parts, schedule=plan.pipeline.schedule,
+            n_microbatches=plan.pipeline.microbatches, loss_fn=lambda out, labels: loss_fn(out, labels) / accumulation,
+            parallelize=lambda part: parallelize(part, plan, meshes), schedule_csv=plan.pipeline.schedule_csv,
+        )
+        parts = pipeline.parts
+        del model  # each part is a copy holding its own stage
+    for part in parts:
+        materialise(part, plan)
+    return ParallelModel(parts, pipeline)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from tessera import tp
+from tessera import pp, tp
 from tessera.data import load_tokenizer
 from tessera.fsdp import MIXED_PRECISION_DTYPES
 from tessera.mesh import MeshLayout, ParallelDims, device_type, mesh_layout, resolve_parallel_dims
@@ -44,6 +44,23 @@ class BatchPlan:
 
 
 @dataclasses.dataclass(frozen=True)
+class PipelinePlan:
+    """How the model is cut into pipeline stages and how each local batch flows through them."""
+
+    schedule: str  # a tessera.pp schedule name, as spelled there
+    schedule_csv: str | None
+    parts: tuple[tuple[str, ...], ...]  # module names of each stage, in stage order
+    microbatches: int  # pipeline micro-batches per local batch
+    reshard_after_forward: str  # the FSDP policy each stage gets
+
+    def describe(self) -> str:
+        blocks = [sum(name.startswith("layers.") for name in part) for part in self.parts]
+        source = f", actions from {self.schedule_csv}" if self.schedule_csv else ""
+        return (f"{self.schedule}{source}: {len(self.parts)} stages holding {blocks} blocks, "
+                f"{self.microbatches} micro-batches per local batch")
+
+
+@dataclasses.dataclass(frozen=True)
 class JobPlan:
     config: JobConfig
     world_size: int
@@ -58,6 +75,7 @@ class JobPlan:
     autocast: bool  # low-precision compute through autocast; under FSDP its MixedPrecisionPolicy casts instead
     loss_parallel: bool  # logits stay split on vocab over the tp ranks
     converters: tuple[ModelConverter, ...]
+    pipeline: PipelinePlan | None  # None: no pipeline parallelism
     tp_styles: Mapping[str, tp.StyleFactory]  # tessera.tp's role styles, with the converters' overrides
     flops_per_token: float
     dataset: str | None  # None: the embedded corpus
@@ -91,6 +109,7 @@ def make_plan(config: JobConfig, world_size: int, device: str | None = None, *, 
         dims = resolve_parallel_dims(
             world_size, dp_replicate=par.data_parallel_replicate_degree,
             dp_shard=par.data_parallel_shard_degree, tp=par.tensor_parallel_degree,
+            pp=par.pipeline_parallel_degree,
         )
         spec = get_model_spec(config.model.name)
     args = _model_args(config, spec, _vocab_size(config, spec, notes if check_only else None))
@@ -107,7 +126,7 @@ def make_plan(config: JobConfig, world_size: int, device: str | None = None, *, 
         reduce_dtype=MIXED_PRECISION_DTYPES[training.mixed_precision_reduce],
         autocast=param_dtype != torch.float32 and not dims.fsdp_enabled,
         loss_parallel=dims.tp_enabled and not par.disable_loss_parallel,
-        converters=converters, tp_styles=styles, flops_per_token=spec.flops_per_token(args, training.seq_len),
+        converters=converters, pipeline=_pipeline(config, spec, args, dims), tp_styles=styles, flops_per_token=spec.flops_per_token(args, training.seq_len),
         dataset=dataset_source(training),
         validation_dataset=dataset_source(config.validation) if config.validation.enable else None,
         notes=tuple(notes),
@@ -144,6 +163,84 @@ def _batch(config: JobConfig, dims: ParallelDims) -> BatchPlan:
         )
     accumulation = global_ // (local * dims.dp) if global_ > 0 else 1
     return BatchPlan(local, dims.dp, accumulation, config.training.seq_len, dims.tp * dims.cp * dims.pp)
+
+
+def _pipeline(config: JobConfig, spec: ModelSpec, args, dims: ParallelDims) -> PipelinePlan | None:
+    """The stages, micro-batches and FSDP resharding of a pipelined run, every choice checked."""
+    par = config.parallelism
+    if not dims.pp_enabled:
+        return None
+    with torch.device("meta"):  # the module names to cut at, following tessera.pp's conventions
+        model = spec.build(args)
+    inputs, n_layers, outputs = pp.model_parts_names(model)
+    first = {id(p) for name in inputs for p in model.get_submodule(name).parameters()}
+    if any(id(p) in first for name in outputs for p in model.get_submodule(name).parameters()):
+        raise ConfigError(f"model.flavor {config.model.flavor} ties the output to the embedding, which pipeline stages "
+                          "cannot share; use pipeline_parallel_degree 1 for it")
+    names = dict(inputs=inputs, outputs=outputs)
+    with user_input():
+        schedule = pp.canonical_schedule(par.pipeline_parallel_schedule)
+        parts = par.module_fqns_per_model_part or _split_points(config, n_layers, inputs, outputs)
+        if parts is None:
+            stages = pp.stage_count(
+                dims.pp, schedule, n_layers, layers_per_stage=par.pipeline_parallel_layers_per_stage,
+                first_stage_less_layers=par.pipeline_parallel_first_stage_less_layers,
+                last_stage_less_layers=par.pipeline_parallel_last_stage_less_layers,
+            )
+            parts = pp.even_split(stages, n_layers, first_stage_less_layers=par.pipeline_parallel_first_stage_less_layers,
+                                  last_stage_less_layers=par.pipeline_parallel_last_stage_less_layers, **names)
+        else:
+            pp.check_split(parts, n_layers, **names)
+            pp.stage_ids(0, dims.pp, len(parts), schedule)  # stages must divide over the pp ranks
+    per_rank = len(parts) // dims.pp
+    if pp.is_single_stage(schedule) and per_rank != 1:
+        raise ConfigError(f"parallelism.pipeline_parallel_schedule {schedule} runs one stage per rank; "
+                          f"{len(parts)} stages over {dims.pp} ranks is {per_rank}")
+    if not pp.is_single_stage(schedule) and per_rank < 2:
+        raise ConfigError(f"parallelism.pipeline_parallel_schedule {schedule} runs several stages per rank; "
+                          f"{len(parts)} stages over {dims.pp} ranks is {per_rank}")
+    if pp.is_v_shaped(schedule) and per_rank != 2:
+        raise ConfigError(f"parallelism.pipeline_parallel_schedule {schedule} runs exactly 2 stages per rank, not {per_rank}")
+    local, size = config.training.local_batch_size, par.pipeline_parallel_microbatch_size
+    if local % size:
+        raise ConfigError(f"parallelism.pipeline_parallel_microbatch_size {size} does not divide training.local_batch_size {local}")
+    microbatches = local // size
+    if schedule == "DualPipeV" and microbatches < len(parts):
+        raise ConfigError(f"DualPipeV needs at least as many micro-batches as stages: local_batch_size {local} / "
+                          f"pipeline_parallel_microbatch_size {size} = {microbatches} < {len(parts)} stages")
+    reshard = par.fsdp_reshard_after_forward
+    if reshard == "always" and pp.splits_backward(schedule):
+        # measured: FSDP resharding after forward under these schedules trains with wrong gradients
+        raise ConfigError(f"parallelism.fsdp_reshard_after_forward 'always' with schedule {schedule} trains with wrong "
+                          "gradients in torch 2.13 (the weight-gradient pass runs on freed shards); use 'default' or 'never'")
+    if dims.dp_replicate > 1 and not dims.fsdp_enabled:
+        raise ConfigError("pipeline parallel with DDP (data_parallel_replicate_degree > 1, shard degree 1) is not "
+                          "supported; shard instead (data_parallel_shard_degree)")
+    csv = par.pipeline_parallel_schedule_csv or None
+    if csv and not Path(csv).is_file():
+        raise ConfigError(f"parallelism.pipeline_parallel_schedule_csv {csv} is not a file")
+    # as torchtitan: under pp, "default" keeps each stage's weights gathered from forward to
+    # backward, since micro-batches re-run every stage many times per step
+    return PipelinePlan(schedule, csv, tuple(tuple(p) for p in parts), microbatches,
+                        "never" if reshard == "default" else reshard)
+
+
+def _split_points(config: JobConfig, n_layers: int, inputs: list[str], outputs: list[str]) -> list[list[str]] | None:
+    """[experimental] pipeline_parallel_split_points (the first block of every stage after the
+    first) as module names per stage."""
+    points = config.experimental.pipeline_parallel_split_points
+    if not points:
+        return None
+    starts = []
+    for point in points:
+        index = point.removeprefix("layers.")
+        if not index.isdigit() or not 0 < int(index) < n_layers:
+            raise ConfigError(f"config key experimental.pipeline_parallel_split_points: {point!r} is not layers.N "
+                              f"with 0 < N < {n_layers}")
+        starts.append(int(index))
+    bounds = [0, *starts, n_layers]
+    parts = [[f"layers.{i}" for i in range(a, b)] for a, b in zip(bounds, bounds[1:])]
+    return [[*inputs, *parts[0]], *parts[1:-1], [*parts[-1], *outputs]]
 
 
 def _check_tensor_parallel(config: JobConfig, spec: ModelSpec, args, dims: ParallelDims, styles) -> None:

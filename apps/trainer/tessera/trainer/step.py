@@ -1,12 +1,13 @@
 """One training step, as the parts the loop calls:
 
 - the loss, a component: (logits, labels) -> mean loss;
-- `forward_backward(inputs, labels) -> loss`: one micro-batch's forward and backward. The plain
-  one is here; a pipelined schedule (loss on the last stage) or a context-parallel variant
-  (sequence shards) is another function of the same shape;
+- `forward_backward(inputs, labels) -> loss`: one micro-batch's forward and backward: plain (the
+  whole model on this rank) or pipelined (tessera.pp's schedule, loss on the last stage); a
+  context-parallel variant (sequence shards) is another function of the same shape;
 - `make_train_step`: micro-batches with gradient sync on the last, clipping across every
-  parallel dimension, the optimizer step when the norm is finite, then the post-optimizer hooks
-  (float8 scale precompute, MoE router-bias updates) and the lr schedule.
+  parallel dimension (pipeline stages included), the optimizers' step when the norm is finite,
+  then the post-optimizer hooks (float8 scale precompute, MoE router-bias updates) and the lr
+  schedule.
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from tessera import fsdp, tp
+from tessera import fsdp, pp, tp
 from tessera.trainer.plan import JobPlan
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -67,11 +69,65 @@ def plain_forward_backward(model: nn.Module, loss_fn: LossFn, plan: JobPlan) -> 
     return forward_backward
 
 
-def gradient_sync(model: nn.Module) -> Callable[[bool], None]:
-    """Turns FSDP's reduce-scatter on for the last micro-batch only; a no-op elsewhere."""
-    if isinstance(model, FSDPModule):
-        return model.set_requires_gradient_sync
-    return lambda enabled: None
+def _stage_kwargs(inputs: torch.Tensor, plan: JobPlan) -> dict:
+    """Under sequence parallel a later stage receives a sequence shard and cannot count the
+    positions itself; the model's `positions` convention carries them to every stage."""
+    if not plan.dims.tp_enabled:
+        return {}
+    return {"positions": torch.arange(inputs.shape[1], device=inputs.device).expand(inputs.shape)}
+
+
+def _from_last_stage(loss: torch.Tensor | None, device: str, pp_mesh) -> torch.Tensor:
+    """The loss exists on the last stage's rank only; a sum over the pp ranks gives it to all."""
+    loss = torch.zeros((), device=device) if loss is None else plain_value(loss).float()
+    dist.all_reduce(loss, group=pp_mesh.get_group())
+    return loss
+
+
+def pipelined_forward_backward(pipeline: pp.Pipeline, plan: JobPlan, pp_mesh) -> ForwardBackward:
+    """The micro-batch through this rank's pipeline stages; the loss comes summed over the
+    pipeline's own micro-batches, each already divided by their count and the accumulation."""
+    autocast = compute_context(plan)
+
+    def forward_backward(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        with tp.loss_parallel_context(plan.loss_parallel), autocast():
+            loss = pipeline.run(inputs, labels, **_stage_kwargs(inputs, plan))
+        return _from_last_stage(loss, plan.device, pp_mesh)
+
+    return forward_backward
+
+
+def evaluation_loss(parts: Sequence[nn.Module], pipeline: pp.Pipeline | None, loss_fn: LossFn, plan: JobPlan,
+                    pp_mesh=None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """(inputs, labels) -> the batch's mean loss, forward only, on every rank."""
+    autocast = compute_context(plan)
+    if pipeline is None:
+        def plain(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            with autocast(), tp.loss_parallel_context(plan.loss_parallel):
+                return plain_value(loss_fn(parts[0](inputs), labels))
+
+        return plain
+
+    def pipelined(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        with autocast(), tp.loss_parallel_context(plan.loss_parallel):
+            loss = pipeline.evaluate(inputs, labels, loss_fn, **_stage_kwargs(inputs, plan))
+        return _from_last_stage(loss, plan.device, pp_mesh)
+
+    return pipelined
+
+
+def gradient_sync(parts: Sequence[nn.Module], pipelined: bool) -> Callable[[bool], None]:
+    """Turns FSDP's reduce-scatter on for the last micro-batch only; a no-op elsewhere. A
+    pipeline schedule reduces its stages' gradients itself, once per pass."""
+    fsdp_parts = [part for part in parts if isinstance(part, FSDPModule)]
+    if pipelined or not fsdp_parts:
+        return lambda enabled: None
+
+    def sync(enabled: bool) -> None:
+        for part in fsdp_parts:
+            part.set_requires_gradient_sync(enabled)
+
+    return sync
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,11 +139,14 @@ class StepResult:
 
 
 def make_train_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, forward_backward: ForwardBackward,
-    plan: JobPlan, post_optimizer_hooks: Sequence[Callable[[nn.Module], None]] = (),
+    parts: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer], scheduler, forward_backward: ForwardBackward,
+    plan: JobPlan, post_optimizer_hooks: Sequence[Callable[[nn.Module], None]] = (), pp_mesh=None,
 ) -> Callable[[Iterator[tuple[torch.Tensor, torch.Tensor]]], StepResult]:
-    sync = gradient_sync(model)
+    """parts: the model or this rank's pipeline stages, one optimizer each; pp_mesh (pipeline
+    parallel) joins the stages' gradient norms."""
+    sync = gradient_sync(parts, pipelined=plan.pipeline is not None)
     accumulation, max_norm, device = plan.batch.accumulation, plan.config.training.max_norm, plan.device
+    params = [p for part in parts for p in part.parameters()]
 
     def train_step(batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
         loss = torch.zeros((), device=device)
@@ -95,15 +154,18 @@ def make_train_step(
             sync(micro == accumulation - 1)  # reduce gradients once, after the last micro-batch
             inputs, labels = next(batches)
             loss += forward_backward(inputs.to(device), labels.to(device))
-        grad_norm = fsdp.clip_grad_norm_(model.parameters(), max_norm, error_if_nonfinite=False)
+        grad_norm = fsdp.clip_grad_norm_(params, max_norm, pp_mesh=pp_mesh, error_if_nonfinite=False)
         lr = scheduler.get_last_lr()[0]
         skipped = not torch.isfinite(grad_norm)  # one bad batch must not poison the weights
         if not skipped:
-            optimizer.step()
+            for optimizer in optimizers:
+                optimizer.step()
             for hook in post_optimizer_hooks:
-                hook(model)
+                for part in parts:
+                    hook(part)
         scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        for optimizer in optimizers:
+            optimizer.zero_grad(set_to_none=True)
         return StepResult(loss, grad_norm, lr, skipped)
 
     return train_step

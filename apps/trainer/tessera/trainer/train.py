@@ -11,8 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tessera import tp
-from tessera.data import build_dataloader, distributed_peers, load_dataset, load_tokenizer
+from tessera.data import Prefetcher, build_dataloader, distributed_peers, load_dataset, load_tokenizer, parse_mixture
 from tessera.mesh import (
     Meshes,
     build_meshes,
@@ -23,11 +22,18 @@ from tessera.mesh import (
 )
 from tessera.trainer.checkpointing import Checkpointer
 from tessera.trainer.config import JobConfig, to_dict, user_input
-from tessera.trainer.lr_schedule import build_lr_scheduler
+from tessera.trainer.lr_schedule import LockstepSchedulers, build_lr_scheduler
 from tessera.trainer.metrics import MetricLogger, StepTimer, all_reduce_mean, memory_gib, peak_tflops
-from tessera.trainer.parallelize import build_parallel_model
+from tessera.trainer.parallelize import ParallelModel, build_parallel_model
 from tessera.trainer.plan import JobPlan, make_plan
-from tessera.trainer.step import StepResult, build_loss, compute_context, make_train_step, plain_forward_backward, plain_value
+from tessera.trainer.step import (
+    StepResult,
+    build_loss,
+    evaluation_loss,
+    make_train_step,
+    pipelined_forward_backward,
+    plain_forward_backward,
+)
 
 
 def _seed_everything(seed: int, deterministic: bool) -> None:
@@ -70,23 +76,24 @@ def _save_memory_snapshot(config: JobConfig, dump: Path, rank: int, step: int) -
 
 
 @torch.no_grad()
-def validate(model, dataset, plan: JobPlan, tokenizer, dp_rank: int, loss_mesh, peers) -> float:
-    """Mean loss over validation.steps batches from the start of the validation set."""
+def validate(model: ParallelModel, loss, dataset, plan: JobPlan, tokenizer, dp_rank: int, loss_mesh, peers) -> float:
+    """Mean loss over validation.steps batches from the start of the validation set; `loss`:
+    (inputs, labels) -> a batch's mean loss (step.evaluation_loss)."""
     config, section = plan.config, plan.config.validation
     loader = build_dataloader(
         dataset, tokenizer, config.training.seq_len, config.training.local_batch_size, dp_rank, plan.dims.dp,
         infinite=False, peers=peers,
     )
-    loss_fn, autocast = build_loss(plan), compute_context(plan)
-    model.eval()
+    for part in model.parts:
+        part.eval()
     total, count = torch.zeros(()), 0
     for inputs, labels in loader:
-        with autocast(), tp.loss_parallel_context(plan.loss_parallel):
-            total += plain_value(loss_fn(model(inputs.to(plan.device)), labels.to(plan.device))).cpu()
+        total += loss(inputs.to(plan.device), labels.to(plan.device)).cpu()
         count += 1
         if count == section.steps:
             break
-    model.train()
+    for part in model.parts:
+        part.train()
     if count == 0:
         raise ValueError(f"validation dataset {section.dataset_path or section.dataset} is too small for one batch")
     return all_reduce_mean(total / count, loss_mesh)
@@ -110,11 +117,43 @@ def _tokenising_peers():
     return distributed_peers(None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo"))
 
 
-def _banner(plan: JobPlan, model) -> str:
+def _training_loader(plan: JobPlan, tokenizer, dp_rank: int, dp: int, peers):
+    """The training batches: one dataset or a mixture, shuffled unless training.shuffle is off,
+    prepared ahead by a background thread when training.dataloader.num_workers > 0. That
+    thread's exchanges run on a gloo group of their own, apart from the main thread's."""
+    training = plan.config.training
+    if training.dataset_mixture:
+        paths, weights = zip(*parse_mixture(training.dataset_mixture))
+        dataset = [load_dataset(path, text_field=training.dataset_text_field) for path in paths]
+    else:
+        dataset, weights = load_dataset(plan.dataset, text_field=training.dataset_text_field), None
+    workers = training.dataloader.num_workers
+    if workers and peers is not None:
+        peers = distributed_peers(dist.new_group(backend="gloo"))
+    loader = build_dataloader(
+        dataset, tokenizer, training.seq_len, training.local_batch_size, dp_rank, dp, peers=peers, weights=weights,
+        seed=plan.config.debug.seed, shuffle=training.shuffle, shuffle_buffer=training.shuffle_buffer,
+    )
+    if not workers:
+        return loader
+    depth = workers * (training.dataloader.prefetch_factor or 2)
+    return Prefetcher(loader, depth, pin_memory=training.dataloader.pin_memory and plan.device == "cuda")
+
+
+def _optimizer(part: torch.nn.Module, config: JobConfig) -> torch.optim.Optimizer:
+    opt = config.optimizer
+    return torch.optim.AdamW(
+        part.parameters(), lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps, weight_decay=opt.weight_decay,
+        foreach=opt.implementation == "foreach", fused=opt.implementation == "fused",
+    )
+
+
+def _banner(plan: JobPlan, model: ParallelModel) -> str:
     config, batch = plan.config, plan.batch
     layout = {k: v for k, v in plan.dims.degrees().items() if v > 1} or "single"
+    local_params = sum(p.numel() for part in model.parts for p in part.parameters())
     return (
-        f"tessera: {plan.spec.name}/{config.model.flavor} {sum(p.numel() for p in model.parameters()):,} local params | "
+        f"tessera: {plan.spec.name}/{config.model.flavor} {local_params:,} local params | "
         f"{plan.device} x{plan.world_size} {layout} | global batch {batch.global_size} x {batch.seq_len} tokens "
         f"({batch.accumulation} micro-batches) | {config.training.steps} steps"
     )
@@ -135,31 +174,31 @@ def _train(plan: JobPlan, info) -> list[dict]:
     _seed_everything(config.debug.seed, config.debug.deterministic)
     tokenizer = load_tokenizer(config.model.tokenizer_path or None)
     with user_input():
-        dataset = load_dataset(plan.dataset, text_field=training.dataset_text_field)
+        loader = _training_loader(plan, tokenizer, dp_rank, dp, peers)
         val_dataset = load_dataset(plan.validation_dataset, text_field=training.dataset_text_field) if config.validation.enable else None
-    loader = build_dataloader(dataset, tokenizer, training.seq_len, training.local_batch_size, dp_rank, dp, peers=peers)
 
-    model = build_parallel_model(plan, meshes)
-    opt = config.optimizer
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps, weight_decay=opt.weight_decay,
-        foreach=opt.implementation == "foreach", fused=opt.implementation == "fused",
-    )
+    loss_fn = build_loss(plan)
+    model = build_parallel_model(plan, meshes, loss_fn)
+    optimizers = [_optimizer(part, config) for part in model.parts]  # one per part, as tessera.ckpt saves them
     sched = config.lr_scheduler
-    scheduler = build_lr_scheduler(
+    scheduler = LockstepSchedulers([build_lr_scheduler(
         optimizer, training.steps, warmup_steps=sched.warmup_steps, decay_ratio=sched.decay_ratio,
         decay_type=sched.decay_type, min_lr_factor=sched.min_lr_factor,
-    )
-    checkpointer = Checkpointer(config, plan.spec, plan.model_args, model, optimizer, scheduler, loader, dp_rank, info.rank)
+    ) for optimizer in optimizers])
+    checkpointer = Checkpointer(config, plan.spec, plan.model_args, model.parts, optimizers, scheduler, loader, info.rank,
+                                pp_group=meshes.pp.get_group() if meshes.pp is not None else None)
     with user_input():
         if config.checkpoint.create_seed_checkpoint:
             checkpointer.save_seed()
             return []
         start_step = checkpointer.restore()
 
+    forward_backward = (pipelined_forward_backward(model.pipeline, plan, meshes.pp) if model.pipeline
+                        else plain_forward_backward(model.parts[0], loss_fn, plan))
     train_step = make_train_step(
-        model, optimizer, scheduler, plain_forward_backward(model, build_loss(plan), plan), plan, plan.post_optimizer_hooks,
+        model.parts, optimizers, scheduler, forward_backward, plan, plan.post_optimizer_hooks, pp_mesh=meshes.pp,
     )
+    evaluate = evaluation_loss(model.parts, model.pipeline, loss_fn, plan, meshes.pp)
     logger = MetricLogger(
         training.steps, dump / config.metrics.save_tb_folder if config.metrics.enable_tensorboard else None,
         color=not config.metrics.disable_color_printing, enabled=is_logging_rank,
@@ -177,7 +216,7 @@ def _train(plan: JobPlan, info) -> list[dict]:
 
     def run_validation(step: int) -> dict:
         with user_input():
-            val_loss = validate(model, val_dataset, plan, tokenizer, dp_rank, meshes.loss, peers)
+            val_loss = validate(model, evaluate, val_dataset, plan, tokenizer, dp_rank, meshes.loss, peers)
         if is_logging_rank:
             print(f"validate step {step}: loss {val_loss:.4f}", flush=True)
         logger.scalars(step, {"validation_loss": val_loss})
@@ -206,6 +245,11 @@ def _train(plan: JobPlan, info) -> list[dict]:
                 if config.profiling.enable_memory_snapshot and step % config.profiling.profile_freq == 0:
                     _save_memory_snapshot(config, dump, info.rank, step)
                 checkpointer.after_step(step, last_step=step == training.steps)
+            if training.dataset_mixture and is_logging_rank:
+                shares = ", ".join(f"{name} {share:.3f}" for name, share in loader.realised_proportions().items())
+                print(f"data: realised mixture {shares} (weights {training.dataset_mixture})", flush=True)
+            if isinstance(loader, Prefetcher):
+                loader.close()  # before the process group goes; collective-safe, see tessera.data.prefetch
     finally:
         gc.enable()
         logger.close()

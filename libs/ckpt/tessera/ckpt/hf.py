@@ -7,11 +7,12 @@ folder one tensor at a time, so that no rank ever holds the whole model (70B/405
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -239,26 +240,66 @@ def _writer_decides(answer: bool) -> bool:
     return box[0]
 
 
-def _gather_converted(key: str, value: torch.Tensor, to_hf: Convert, dtype: torch.dtype | None,
-                      keep: bool) -> dict[str, torch.Tensor]:
-    """One model tensor, whole, in HF names as CPU tensors of ``dtype`` where ``keep`` (the
-    writer), else nothing. ``full_tensor()`` is collective: every rank calls this in one order."""
-    full = value.full_tensor() if isinstance(value, DTensor) else value
-    if not keep:
-        return {}
-    return {name: tensor.to("cpu", dtype) for name, tensor in to_hf({key: full}).items()}
+def _whole(value: torch.Tensor | None, meta: torch.Tensor, owner: int, stages: _Stages) -> torch.Tensor | None:
+    """One model tensor, whole, where the writer needs it: gathered by its own stage's ranks
+    (``full_tensor()`` is collective over them) and, when another pipeline stage holds it, sent
+    on to the writer's stage. None where it is not needed."""
+    full = None
+    if stages.rank == owner:
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+    if owner == 0 or not stages.with_writer:
+        return full
+    if stages.rank == owner:
+        dist.send(full.contiguous(), group=stages.group, group_dst=0)
+    elif stages.rank == 0:
+        full = torch.empty(meta.shape, dtype=meta.dtype, device=stages.device)
+        dist.recv(full, group=stages.group, group_src=owner)
+    return full
 
 
-def _gathered(model_state: dict[str, torch.Tensor], keys: list[str], to_hf: Convert, dtype: torch.dtype | None,
+def _gathered(model_state: dict[str, torch.Tensor], metas: dict[str, torch.Tensor], owners: dict[str, int],
+              keys: list[str], to_hf: Convert, dtype: torch.dtype | None, stages: _Stages,
               keep: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's tensors in HF names as CPU tensors of ``dtype`` on the writer (``keep``); every
+    rank walks the same keys in the same order, since the gathers are collective."""
     for key in keys:
-        yield from _gather_converted(key, model_state[key], to_hf, dtype, keep).items()
+        full = _whole(model_state.get(key), metas[key], owners[key], stages)
+        if keep:
+            yield from ((name, tensor.to("cpu", dtype)) for name, tensor in to_hf({key: full}).items())
+        del full  # before the next gather: one full tensor alive at a time
 
 
-def export_hf(model: nn.Module, folder: str | os.PathLike, to_hf: Convert, *, dtype: torch.dtype | None = None,
-              max_shard_bytes: int = 5 * 10**9) -> bool:
-    """Writes ``model`` (whole on every rank: plain or DTensor parameters; no pipeline stages)
-    as a Hugging Face folder, cast to ``dtype`` (default: as the model holds it). Collective.
+@dataclasses.dataclass(frozen=True)
+class _Stages:
+    group: dist.ProcessGroup | None  # the pipeline's group, None without pipeline stages
+    rank: int  # this rank's stage rank in it
+    with_writer: bool  # the group holds global rank 0, which writes the files
+    device: torch.device  # where this rank's tensors live
+
+
+def _stage_metas(model_state: dict[str, torch.Tensor], pp_group) -> tuple[dict[str, torch.Tensor], dict[str, int], _Stages]:
+    """Every stage's tensor shapes and dtypes (meta tensors), in stage order, and the stage rank
+    holding each."""
+    device = next((v.device for v in model_state.values()), torch.device("cpu"))
+    local = {key: torch.empty(value.shape, dtype=value.dtype, device="meta") for key, value in model_state.items()}
+    if pp_group is None:
+        return local, dict.fromkeys(local, 0), _Stages(None, 0, False, device)
+    everyone = [None] * dist.get_world_size(pp_group)
+    dist.all_gather_object(everyone, {key: (tuple(m.shape), m.dtype) for key, m in local.items()}, group=pp_group)
+    metas, owners = {}, {}
+    for owner, shapes in enumerate(everyone):
+        for key, (shape, tensor_dtype) in shapes.items():
+            metas[key], owners[key] = torch.empty(shape, dtype=tensor_dtype, device="meta"), owner
+    stages = _Stages(pp_group, dist.get_rank(pp_group), 0 in dist.get_process_group_ranks(pp_group), device)
+    return metas, owners, stages
+
+
+def export_hf(model: nn.Module | Sequence[nn.Module], folder: str | os.PathLike, to_hf: Convert, *,
+              dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 10**9, pp_group=None) -> bool:
+    """Writes ``model`` (plain or DTensor parameters) as a Hugging Face folder, cast to ``dtype``
+    (default: as the model holds it). Collective. Under pipeline parallel pass this rank's stages
+    (modules whose parameter names are the whole model's) and the pipeline's process group: the
+    tensors of the other stages travel to rank 0, one at a time.
 
     Files are planned up front from the global shapes (``save_hf``'s layout), then filled one
     tensor at a time: rank 0 holds at most one file's tensors (on the CPU), the others one tensor.
@@ -269,12 +310,16 @@ def export_hf(model: nn.Module, folder: str | os.PathLike, to_hf: Convert, *, dt
     if _writer_decides(final.exists()):
         return False
     writer = not dist.is_initialized() or dist.get_rank() == 0
-    model_state = get_model_state_dict(model)
-    metas = {key: torch.empty(value.shape, dtype=dtype or value.dtype, device="meta") for key, value in model_state.items()}
-    hf_metas = _convert_names(metas, to_hf, f"Hugging Face export {final}")
+    model_state = {}
+    for part in [model] if isinstance(model, nn.Module) else model:
+        model_state.update(get_model_state_dict(part))
+    metas, owners, stages = _stage_metas(model_state, pp_group)
+    cast = {key: meta.to(dtype) if dtype else meta for key, meta in metas.items()}
+    hf_metas = _convert_names(cast, to_hf, f"Hugging Face export {final}")
     sizes = {name: _nbytes(meta) for names in hf_metas.values() for name, meta in names.items()}
     plan = _shard_plan(sizes, max_shard_bytes)
-    tensors = _gathered(model_state, [key for key, names in hf_metas.items() if names], to_hf, dtype, writer)
+    keys = [key for key, names in hf_metas.items() if names]
+    tensors = _gathered(model_state, metas, owners, keys, to_hf, dtype, stages, writer)
     tmp = final.with_name(f".{final.name}.tmp")
     try:
         if writer:

@@ -1,8 +1,13 @@
-"""Tessera data: Llama 3 style tokenizer, text datasets and packed, sharded, resumable batches."""
+"""Tessera data: Llama 3 style tokenizer, text datasets, token shards, mixtures and packed,
+sharded, exactly resumable (and prefetched) batches."""
 
-from tessera.data.datasets import TextDataset, load_dataset
+from tessera.data.datasets import TextDataset, iter_documents, load_dataset
 from tessera.data.loader import PackedLoader, build_dataloader
+from tessera.data.mixture import parse_mixture
 from tessera.data.peers import Peers, distributed_peers
+from tessera.data.prefetch import Prefetcher
+from tessera.data.pretokenize import pretokenize
+from tessera.data.shards import ShardDataset, open_shards
 from tessera.data.tokenizer import (
     LLAMA3_SPECIAL_TOKENS,
     LLAMA3_SPLIT_PATTERN,
@@ -17,12 +22,18 @@ __all__ = [
     "LLAMA3_SPLIT_PATTERN",
     "PackedLoader",
     "Peers",
+    "Prefetcher",
+    "ShardDataset",
     "TextDataset",
     "Tokenizer",
     "build_dataloader",
     "distributed_peers",
+    "iter_documents",
     "load_dataset",
     "load_tokenizer",
+    "open_shards",
+    "parse_mixture",
+    "pretokenize",
     "read_ranks",
     "write_ranks",
 ]

@@ -5,6 +5,7 @@ Sources accepted by `load_dataset`:
 - a `.txt` or `.md` file: one document per block of lines; blank lines separate blocks.
 - a folder: every `.txt` / `.md` file below it (recursive, sorted by relative path) is one document.
 - a `.jsonl` or `.jsonl.gz` file: one JSON object per line, the document in `text_field`.
+- a folder of token shards written by `tools/pretokenize` (see `tessera.data.shards`).
 """
 
 from __future__ import annotations
@@ -16,10 +17,13 @@ import zlib
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import IO
+from typing import IO, Iterator
+
+from tessera.data.shards import ShardDataset, is_shard_folder, open_shards
 
 _TEXT_SUFFIXES = (".txt", ".md")
 _DEFAULT_NAMES = (None, "default")
+_DEFAULT_ASSET = "stdlib_corpus.jsonl.gz"
 
 
 @dataclass(frozen=True)
@@ -36,34 +40,53 @@ class TextDataset:
         return self.documents[index]
 
 
-def load_dataset(source: str | os.PathLike | None = None, text_field: str = "text") -> TextDataset:
-    """Documents from `source` (see the module docstring); `text_field` names the JSON field."""
-    if source in _DEFAULT_NAMES:
-        asset = resources.files("tessera.data").joinpath("assets", "stdlib_corpus.jsonl.gz")
-        with asset.open("rb") as f:
-            documents = _read_jsonl(f, str(asset), gzipped=True, text_field="text")
-        return _non_empty(TextDataset("default", documents))
+def load_dataset(
+    source: str | os.PathLike | None = None, text_field: str = "text"
+) -> TextDataset | ShardDataset:
+    """Documents from `source` (see the module docstring); `text_field` names the JSON field.
 
+    A folder written by `tools/pretokenize` (it holds `index.json`) opens as a memory-mapped
+    `ShardDataset` instead: nothing is read or tokenised up front.
+    """
+    if source not in _DEFAULT_NAMES and is_shard_folder(source):
+        return open_shards(source)
+    name = "default" if source in _DEFAULT_NAMES else str(Path(source))
+    return _non_empty(TextDataset(name, tuple(iter_documents(source, text_field))))
+
+
+def source_files(source: str | os.PathLike | None) -> list[Path]:
+    """The files `source` reads, in document order (the embedded corpus: its asset)."""
+    if source in _DEFAULT_NAMES:
+        return [Path(str(resources.files("tessera.data").joinpath("assets", _DEFAULT_ASSET)))]
     path = Path(source)
     if not path.exists():
         raise FileNotFoundError(f"dataset path not found: {path}")
     if path.is_dir():
-        files = sorted(
+        return sorted(
             (p for p in path.rglob("*") if p.is_file() and p.suffix in _TEXT_SUFFIXES),
             key=lambda p: p.relative_to(path).as_posix(),
         )
-        documents = tuple(text for text in map(_read_text, files) if text.strip())
-    elif path.name.endswith((".jsonl", ".jsonl.gz")):
-        gzipped = path.name.endswith(".gz")
-        with open(path, "rb") as f:
-            documents = _read_jsonl(f, str(path), gzipped, text_field)
-    elif path.suffix in _TEXT_SUFFIXES:
-        documents = _split_blocks(_read_text(path))
-    else:
+    if not path.name.endswith((".jsonl", ".jsonl.gz")) and path.suffix not in _TEXT_SUFFIXES:
         raise ValueError(
             f"unsupported dataset file {path}: expected .txt, .md, .jsonl, .jsonl.gz or a folder"
         )
-    return _non_empty(TextDataset(str(path), documents))
+    return [path]
+
+
+def iter_documents(source: str | os.PathLike | None, text_field: str = "text") -> Iterator[str]:
+    """The documents of `source` one at a time (blank ones skipped), without holding them all."""
+    folder = source not in _DEFAULT_NAMES and Path(source).is_dir()
+    for path in source_files(source):
+        if folder:
+            text = _read_text(path)
+            if text.strip():
+                yield text
+        elif path.name.endswith((".jsonl", ".jsonl.gz")):
+            field = "text" if source in _DEFAULT_NAMES else text_field
+            with open(path, "rb") as f:
+                yield from _read_jsonl(f, str(path), path.name.endswith(".gz"), field)
+        else:
+            yield from _split_blocks(_read_text(path))
 
 
 def _non_empty(dataset: TextDataset) -> TextDataset:
@@ -93,9 +116,8 @@ def _split_blocks(text: str) -> tuple[str, ...]:
     return tuple(blocks)
 
 
-def _read_jsonl(f: IO[bytes], origin: str, gzipped: bool, text_field: str) -> tuple[str, ...]:
+def _read_jsonl(f: IO[bytes], origin: str, gzipped: bool, text_field: str) -> Iterator[str]:
     """The `text_field` of every non-blank JSON line; errors name `origin` and the line number."""
-    documents = []
     lineno = 0
     try:
         stream = gzip.GzipFile(fileobj=f, mode="rb") if gzipped else f
@@ -113,7 +135,6 @@ def _read_jsonl(f: IO[bytes], origin: str, gzipped: bool, text_field: str) -> tu
             text = record[text_field]
             if not isinstance(text, str):
                 raise ValueError(f"{origin}:{lineno}: field {text_field!r} is not a string")
-            documents.append(text)
+            yield text
     except (gzip.BadGzipFile, EOFError, zlib.error) as e:
         raise ValueError(f"{origin}: corrupt gzip data after line {lineno} ({e})") from None
-    return tuple(documents)

@@ -1,69 +1,54 @@
-"""Packed next-token batches: documents -> one token stream -> windows -> data-parallel shards.
+"""Packed next-token batches: token streams -> windows -> data-parallel shards.
 
-Each document is encoded as BOS + text + EOS, and the documents are laid end to end (the stream
-runs on across epochs). The stream is cut into consecutive windows of seq_len + 1 tokens; a
-window gives inputs w[:-1] and labels w[1:]. Window i belongs to data-parallel rank
-i % dp_world_size, and every batch step consumes local_batch_size * dp_world_size windows, so
-rank r's k-th batch holds windows (k * b + j) * W + r for j < b: the union of the ranks' k-th
-batches is the k-th batch of a single process with batch size b * W.
+A dataset is a token stream (documents laid end to end as BOS + text + EOS, running on across
+epochs; see `text_stream` and `shard_stream`), cut into consecutive windows of seq_len + 1
+tokens; a window gives inputs w[:-1] and labels w[1:]. Global window i belongs to
+data-parallel rank i % dp_world_size, and every batch step consumes
+local_batch_size * dp_world_size windows, so rank r's k-th batch holds windows
+(k * b + j) * W + r for j < b: the union of the ranks' k-th batches is the k-th batch of a
+single process with batch size b * W. With a mixture, global window i comes from the dataset
+`Mixture.dataset_of(i)` picks, as that dataset's next window.
 
-The position in the stream (epoch, document, token offset) is the whole state, so a loader
-restored from `state_dict()` taken after k batches yields batch k + 1 onward.
-
-Every rank walks the whole stream, and documents are long (many windows each, needed by many
-ranks), so the ranks share the encoding instead of each encoding everything: the stream is read
-in blocks of documents at absolute indices ([k * B, (k + 1) * B)), peer p encodes the block's
-documents j with j % peers.size == p, and one all-gather gives every peer the block's tokens.
-Blocks depend only on the stream position, so peers in lockstep exchange at the same points,
-also after `load_state_dict`. Alone (no peers) a block is simply encoded by this process.
+The state is a global position (the windows consumed by all ranks together and where each
+stream stands), the same on every rank: a loader restored from `state_dict()` taken after k
+batches yields batch k + 1 onward, under any data-parallel degree with the same global batch.
 """
 
 from __future__ import annotations
 
-from array import array
-from typing import Any, Sequence
+from typing import Any, Sequence, Union
 
+import numpy as np
 import torch
 
+from tessera.data.mixture import Mixture
 from tessera.data.peers import ALONE, Peers
+from tessera.data.shard_stream import ShardStream
+from tessera.data.shards import ShardDataset, check_tokenizer
+from tessera.data.text_stream import TextStream, check_state
 from tessera.data.tokenizer import Tokenizer
 
 # Default block: every peer encodes this many documents per exchange, so no peer idles and
 # the number of exchanges per epoch falls as peers are added.
 DOCUMENTS_PER_PEER = 4
+# Shard shuffling permutes documents within groups of this many (see shard_stream).
+SHUFFLE_BUFFER = 8192
 
-_STATE_KEYS = ("epoch", "doc_index", "token_offset", "window_index", "num_documents")
+Dataset = Union[Sequence[str], ShardDataset]
 
 
 class PackedLoader:
     """Iterator of (inputs, labels) LongTensors [local_batch_size, seq_len]; see the module."""
 
-    def __init__(
-        self,
-        dataset: Sequence[str],
-        tokenizer: Tokenizer,
-        seq_len: int,
-        local_batch_size: int,
-        dp_rank: int,
-        dp_world_size: int,
-        infinite: bool,
-        peers: Peers,
-        block_documents: int,
-    ):
-        self._dataset = dataset
-        self._tokenizer = tokenizer
-        self._seq_len = seq_len
+    def __init__(self, streams: list, names: list[str], mixture: Mixture | None, local_batch_size: int,
+                 dp_rank: int, dp_world_size: int):
+        self._streams = streams
+        self._names = names
+        self._mixture = mixture
         self._local_batch_size = local_batch_size
         self._dp_rank = dp_rank
         self._dp_world_size = dp_world_size
-        self._infinite = infinite
-        self._peers = peers
-        self._block_documents = block_documents
-        self._epoch = 0
-        self._doc_index = 0  # document holding the next stream token
-        self._token_offset = 0  # position of the next stream token inside that document
         self._window_index = 0  # global windows consumed so far (all ranks)
-        self._block: dict[int, array] = {}  # document index -> tokens, for the current block
 
     def __iter__(self) -> "PackedLoader":
         return self
@@ -72,96 +57,47 @@ class PackedLoader:
         rows = []
         for _ in range(self._local_batch_size * self._dp_world_size):
             mine = self._window_index % self._dp_world_size == self._dp_rank
-            window = self._advance(self._seq_len + 1, collect=mine)
-            if window is None:
-                raise StopIteration
+            stream = 0 if self._mixture is None else self._mixture.dataset_of(self._window_index)
+            window = self._streams[stream].take(collect=mine)  # StopIteration: finite data ran out
             if mine:
                 rows.append(window)
             self._window_index += 1
-        batch = torch.tensor(rows, dtype=torch.long)
+        batch = torch.from_numpy(np.stack(rows))
         return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
 
-    def state_dict(self) -> dict[str, int]:
-        """Stream position (plain ints); the same on every rank after the same number of batches."""
-        return {
-            "epoch": self._epoch,
-            "doc_index": self._doc_index,
-            "token_offset": self._token_offset,
-            "window_index": self._window_index,
-            "num_documents": len(self._dataset),
-        }
+    def state_dict(self) -> dict[str, Any]:
+        """Global position (plain ints); the same on every rank after the same number of batches."""
+        if self._mixture is None:
+            return {**self._streams[0].state_dict(), "window_index": self._window_index}
+        return {"window_index": self._window_index, "datasets": [s.state_dict() for s in self._streams]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume at the stream position of `state` (from `state_dict()`).
+        """Resume at the position of `state` (from `state_dict()`, any data-parallel layout).
 
         Collective with peers: all of them must load the same state (it is rank-independent).
         """
-        missing = [k for k in _STATE_KEYS if not isinstance(state.get(k), int) or state[k] < 0]
-        if missing:
-            raise ValueError(f"loader state needs non-negative ints for {missing}")
-        if state["num_documents"] != len(self._dataset):
-            raise ValueError(
-                f"loader state is for a dataset of {state['num_documents']} documents, "
-                f"this one has {len(self._dataset)}"
-            )
-        if state["doc_index"] > len(self._dataset):
-            raise ValueError(f"loader state doc_index {state['doc_index']} is past the dataset end")
-        self._epoch = state["epoch"]
-        self._doc_index = state["doc_index"]
-        self._token_offset = state["token_offset"]
+        if self._mixture is None:
+            self._streams[0].load_state_dict(state)
+        else:
+            datasets = state.get("datasets")
+            if not isinstance(datasets, list) or len(datasets) != len(self._streams):
+                raise ValueError(f"loader state is not for a mixture of {len(self._streams)} datasets")
+            for stream, stream_state in zip(self._streams, datasets):
+                stream.load_state_dict(stream_state)
+        check_state(state, ["window_index"])
         self._window_index = state["window_index"]
-        self._block.clear()  # so every peer fetches the same blocks from here, cached or not
-        in_data = self._doc_index < len(self._dataset)
-        if in_data and self._token_offset >= len(self._doc(self._doc_index)):
-            raise ValueError(
-                f"loader state token_offset {self._token_offset} is past the end of document "
-                f"{self._doc_index}; the dataset or tokenizer changed"
-            )
 
-    def _doc(self, index: int) -> array:
-        if index not in self._block:
-            self._load_block(index // self._block_documents)
-        return self._block[index]
-
-    def _load_block(self, block: int) -> None:
-        """Encode this peer's share of block `block` and gather the other peers' shares.
-
-        One block is held at a time, as int32 arrays (4 bytes a token; a list of ints takes ~36).
-        """
-        self._block.clear()
-        start = block * self._block_documents
-        stop = min(start + self._block_documents, len(self._dataset))
-        mine = {
-            j: array("i", self._tokenizer.encode(self._dataset[j], bos=True, eos=True))
-            for j in range(start, stop)
-            if j % self._peers.size == self._peers.rank
-        }
-        for share in self._peers.all_gather(mine):
-            self._block.update(share)
-
-    def _advance(self, n: int, collect: bool) -> list[int] | None:
-        """Move n tokens along the stream, returning them if `collect`; None at the end of data."""
-        taken: list[int] = []
-        while n > 0:
-            if self._doc_index == len(self._dataset):
-                if not self._infinite:
-                    return None
-                self._epoch += 1
-                self._doc_index = 0
-            tokens = self._doc(self._doc_index)
-            step = min(n, len(tokens) - self._token_offset)
-            if collect:
-                taken.extend(tokens[self._token_offset : self._token_offset + step])
-            self._token_offset += step
-            n -= step
-            if self._token_offset == len(tokens):
-                self._doc_index += 1
-                self._token_offset = 0
-        return taken
+    def realised_proportions(self, window_index: int | None = None) -> dict[str, float]:
+        """Share of each dataset among the first `window_index` windows (default: those consumed)."""
+        window_index = self._window_index if window_index is None else window_index
+        if self._mixture is None or window_index == 0:
+            return {}
+        counts = self._mixture.counts_before(window_index)
+        return {name: int(c) / window_index for name, c in zip(self._names, counts)}
 
 
 def build_dataloader(
-    dataset: Sequence[str],
+    dataset: Dataset | Sequence[Dataset],
     tokenizer: Tokenizer,
     seq_len: int,
     local_batch_size: int,
@@ -170,30 +106,52 @@ def build_dataloader(
     infinite: bool = True,
     peers: Peers | None = None,
     block_documents: int | None = None,
+    *,
+    weights: Sequence[float] | None = None,
+    seed: int = 0,
+    shuffle: bool = False,
+    shuffle_buffer: int = SHUFFLE_BUFFER,
 ) -> PackedLoader:
     """Packed, data-parallel-sharded, resumable batches of `dataset` (see module docstring).
+
+    `dataset`: documents (a `TextDataset` or any sequence of strings) or a `ShardDataset`;
+    with `weights`, a list of those mixed in these proportions (seeded by `seed`).
+    `shuffle`: documents in a seeded order per epoch (`seed`; shards: shard permutation plus
+    groups of `shuffle_buffer` documents) instead of file order.
 
     With infinite=False iteration stops at the first batch step the data cannot fill (on every
     rank at the same step); a trailing partial window is dropped.
 
     `peers` (e.g. `distributed_peers()`): the processes that walk this stream in lockstep, with
     the same dataset, tokenizer, seq_len, local_batch_size * dp_world_size and state (every rank
-    of a job, tensor-parallel peers included); they split the encoding and iterating is
-    collective. `block_documents` (default DOCUMENTS_PER_PEER * peers.size): documents per
-    exchange; the windows do not depend on it, memory and exchange count do.
+    of a job, tensor-parallel peers included); they split the encoding of text datasets and
+    iterating is collective. `block_documents` (default DOCUMENTS_PER_PEER * peers.size):
+    documents per exchange; the windows do not depend on it, memory and exchange count do.
+    Shard datasets need no encoding: each rank reads only its own windows.
     """
     peers = ALONE if peers is None else peers
     if block_documents is None:
         block_documents = DOCUMENTS_PER_PEER * peers.size
     for name, value in (("seq_len", seq_len), ("local_batch_size", local_batch_size),
-                        ("dp_world_size", dp_world_size), ("block_documents", block_documents)):
+                        ("dp_world_size", dp_world_size), ("block_documents", block_documents),
+                        ("shuffle_buffer", shuffle_buffer)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if not isinstance(dp_rank, int) or not 0 <= dp_rank < dp_world_size:
         raise ValueError(f"dp_rank must be in [0, {dp_world_size}), got {dp_rank!r}")
-    if len(dataset) == 0:
-        raise ValueError("dataset has no documents")
-    return PackedLoader(
-        dataset, tokenizer, seq_len, local_batch_size, dp_rank, dp_world_size, infinite,
-        peers, block_documents,
-    )
+    datasets = [dataset] if weights is None else list(dataset)
+    if weights is not None and len(weights) != len(datasets):
+        raise ValueError(f"a mixture needs one weight per dataset: {len(datasets)} datasets, {len(weights)} weights")
+    mixture = None if weights is None else Mixture(list(weights), seed)
+    shuffle_seed = seed if shuffle else None
+    streams = []
+    for data in datasets:
+        if len(data) == 0:
+            raise ValueError("dataset has no documents")
+        if isinstance(data, ShardDataset):
+            check_tokenizer(data, tokenizer)
+            streams.append(ShardStream(data, seq_len + 1, infinite, shuffle_seed, shuffle_buffer))
+        else:
+            streams.append(TextStream(data, tokenizer, seq_len + 1, infinite, peers, block_documents, shuffle_seed))
+    names = [getattr(data, "source", f"dataset {i}") for i, data in enumerate(datasets)]
+    return PackedLoader(streams, names, mixture, local_batch_size, dp_rank, dp_world_size)

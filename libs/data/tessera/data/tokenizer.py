@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import os
 import re
 from importlib import resources
@@ -56,6 +57,13 @@ class Tokenizer:
 
     def __init__(self, ranks: dict[bytes, int], name: str = "tessera"):
         n = len(ranks)
+        self.name = name
+        # Identity of the token ids (ranks in order + specials), so token shards can refuse a
+        # tokenizer other than the one that made them, whatever its file is called.
+        digest = hashlib.sha256(LLAMA3_SPLIT_PATTERN.encode())
+        for token, _ in sorted(ranks.items(), key=lambda item: item[1]):
+            digest.update(len(token).to_bytes(4, "little") + token)
+        self.fingerprint = digest.hexdigest()[:16]
         self.special_tokens = {tok: n + i for i, tok in enumerate(LLAMA3_SPECIAL_TOKENS)}
         self._encoding = tiktoken.Encoding(
             name,

@@ -82,11 +82,13 @@ def _matches(pattern: list[str], path: list[str]) -> bool:
     return len(pattern) == len(path) and all(p in ("*", name) for p, name in zip(pattern, path))
 
 
-def resolve_plan(model: nn.Module, plan: Mapping[str, str], roles: Collection[str] = ROLES) -> dict[str, str]:
+def resolve_plan(model: nn.Module, plan: Mapping[str, str], roles: Collection[str] = ROLES, *,
+                 missing_ok: bool = False) -> dict[str, str]:
     """Expands ``plan`` to {module path: role} over ``model``'s modules.
 
     ``*`` matches exactly one path component. A role outside ``roles``, a pattern matching no
-    module, or a module matched by two patterns is a ValueError naming the culprit.
+    module (unless ``missing_ok``: a pipeline stage holds only part of the model), or a module
+    matched by two patterns is a ValueError naming the culprit.
     """
     paths = [name for name, _ in model.named_modules() if name]
     resolved: dict[str, str] = {}
@@ -98,7 +100,7 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, str], roles: Collection[st
             )
         parts = pattern.split(".")
         hits = [path for path in paths if _matches(parts, path.split("."))]
-        if not hits:
+        if not hits and not missing_ok:
             raise ValueError(f"tensor-parallel plan pattern {pattern!r} matches no module of {type(model).__name__}")
         for path in hits:
             if path in claimed_by:
@@ -140,6 +142,7 @@ def apply_tp(
     sequence_parallel: bool = True,
     loss_parallel: bool = True,
     styles: Mapping[str, StyleFactory] | None = None,
+    missing_ok: bool = False,
 ) -> nn.Module:
     """Shards ``model`` in place over the 1-D ``tp_mesh`` following ``plan``; returns it.
 
@@ -148,10 +151,11 @@ def apply_tp(
     the model returns logits as a DTensor split on vocab: compute the loss and run backward
     inside ``loss_parallel_context(True)``. Weights are taken from the mesh's first rank.
     ``styles`` (role -> StyleFactory) replaces or adds to DEFAULT_STYLES, e.g. float8 linears
-    or expert-parallel modules from other libraries.
+    or expert-parallel modules from other libraries. ``missing_ok`` skips plan patterns that
+    match nothing, for a pipeline stage holding part of the model.
     """
     factories = styles_with(styles)
-    resolved = resolve_plan(model, plan, roles=factories.keys())
+    resolved = resolve_plan(model, plan, roles=factories.keys(), missing_ok=missing_ok)
     tied = _shared_parameters(model)
     layouts = Layouts(sequence_parallel, loss_parallel)
     for path, role in resolved.items():

@@ -1,0 +1,191 @@
+"""Token shards: pre-tokenised documents on disk, opened without reading them.
+
+A shard folder (written by `tools/pretokenize`, see `tessera.data.pretokenize`) holds
+- `shard-NNNNN.tokens`: the documents' token ids end to end, each document already
+  BOS + tokens + EOS, as little-endian uint16 (vocabulary <= 65536) or uint32;
+- `shard-NNNNN.offsets`: little-endian int64 document starts, one per document plus the end;
+- `index.json`: format, tokenizer identity, dtype, per-shard counts, totals and the inputs it
+  was made from. It is written last, so a folder with an index is complete.
+
+Opening checks sizes against the index (a truncated or mismatched file is one error line) and
+maps only the offsets; token ids are read with `os.pread` when a window needs them, so a
+rank's resident memory does not grow with the data it streams (the page cache holds them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+INDEX = "index.json"
+FORMAT = "tessera-token-shards"
+VERSION = 1
+_OFFSET_DTYPE = np.dtype("<i8")
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 when every id fits, else uint32: half the disk and page cache for small vocabularies."""
+    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
+
+
+@dataclass(frozen=True)
+class Shard:
+    tokens_path: Path
+    file: BinaryIO  # unbuffered; read with os.pread, so concurrent readers need no seek
+    offsets: np.ndarray  # memory-mapped int64 [documents + 1]
+    num_tokens: int
+
+    @property
+    def num_documents(self) -> int:
+        return len(self.offsets) - 1
+
+
+@dataclass(frozen=True)
+class ShardDataset:
+    """The shards of one folder, in index order; `len()` is the number of documents."""
+
+    source: str
+    tokenizer: dict[str, Any]  # name, fingerprint, vocab_size, bos_id, eos_id
+    dtype: np.dtype
+    shards: tuple[Shard, ...]
+    num_tokens: int
+    index: dict[str, Any]
+
+    def __len__(self) -> int:
+        return sum(s.num_documents for s in self.shards)
+
+    def read(self, shard: int, start: int, count: int) -> np.ndarray:
+        """Token ids [start, start + count) of shard `shard` as int64."""
+        s = self.shards[shard]
+        size = self.dtype.itemsize
+        raw = os.pread(s.file.fileno(), count * size, start * size)
+        if len(raw) != count * size:
+            raise OSError(f"{s.tokens_path}: short read at token {start} (file changed since it was opened?)")
+        return np.frombuffer(raw, dtype=self.dtype).astype(np.int64)
+
+    def document(self, index: int) -> np.ndarray:
+        """Tokens of document `index` (counting across shards in order): BOS + text + EOS."""
+        for i, s in enumerate(self.shards):
+            if index < s.num_documents:
+                start, stop = int(s.offsets[index]), int(s.offsets[index + 1])
+                return self.read(i, start, stop - start)
+            index -= s.num_documents
+        raise IndexError("document index out of range")
+
+
+def is_shard_folder(path: str | os.PathLike) -> bool:
+    return (Path(path) / INDEX).is_file()
+
+
+def open_shards(folder: str | os.PathLike) -> ShardDataset:
+    """Opens a shard folder: reads the index, checks file sizes, maps the offsets."""
+    folder = Path(folder)
+    index_path = folder / INDEX
+    try:
+        index = json.loads(index_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{index_path}: not a token-shard index ({e})") from None
+    if not isinstance(index, dict) or index.get("format") != FORMAT or index.get("version") != VERSION:
+        raise ValueError(f"{index_path}: not a {FORMAT} index of version {VERSION}")
+    try:
+        dtype = np.dtype(index["dtype"])
+        shards = tuple(_open_shard(folder, entry, dtype, index_path) for entry in index["shards"])
+        tokenizer, total = index["tokenizer"], index["tokens"]
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{index_path}: malformed index (missing or bad {e})") from None
+    if sum(s.num_tokens for s in shards) != total or not shards:
+        raise ValueError(f"{index_path}: index/shard mismatch: shard token counts do not add up to {total}")
+    return ShardDataset(str(folder), tokenizer, dtype, shards, total, index)
+
+
+def _open_shard(folder: Path, entry: dict, dtype: np.dtype, index_path: Path) -> Shard:
+    tokens_path = folder / f"{entry['name']}.tokens"
+    offsets_path = folder / f"{entry['name']}.offsets"
+    num_tokens, num_documents = int(entry["tokens"]), int(entry["documents"])
+    for path, expected in ((tokens_path, num_tokens * dtype.itemsize),
+                           (offsets_path, (num_documents + 1) * _OFFSET_DTYPE.itemsize)):
+        if not path.is_file():
+            raise FileNotFoundError(f"token shard file {path} is missing (listed in {index_path})")
+        size = path.stat().st_size
+        if size != expected:
+            what = "truncated" if size < expected else "oversized"
+            raise ValueError(f"{path}: {what} shard file: {size} bytes, {index_path} says {expected}")
+    offsets = np.memmap(offsets_path, dtype=_OFFSET_DTYPE, mode="r")
+    if offsets[0] != 0 or offsets[-1] != num_tokens:
+        raise ValueError(
+            f"{offsets_path}: index/shard mismatch: documents span tokens {int(offsets[0])}..{int(offsets[-1])}, "
+            f"the shard holds {num_tokens}"
+        )
+    return Shard(tokens_path, open(tokens_path, "rb", buffering=0), offsets, num_tokens)
+
+
+def check_tokenizer(dataset: ShardDataset, tokenizer) -> None:
+    """Refuses shards whose token ids come from another tokenizer, naming both."""
+    made = dataset.tokenizer
+    if made.get("fingerprint") != tokenizer.fingerprint:
+        raise ValueError(
+            f"token shards {dataset.source} were made by tokenizer {made.get('name')!r} "
+            f"(fingerprint {made.get('fingerprint')}), this run uses {tokenizer.name!r} "
+            f"(fingerprint {tokenizer.fingerprint}); re-run tools/pretokenize with this tokenizer"
+        )
+
+
+class ShardWriter:
+    """Appends documents (token arrays incl. BOS/EOS) into shards of at most `shard_tokens`
+    tokens (a document is never split); `finish` writes the index, the commit point."""
+
+    def __init__(self, folder: Path, dtype: np.dtype, shard_tokens: int):
+        self.folder, self.dtype, self.shard_tokens = folder, dtype, shard_tokens
+        self.shards: list[dict[str, Any]] = []
+        self._file: BinaryIO | None = None
+        self._ends: list[np.ndarray] = []  # document ends in the open shard, in chunks
+        self._tokens = 0  # tokens in the open shard
+
+    def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        """Documents laid end to end in `tokens`, with their `lengths`."""
+        first = 0
+        while first < len(lengths):
+            ends = self._tokens + np.cumsum(lengths[first:])
+            fit = int(np.searchsorted(ends, self.shard_tokens, side="right"))
+            if self._file is None or (fit == 0 and self._tokens > 0):
+                self._open_shard()
+                continue
+            fit = max(fit, 1)  # a document longer than a shard gets a shard of its own
+            start = int(lengths[:first].sum())
+            count = int(ends[fit - 1]) - self._tokens
+            self._file.write(tokens[start : start + count].astype(self.dtype, copy=False).tobytes())
+            self._ends.append(ends[:fit])
+            self._tokens += count
+            first += fit
+
+    def _open_shard(self) -> None:
+        self._close_shard()
+        name = f"shard-{len(self.shards):05d}"
+        self.shards.append({"name": name})
+        self._file = open(self.folder / f"{name}.tokens", "wb")
+        self._ends, self._tokens = [], 0
+
+    def _close_shard(self) -> None:
+        if self._file is None:
+            return
+        self._file.close()
+        name = self.shards[-1]["name"]
+        offsets = np.concatenate([np.zeros(1, dtype=np.int64), *self._ends]).astype(_OFFSET_DTYPE)
+        offsets.tofile(self.folder / f"{name}.offsets")
+        self.shards[-1].update(documents=len(offsets) - 1, tokens=self._tokens)
+
+    def finish(self, fields: dict[str, Any]) -> dict[str, Any]:
+        self._close_shard()
+        index = {
+            "format": FORMAT, "version": VERSION, "dtype": self.dtype.str, **fields, "shards": self.shards,
+            "documents": sum(s["documents"] for s in self.shards), "tokens": sum(s["tokens"] for s in self.shards),
+        }
+        tmp = self.folder / f"{INDEX}.tmp"
+        tmp.write_text(json.dumps(index, indent=1) + "\n", encoding="utf-8")
+        os.replace(tmp, self.folder / INDEX)
+        return index

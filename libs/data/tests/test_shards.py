@@ -1,0 +1,247 @@
+"""Token shards, shuffling, mixtures and prefetch: round trip against the text path, rank-local
+reads, exact resume across data-parallel layouts, mixture proportions, and bad input."""
+
+import itertools
+import json
+import os
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from tessera.data import (
+    Prefetcher, build_dataloader, load_dataset, load_tokenizer, open_shards, parse_mixture, pretokenize, write_ranks,
+)
+from tessera.data import shards as shards_module
+from tessera.data.mixture import Mixture
+
+TOK = load_tokenizer()
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda".split()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A .txt of 60 documents of varied length, and its shards (2 workers, several shards)."""
+    tmp = tmp_path_factory.mktemp("corpus")
+    rng = np.random.default_rng(0)
+    docs = [" ".join(rng.choice(WORDS, size=int(rng.integers(3, 60)))) + f" #{i}" for i in range(60)]
+    text = tmp / "docs.txt"
+    text.write_text("\n\n".join(docs))
+    index = pretokenize([text], tmp / "shards", workers=2, shard_tokens=1500)
+    assert len(index["shards"]) > 2 and index["documents"] == 60
+    return text, tmp / "shards"
+
+
+def windows_of(loader, steps):
+    return [torch.cat([x, y[:, -1:]], 1) for x, y in itertools.islice(loader, steps)]
+
+
+def equal(a, b):
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_round_trip_matches_the_text_path(corpus):
+    text, folder = corpus
+    shards = load_dataset(folder)
+    assert shards.dtype == np.dtype("<u2") and len(shards) == 60
+    assert [shards.document(i).tolist() for i in range(60)] == [
+        TOK.encode(doc, bos=True, eos=True) for doc in load_dataset(text).documents]
+    for world in (1, 2):
+        for rank in range(world):  # 40 steps of 16-token windows: several epochs
+            expected = windows_of(build_dataloader(load_dataset(text), TOK, 15, 2, rank, world), 40)
+            assert equal(windows_of(build_dataloader(shards, TOK, 15, 2, rank, world), 40), expected)
+    finite = lambda data: windows_of(build_dataloader(data, TOK, 15, 3, infinite=False), 10**6)
+    assert equal(finite(shards), finite(load_dataset(text)))
+
+
+def test_ranks_read_only_their_windows_and_see_each_once(corpus, monkeypatch):
+    _, folder = corpus
+    shards = open_shards(folder)
+    starts = np.cumsum([0] + [s.num_tokens for s in shards.shards])
+    reads = []
+    pread = os.pread
+    monkeypatch.setattr(shards_module.os, "pread", lambda fd, n, off: reads.append((fd, n, off)) or pread(fd, n, off))
+    seen = {}
+    window = 8
+    for rank in range(2):
+        reads.clear()
+        for k, (x, y) in enumerate(build_dataloader(shards, TOK, window - 1, 2, rank, 2, infinite=False)):
+            for j, row in enumerate(torch.cat([x, y[:, -1:]], 1)):
+                seen[(k * 2 + j) * 2 + rank] = row
+        fds = {s.file.fileno(): i for i, s in enumerate(shards.shards)}
+        for fd, n, off in reads:  # stream position of every token read -> its window's owner
+            first = starts[fds[fd]] + off // 2
+            assert {int(p) // window % 2 for p in range(first, first + n // 2)} == {rank}
+    stream = np.concatenate([shards.document(i) for i in range(len(shards))])
+    n = len(stream) // window // 4 * 4  # whole global batches
+    assert sorted(seen) == list(range(n))
+    assert all(seen[i].tolist() == stream[i * window : (i + 1) * window].tolist() for i in range(n))
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("before, after", [(1, 2), (2, 1)])
+def test_resume_under_another_layout(corpus, shuffle, before, after):
+    """State taken after k steps at dp `before` continues at dp `after` (same global batch 4)."""
+    text, folder = corpus
+    for data in (load_dataset(folder), load_dataset(text)):
+        make = lambda rank, world: build_dataloader(data, TOK, 15, 4 // world, rank, world, shuffle=shuffle, seed=3,
+                                                    shuffle_buffer=7)
+        reference = make(0, 1)
+        expected = windows_of(reference, 30)[9:]
+        first = [make(r, before) for r in range(before)]
+        for loader in first:
+            windows_of(loader, 9)
+        states = [pickle.loads(pickle.dumps(loader.state_dict())) for loader in first]
+        assert all(state == states[0] for state in states)
+        resumed = [make(r, after) for r in range(after)]
+        for loader in resumed:
+            loader.load_state_dict(states[0])
+        got = [windows_of(loader, 21) for loader in resumed]
+        # global batch k = rows of every rank interleaved: row j of rank r is global row j * W + r
+        merged = [torch.stack([got[i % after][k][i // after] for i in range(4)]) for k in range(21)]
+        assert equal(merged, expected)
+
+
+def test_shuffle_is_seeded_per_epoch_and_bounded(corpus):
+    _, folder = corpus
+    shards = load_dataset(folder)
+    epoch = shards.num_tokens
+
+    def first_epochs(seed, buffer=7):
+        loader = build_dataloader(shards, TOK, epoch - 1, 1, shuffle=True, seed=seed, shuffle_buffer=buffer)
+        return [torch.cat([x, y[:, -1:]], 1)[0] for x, y in itertools.islice(loader, 2)]
+
+    a, b = first_epochs(1), first_epochs(1)
+    assert equal(a, b)  # deterministic
+    assert not torch.equal(a[0], a[1]) and not torch.equal(a[0], first_epochs(2)[0])
+    plain = np.concatenate([shards.document(i) for i in range(len(shards))])
+    for e in a:  # every epoch: the same documents, another order
+        assert sorted(e.tolist()) == sorted(plain.tolist()) and e.tolist() != plain.tolist()
+    # Bounded: documents stay in their shard, within their group of `buffer`.
+    bos = TOK.bos_id
+    docs = np.split(a[0].numpy(), np.flatnonzero(a[0].numpy() == bos)[1:])
+    index = {tuple(shards.document(i).tolist()): i for i in range(len(shards))}
+    order = [index[tuple(d.tolist())] for d in docs]
+    firsts = np.cumsum([0] + [s.num_documents for s in shards.shards])
+    groups = [(int(np.searchsorted(firsts, i, "right")), (i - firsts[np.searchsorted(firsts, i, "right") - 1]) // 7)
+              for i in order]
+    assert groups == [g for g, _ in itertools.groupby(groups) for _ in range(sum(1 for x in groups if x == g))]
+
+
+def test_text_shuffle_changes_order_only(corpus):
+    text, _ = corpus
+    data = load_dataset(text)
+    epoch = sum(len(TOK.encode(d, bos=True, eos=True)) for d in data.documents)
+    plain, shuffled = (next(build_dataloader(data, TOK, epoch - 1, 1, shuffle=s, seed=0))[0] for s in (False, True))
+    assert sorted(plain[0].tolist()) == sorted(shuffled[0].tolist()) and not torch.equal(plain, shuffled)
+
+
+def test_mixture_proportions_deterministic_and_resumable(corpus):
+    text, folder = corpus
+    weights = [0.7, 0.2, 0.1]
+    m = Mixture(weights, seed=5)
+    picks = np.array([m.dataset_of(i) for i in range(20000)])
+    shares = np.bincount(picks, minlength=3) / len(picks)
+    assert np.allclose(shares, weights, atol=0.005)
+    assert np.array_equal(m.counts_before(12345), np.bincount(picks[:12345], minlength=3))
+    assert np.array_equal(picks, [Mixture(weights, seed=5).dataset_of(i) for i in range(20000)])
+    assert not np.array_equal(picks[:4096], [Mixture(weights, seed=6).dataset_of(i) for i in range(4096)])
+
+    datasets = [load_dataset(folder), load_dataset(text)]  # shards and text mix
+    make = lambda rank, world: build_dataloader(datasets, TOK, 7, 8 // world, rank, world, weights=[3, 1], seed=1)
+    reference = make(0, 1)
+    expected = windows_of(reference, 12)[5:]
+    proportions = reference.realised_proportions()
+    assert list(proportions) == [str(folder), str(text)] and abs(proportions[str(folder)] - 0.75) < 0.15  # 96 windows: sampling noise
+    loaders = [make(r, 2) for r in range(2)]
+    state = reference.state_dict()
+    reference2 = make(0, 1)
+    windows_of(reference2, 5)
+    for loader in loaders:
+        loader.load_state_dict(reference2.state_dict())
+    got = [windows_of(loader, 7) for loader in loaders]
+    assert equal([torch.stack([got[i % 2][k][i // 2] for i in range(8)]) for k in range(7)], expected)
+    assert state["window_index"] == 96
+
+
+def test_prefetcher_hands_out_the_same_batches_and_state(corpus):
+    _, folder = corpus
+    data = load_dataset(folder)
+    plain = build_dataloader(data, TOK, 15, 2, shuffle=True)
+    expected = windows_of(plain, 8)
+    fetched = Prefetcher(build_dataloader(data, TOK, 15, 2, shuffle=True), depth=3)
+    assert equal(windows_of(fetched, 3), expected[:3])
+    state = fetched.state_dict()
+    assert state["window_index"] == 6  # consumed, not prepared
+    assert equal(windows_of(fetched, 2), expected[3:5])
+    fetched.load_state_dict(state)
+    assert equal(windows_of(fetched, 5), expected[3:8])
+    fetched.close()
+    finite = Prefetcher(build_dataloader(data, TOK, 15, 2, infinite=False), depth=2)
+    assert len(list(finite)) == len(list(build_dataloader(data, TOK, 15, 2, infinite=False)))
+
+
+def test_pretokenize_rerun_is_a_no_op_and_refuses_other_inputs(corpus, tmp_path):
+    text, folder = corpus
+    index_mtime = (folder / "index.json").stat().st_mtime_ns
+    assert pretokenize([text], folder, workers=2, shard_tokens=1500)["tokens"] == open_shards(folder).num_tokens
+    assert (folder / "index.json").stat().st_mtime_ns == index_mtime
+    with pytest.raises(ValueError, match="exists and does not hold shards of these inputs"):
+        pretokenize([text], folder, workers=1)  # another shard size
+    assert not [p for p in folder.parent.iterdir() if p.name.startswith(".")]  # no temporary left behind
+
+
+def _copy(folder, tmp_path):
+    out = tmp_path / "copy"
+    out.mkdir()
+    for p in folder.iterdir():
+        (out / p.name).write_bytes(p.read_bytes())
+    return out
+
+
+def test_bad_shards_are_one_line_errors(corpus, tmp_path):
+    _, folder = corpus
+    bad = _copy(folder, tmp_path)
+    tokens = bad / "shard-00001.tokens"
+    tokens.write_bytes(tokens.read_bytes()[:-2])
+    with pytest.raises(ValueError, match=r"shard-00001.tokens: truncated shard file: \d+ bytes, .*index.json says"):
+        open_shards(bad)
+    tokens.write_bytes((folder / "shard-00001.tokens").read_bytes())
+    offsets = np.fromfile(bad / "shard-00000.offsets", dtype="<i8")
+    offsets[-1] += 1
+    offsets.tofile(bad / "shard-00000.offsets")
+    with pytest.raises(ValueError, match=r"shard-00000.offsets: index/shard mismatch: documents span tokens 0\.\.\d+"):
+        open_shards(bad)
+    (bad / "shard-00000.offsets").write_bytes((folder / "shard-00000.offsets").read_bytes())
+    (bad / "index.json").write_text("{not json")
+    with pytest.raises(ValueError, match="index.json: not a token-shard index"):
+        open_shards(bad)
+    index = json.loads((folder / "index.json").read_text())
+    (bad / "index.json").write_text(json.dumps({**index, "tokens": index["tokens"] + 1}))
+    with pytest.raises(ValueError, match="index/shard mismatch: shard token counts do not add up"):
+        open_shards(bad)
+
+    ranks = {bytes([b]): b for b in range(256)}
+    write_ranks(ranks, tmp_path / "bytes.model")
+    other = load_tokenizer(tmp_path / "bytes.model")
+    with pytest.raises(ValueError, match=r"made by tokenizer 'tessera-default' \(fingerprint \w+\), this run uses "
+                                         r"'bytes.model' \(fingerprint \w+\)"):
+        build_dataloader(open_shards(folder), other, 15, 2)
+
+
+@pytest.mark.parametrize("entries, message", [
+    (["a=0.5", "b="], r"entry 'b=': weight '' must be a positive number"),
+    (["a=0"], r"entry 'a=0': weight '0' must be a positive number"),
+    (["a"], r"entry 'a': expected 'path=weight'"),
+    (["=1"], r"entry '=1': expected 'path=weight'"),
+])
+def test_bad_mixture_entries(entries, message):
+    with pytest.raises(ValueError, match=message):
+        parse_mixture(entries)
+
+
+def test_parse_mixture_and_weight_count():
+    assert parse_mixture(["data/a=b=0.7", " c =0.3"]) == [("data/a=b", 0.7), ("c", 0.3)]
+    with pytest.raises(ValueError, match="one weight per dataset: 2 datasets, 1 weights"):
+        build_dataloader([["x"], ["y"]], TOK, 4, 1, weights=[1.0])

@@ -1,0 +1,36 @@
+"""tessera.pp: pipeline parallelism — cut a model into stages by module names, place them on
+the pp ranks (looped or V-shaped), and run torch.distributed.pipelining's schedules."""
+
+from tessera.pp.pipeline import Pipeline, build_pipeline
+from tessera.pp.split import keep_only, model_parts_names
+from tessera.pp.stages import (
+    SCHEDULES,
+    SPLIT_BACKWARD_SCHEDULES,
+    canonical_schedule,
+    check_split,
+    even_split,
+    is_single_stage,
+    is_v_shaped,
+    schedule_class,
+    splits_backward,
+    stage_count,
+    stage_ids,
+)
+
+__all__ = [
+    "SCHEDULES",
+    "SPLIT_BACKWARD_SCHEDULES",
+    "Pipeline",
+    "build_pipeline",
+    "canonical_schedule",
+    "check_split",
+    "even_split",
+    "is_single_stage",
+    "is_v_shaped",
+    "keep_only",
+    "model_parts_names",
+    "schedule_class",
+    "splits_backward",
+    "stage_count",
+    "stage_ids",
+]

@@ -1,0 +1,122 @@
+"""Pipeline stages over torch.distributed.pipelining and the schedule that runs them."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, _PipelineScheduleRuntime
+
+from tessera.pp.split import keep_only
+from tessera.pp.stages import schedule_class, stage_ids
+
+
+@dataclasses.dataclass
+class Pipeline:
+    """What one pp rank runs: its model parts (one per local stage, in stage order of the
+    schedule), the schedule, and whether it holds the first / last stage (which take the
+    inputs / compute the loss)."""
+
+    schedule: object
+    parts: list[nn.Module]
+    stages: list[PipelineStage]
+    has_first: bool
+    has_last: bool
+    owners: list[int]  # the pp rank running each stage
+    group: dist.ProcessGroup
+
+    def run(self, inputs: torch.Tensor, labels: torch.Tensor, **kwargs) -> torch.Tensor | None:
+        """One pass of the whole batch through the pipeline, forward and backward; returns the
+        sum of the micro-batch losses on the rank holding the last stage, else None.
+
+        Every pp rank calls it; inputs go in on the first stage, labels on the last. kwargs go
+        to every stage's forward, split along dim 0 like the inputs.
+        """
+        losses: list[torch.Tensor] | None = [] if self.has_last else None
+        target = labels if self.has_last else None
+        args = (inputs,) if self.has_first else ()
+        self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+        return torch.stack(losses).sum() if self.has_last else None
+
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], **kwargs) -> torch.Tensor | None:
+        """loss_fn(output, labels) of the whole batch, forward only, on the last stage's rank
+        (else None). Runs the stages in order, without micro-batches or a schedule: the
+        schedules' forward-only mode fails for stages that hand activations to one another on
+        the same rank (torch 2.13). Every pp rank calls it."""
+        me, local = dist.get_rank(self.group), {stage.stage_index: part for stage, part in zip(self.stages, self.parts)}
+        h, loss = inputs, None
+        for stage_id, owner in enumerate(self.owners):
+            before = self.owners[stage_id - 1] if stage_id else owner
+            if owner == me and before != me:
+                h = _receive(self.group, before, inputs.device)
+            elif owner != me and before == me:
+                _send(h, self.group, owner)
+            if owner == me:
+                h = local[stage_id](h, **kwargs)
+        if self.owners[-1] == me:
+            loss = loss_fn(h, labels)
+        return loss
+
+
+def _send(tensor: torch.Tensor, group: dist.ProcessGroup, to: int) -> None:
+    """A tensor of a shape and dtype the receiver does not know: a header first."""
+    header = torch.tensor([_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape], device=tensor.device)
+    dist.send(torch.nn.functional.pad(header, (0, 8 - header.numel())), group=group, group_dst=to)
+    dist.send(tensor.contiguous(), group=group, group_dst=to)
+
+
+def _receive(group: dist.ProcessGroup, source: int, device: torch.device) -> torch.Tensor:
+    header = torch.empty(8, dtype=torch.long, device=device)
+    dist.recv(header, group=group, group_src=source)
+    dtype, ndim, *shape = header.tolist()
+    tensor = torch.empty(shape[:ndim], dtype=_DTYPES[dtype], device=device)
+    dist.recv(tensor, group=group, group_src=source)
+    return tensor
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+def build_pipeline(
+    model: nn.Module, pp_mesh: DeviceMesh, device: torch.device | str, *, parts: Sequence[Sequence[str]],
+    schedule: str, n_microbatches: int, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    parallelize: Callable[[nn.Module], nn.Module] = lambda part: part, schedule_csv: str | None = None,
+    layers: str = "layers",
+) -> Pipeline:
+    """Cuts `model` into len(parts) stages (parts[i]: the module names of stage i), keeps the
+    ones this pp rank runs, applies `parallelize` (TP, AC, FSDP, ...) to each, and builds the
+    named schedule over them, or runs the actions a CSV file lays out (one row per pp rank, in
+    torch's action notation, e.g. "0F0,0F1,0B0"; stages placed as the named schedule places them).
+
+    loss_fn(output, labels) is the mean loss of one micro-batch; it is divided by
+    n_microbatches here, so the micro-batch losses (and gradients) sum to the batch mean, as
+    without pipelining. Every pp rank must call this together.
+    """
+    pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
+    cls = schedule_class(schedule)
+    local = stage_ids(pp_rank, pp, len(parts), schedule)
+    modules, stages = [], []
+    for stage_id in local:
+        part = parallelize(keep_only(model, parts[stage_id], layers))
+        modules.append(part)
+        stages.append(PipelineStage(part, stage_id, len(parts), torch.device(device), group=pp_mesh.get_group()))
+
+    def micro_batch_loss(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return loss_fn(output, labels) / n_microbatches
+
+    if schedule_csv:  # actions from the file; stages stay where the named schedule places them
+        cls = _PipelineScheduleRuntime
+    looped = issubclass(cls, PipelineScheduleMulti)
+    runner = cls(stages if looped else stages[0], n_microbatches=n_microbatches, loss_fn=micro_batch_loss, scale_grads=False)
+    if schedule_csv:
+        runner._load_csv(schedule_csv)
+    owners = [rank for stage in range(len(parts)) for rank in range(pp) if stage in stage_ids(rank, pp, len(parts), schedule)]
+    return Pipeline(runner, modules, stages, any(s.is_first for s in stages), any(s.is_last for s in stages), owners,
+                    pp_mesh.get_group())

@@ -1,0 +1,147 @@
+"""Which modules each pipeline stage holds and which stages each pp rank runs, decided from
+numbers alone, so a job planner can check a layout before any process or tensor exists.
+
+Conventions on the model (no import of any model library): the blocks live in one
+``nn.ModuleDict`` child (default name ``layers``, keyed "0".."n-1"); the other direct children
+registered before it are the stage-0 inputs (e.g. ``tok_embeddings``), those after it the
+last stage's outputs (e.g. ``norm``, ``output``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleSingle,
+    ScheduleDualPipeV,
+    ScheduleZBVZeroBubble,
+    get_schedule_class,
+)
+
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+# Schedules that split the weight gradient (dW) from the input gradient (dI) and run dW later:
+# measured on torch 2.13 (CPU gloo, PP 2 x FSDP 2) they train with wrong gradients, silently,
+# when FSDP reshards parameters after forward. Callers must keep parameters unsharded then.
+SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+
+def canonical_schedule(name: str) -> str:
+    """One of SCHEDULES as spelled there (names are case-insensitive, as in torch); ValueError
+    for any other name."""
+    match = {s.lower(): s for s in SCHEDULES}.get(name.lower())
+    if match is None:
+        raise ValueError(f"pipeline schedule {name!r} is not one of {list(SCHEDULES)}")
+    return match
+
+
+def schedule_class(name: str) -> type:
+    return get_schedule_class(canonical_schedule(name))
+
+
+def is_single_stage(name: str) -> bool:
+    """One stage per rank (GPipe, 1F1B) rather than several looped or V-placed ones."""
+    return issubclass(schedule_class(name), PipelineScheduleSingle)
+
+
+def is_v_shaped(name: str) -> bool:
+    """Two stages per rank placed in V order: rank r holds stages r and 2*pp-1-r."""
+    return schedule_class(name) in (ScheduleZBVZeroBubble, ScheduleDualPipeV)
+
+
+def splits_backward(name: str) -> bool:
+    return canonical_schedule(name) in SPLIT_BACKWARD_SCHEDULES
+
+
+def stage_count(
+    pp: int, schedule: str, n_layers: int, *, layers_per_stage: int | None = None,
+    first_stage_less_layers: int = 1, last_stage_less_layers: int = 1,
+) -> int:
+    """How many stages the model is cut into, as torchtitan 0.2 counts them: with
+    ``layers_per_stage``, ceil((layers + first + last weights) / layers_per_stage), which must
+    divide by pp and give one stage per rank to single-stage schedules, two or more to looped
+    ones, exactly two to V-shaped ones; without it, pp (single-stage) or 2*pp stages."""
+    single = is_single_stage(schedule)
+    if layers_per_stage is None:
+        return pp if single else 2 * pp
+    if layers_per_stage < 1:
+        raise ValueError(f"pipeline_parallel_layers_per_stage {layers_per_stage} must be >= 1")
+    stages = math.ceil((n_layers + first_stage_less_layers + last_stage_less_layers) / layers_per_stage)
+    what = f"pipeline_parallel_layers_per_stage {layers_per_stage} cuts {n_layers} layers into {stages} stages"
+    if stages % pp:
+        raise ValueError(f"{what}, which does not divide by pipeline_parallel_degree {pp}")
+    per_rank = stages // pp
+    if single and per_rank != 1:
+        raise ValueError(f"{what}: schedule {schedule} runs one stage per rank, this is {per_rank} per rank")
+    if not single and per_rank < 2:
+        raise ValueError(f"{what}: schedule {schedule} runs several stages per rank, this is {per_rank}")
+    if is_v_shaped(schedule) and per_rank != 2:
+        raise ValueError(f"{what}: V-shaped schedule {schedule} runs exactly 2 stages per rank, this is {per_rank}")
+    return stages
+
+
+def even_split(
+    n_stages: int, n_layers: int, *, first_stage_less_layers: int = 1, last_stage_less_layers: int = 1,
+    inputs: Sequence[str] = ("tok_embeddings",), outputs: Sequence[str] = ("norm", "output"), layers: str = "layers",
+) -> list[list[str]]:
+    """Module names per stage: the inputs count as ``first_stage_less_layers`` blocks on stage 0
+    and the outputs as ``last_stage_less_layers`` blocks on the last stage, and the n_layers +
+    both weights units are spread as evenly as integers allow (earlier stages take the extra
+    ones), so the stages' compute is balanced (torchtitan 0.2's meaning of the two keys)."""
+    if n_stages == 1:
+        return [[*inputs, *(f"{layers}.{i}" for i in range(n_layers)), *outputs]]
+    units = n_layers + first_stage_less_layers + last_stage_less_layers
+    base, extra = divmod(units, n_stages)
+    if base == 0:
+        raise ValueError(f"{n_stages} pipeline stages outnumber the model's {n_layers} layers "
+                         f"(+{first_stage_less_layers} first, +{last_stage_less_layers} last stage weights)")
+    if max(first_stage_less_layers, last_stage_less_layers) > base:
+        raise ValueError(f"pipeline_parallel_first/last_stage_less_layers ({first_stage_less_layers}, "
+                         f"{last_stage_less_layers}) exceed the {base} layers a stage holds")
+    parts, next_layer = [], 0
+    for stage in range(n_stages):
+        size = base + (stage < extra)
+        size -= first_stage_less_layers if stage == 0 else 0
+        size -= last_stage_less_layers if stage == n_stages - 1 else 0
+        count = min(size, n_layers - next_layer)
+        blocks = [f"{layers}.{i}" for i in range(next_layer, next_layer + count)]
+        next_layer += count
+        parts.append([*(inputs if stage == 0 else ()), *blocks, *(outputs if stage == n_stages - 1 else ())])
+    if any(not part for part in parts):
+        raise ValueError(f"{n_stages} pipeline stages leave a stage without modules for {n_layers} layers")
+    return parts
+
+
+def check_split(
+    parts: Sequence[Sequence[str]], n_layers: int, *, inputs: Sequence[str] = ("tok_embeddings",),
+    outputs: Sequence[str] = ("norm", "output"), layers: str = "layers",
+) -> None:
+    """An explicit split (module_fqns_per_model_part) must name every module exactly once, keep
+    the blocks in order, put the inputs on the first stage and the outputs on the last."""
+    known = [*inputs, *(f"{layers}.{i}" for i in range(n_layers)), *outputs]
+    named = [name for part in parts for name in part]
+    unknown = sorted(set(named) - set(known))
+    if unknown:
+        raise ValueError(f"module_fqns_per_model_part names {unknown}, which the model does not have")
+    missing = [name for name in known if name not in named]
+    if missing:
+        raise ValueError(f"module_fqns_per_model_part leaves out {missing}")
+    twice = sorted({name for name in named if named.count(name) > 1})
+    if twice:
+        raise ValueError(f"module_fqns_per_model_part names {twice} more than once")
+    if any(not part for part in parts):
+        raise ValueError("module_fqns_per_model_part has an empty stage")
+    if named != known:
+        raise ValueError("module_fqns_per_model_part must list the modules in model order "
+                         f"({', '.join(inputs)} first, the {layers} in order, then {', '.join(outputs)})")
+
+
+def stage_ids(pp_rank: int, pp: int, n_stages: int, schedule: str) -> tuple[int, ...]:
+    """The stages a pp rank runs: looped (rank r: r, r+pp, ...) or, for V-shaped schedules,
+    r and n_stages-1-r, so the last stage comes back to rank 0."""
+    if n_stages % pp:
+        raise ValueError(f"{n_stages} pipeline stages do not divide over pipeline_parallel_degree {pp}")
+    if is_v_shaped(schedule):
+        return (pp_rank, n_stages - 1 - pp_rank)
+    return tuple(range(pp_rank, n_stages, pp))

@@ -1,0 +1,69 @@
+import pytest
+
+from tessera.pp import check_split, even_split, stage_count, stage_ids
+
+
+def test_even_split_weights_inputs_and_outputs_as_layers():
+    # 6 blocks + 1 + 1 = 8 units over 2 stages: stage 0 holds the embedding and 3 blocks
+    assert even_split(2, 6) == [
+        ["tok_embeddings", "layers.0", "layers.1", "layers.2"],
+        ["layers.3", "layers.4", "layers.5", "norm", "output"],
+    ]
+
+
+def test_uneven_split_gives_earlier_stages_the_extra_units():
+    parts = even_split(4, 7, first_stage_less_layers=0, last_stage_less_layers=0)
+    assert [sum(name.startswith("layers.") for name in p) for p in parts] == [2, 2, 2, 1]
+    assert parts[0][0] == "tok_embeddings" and parts[-1][-2:] == ["norm", "output"]
+
+
+def test_one_stage_holds_everything():
+    assert even_split(1, 2) == [["tok_embeddings", "layers.0", "layers.1", "norm", "output"]]
+
+
+@pytest.mark.parametrize("stages, layers, message", [
+    (8, 2, "outnumber the model's 2 layers"),
+    (3, 2, "exceed the 1 layers a stage holds"),
+])
+def test_too_many_stages_is_refused(stages, layers, message):
+    with pytest.raises(ValueError, match=message):
+        even_split(stages, layers, first_stage_less_layers=2 if stages == 3 else 1)
+
+
+@pytest.mark.parametrize("schedule, layers_per_stage, expected", [
+    ("1F1B", None, 2), ("GPipe", None, 2), ("Interleaved1F1B", None, 4), ("ZBVZeroBubble", None, 4),
+    ("1F1B", 4, 2), ("Interleaved1F1B", 2, 4), ("interleaved1f1b", 2, 4),
+])
+def test_stage_count(schedule, layers_per_stage, expected):
+    assert stage_count(2, schedule, 6, layers_per_stage=layers_per_stage) == expected
+
+
+@pytest.mark.parametrize("schedule, layers_per_stage, message", [
+    ("1F1B", 2, "runs one stage per rank, this is 2"),
+    ("Interleaved1F1B", 4, "runs several stages per rank, this is 1"),
+    ("DualPipeV", 1, "runs exactly 2 stages per rank, this is 4"),
+    ("1F1B", 3, "does not divide by pipeline_parallel_degree 2"),
+    ("Zigzag", None, "'Zigzag' is not one of"),
+])
+def test_bad_stage_counts_name_the_key(schedule, layers_per_stage, message):
+    with pytest.raises(ValueError, match=message):
+        stage_count(2, schedule, 6, layers_per_stage=layers_per_stage)
+
+
+def test_looped_and_v_placement():
+    assert [stage_ids(r, 2, 4, "Interleaved1F1B") for r in range(2)] == [(0, 2), (1, 3)]
+    assert [stage_ids(r, 2, 4, "ZBVZeroBubble") for r in range(2)] == [(0, 3), (1, 2)]
+    assert [stage_ids(r, 2, 2, "1F1B") for r in range(2)] == [(0,), (1,)]
+
+
+@pytest.mark.parametrize("parts, message", [
+    ([["tok_embeddings", "layers.0"], ["layers.1", "layers.9", "norm", "output"]], r"names \['layers.9'\]"),
+    ([["tok_embeddings", "layers.0"], ["norm", "output"]], r"leaves out \['layers.1'\]"),
+    ([["tok_embeddings", "layers.0", "layers.1"], ["layers.1", "norm", "output"]], "more than once"),
+    ([["tok_embeddings", "layers.1"], ["layers.0", "norm", "output"]], "in model order"),
+    ([["tok_embeddings", "layers.0", "layers.1", "norm", "output"], []], "empty stage"),
+])
+def test_explicit_split_is_checked(parts, message):
+    with pytest.raises(ValueError, match=message):
+        check_split(parts, 2)
+    check_split([["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]], 2)
