@@ -51,7 +51,7 @@ def test_relative_paths_resolve_against_the_users_directory(tmp_path, monkeypatc
     [
         (["--trainig.steps", "3"], r"unknown config section \[trainig\]; did you mean 'training'\?"),
         (["--training.step", "3"], r"unknown config key training.step; did you mean 'steps'\?"),
-        (["--training.steps", "abc"], r"config key training.steps: value 'abc' is not a int"),
+        (["--training.steps", "abc"], r"config key training.steps: value 'abc' is not an int"),
         (["--optimizer.lr", "fast"], r"config key optimizer.lr: value 'fast' is not a float"),
         (["--metrics.enable_tensorboard", "maybe"], r"metrics.enable_tensorboard: value 'maybe' is not a bool"),
         (["--training.steps"], r"option --training.steps needs a value"),
@@ -76,7 +76,7 @@ def test_errors_name_the_culprit(argv, message):
 @pytest.mark.parametrize(
     "text, message",
     [
-        ("[training]\nsteps = 'ten'\n", r"training.steps: value 'ten' is not a int"),
+        ("[training]\nsteps = 'ten'\n", r"training.steps: value 'ten' is not an int"),
         ("[training]\nstepz = 1\n", r"unknown config key training.stepz; did you mean 'steps'"),
         ("[modle]\nname = 'x'\n", r"unknown config section \[modle\]; did you mean 'model'"),
         ("[training\n", r"is not valid TOML"),
@@ -94,7 +94,8 @@ def test_toml_errors(tmp_path, text, message):
 
 def test_every_section_has_defaults():
     sections = {"job", "model", "optimizer", "lr_scheduler", "training", "parallelism", "checkpoint",
-                "activation_checkpoint", "compile", "float8", "metrics", "profiling", "comm", "validation", "experimental",
+                "activation_checkpoint", "compile", "float8", "quantize", "metrics", "profiling", "comm", "validation",
+                "experimental",
                 "debug"}
     assert set(vars(JobConfig())) == sections
 

@@ -56,8 +56,9 @@ def test_tensorwise_converts_all_but_output_and_tracks_fp32(fp32, single_tensorw
 
 
 def test_rowwise_under_its_torchtitan_0_2_name_tracks_fp32(tmp_path, fp32):
-    losses = _losses([*BASE, "--model.converters", "quantize.linear.float8", "--float8.recipe_name", "rowwise",
-                      "--training.local_batch_size", "2", "--job.dump_folder", str(tmp_path)])
+    toml = tmp_path / "rowwise.toml"
+    toml.write_text('[model]\nconverters = ["quantize.linear.float8"]\n\n[quantize.linear.float8]\nrecipe_name = "rowwise"\n')
+    losses = _losses([*BASE, "--job.config_file", str(toml), "--training.local_batch_size", "2", "--job.dump_folder", str(tmp_path)])
     print(f"rowwise {losses} vs fp32 {fp32}: max rel {_rel(losses, fp32):.1e}")
     assert _rel(losses, fp32) <= 1e-2
     assert losses[-1] < losses[0] - 0.2
@@ -94,10 +95,32 @@ def test_bad_float8_keys_end_the_plan_with_one_line(argv, message):
 
 
 def test_torchtitan_auto_filter_flag_and_fsdp_only_switches():
-    config = load_config(["--float8.filter_fqns", "output,auto_filter_small_kn", *ALL_GATHER])
+    config = load_config([*FLOAT8, "--float8.filter_fqns", "output,auto_filter_small_kn", *ALL_GATHER])
     fsdp2 = make_plan(config, world_size=2, device="cpu").dims
     options = float8_options(config, fsdp2)
     assert options.auto_filter_small_kn and options.filter_fqns == ("output",)
     assert options.enable_fsdp_float8_all_gather and options.precompute_float8_dynamic_scale_for_fsdp
     single = float8_options(config, make_plan(config, world_size=1, device="cpu").dims)
     assert not single.enable_fsdp_float8_all_gather and not single.precompute_float8_dynamic_scale_for_fsdp
+
+
+def test_a_section_its_converter_does_not_read_is_refused():
+    with pytest.raises(ConfigError, match=r"\[quantize.linear.float8\] is set but model.converters does not list 'quantize.linear.float8'"):
+        load_config(["--model.converters", "float8", "--quantize.linear.float8.recipe_name", "rowwise"])
+
+
+def test_mxfp8_emulated_converts_and_tracks_fp32(tmp_path, fp32):
+    losses = _losses([*BASE, "--model.converters", "quantize.linear.mx,remember_model",
+                      "--quantize.linear.mx.recipe_name", "mxfp8_emulated_rceil",
+                      "--training.local_batch_size", "2", "--job.dump_folder", str(tmp_path)])
+    # torchao wraps the weights in its MX training tensor subclass, not the modules
+    wrapped = [name for name, m in TRAINED[-1].named_modules()
+               if isinstance(m, nn.Linear) and type(m.weight) is not nn.Parameter]
+    print(f"mxfp8 emulated {losses} vs fp32 {fp32}: max rel {_rel(losses, fp32):.1e}")
+    assert _rel(losses, fp32) <= 1e-2 and losses[-1] < losses[0] - 0.2
+    assert len(wrapped) == 6 * 7 and "output" not in wrapped
+
+
+def test_mx_recipes_that_need_a_blackwell_gpu_are_refused_on_cpu():
+    with pytest.raises(ConfigError, match=r"\[quantize.linear.mx\]: mx recipe_name 'mxfp8_rceil' needs torchao's triton kernels"):
+        make_plan(load_config(["--model.converters", "quantize.linear.mx"]), world_size=1, device="cpu")

@@ -130,15 +130,18 @@ def test_model_only_export_in_bfloat16(tmp_path):
     model, optimizer = _trained()
     manager = _manager(tmp_path, model, optimizer, Counter(5), last_save_model_only=True, export_dtype="bfloat16")
     manager.maybe_save(10, last_step=True)
-    exported = read_dcp(tmp_path / "step-10")
+    exported = read_dcp(tmp_path / "step-10-model")
     assert set(exported) == {"model"}
     for name, value in model.state_dict().items():
         assert exported["model"][name].dtype == torch.bfloat16
         assert torch.equal(exported["model"][name], value.to(torch.bfloat16))
-    # Resuming from it restores the weights only, upcast into the fp32 model.
+    # The export goes beside the full checkpoint, which a longer run resumes from.
+    assert set(read_dcp(tmp_path / "step-10")) == {"model", "optimizer", "dataloader"}
+    # A model-only checkpoint (a seed) restores the weights only, upcast into the fp32 model.
+    manager.save(11, model_only=True)
     fresh_model, fresh_opt = _trained(seed=1)
     loader = Counter(1)
-    assert _manager(tmp_path, fresh_model, fresh_opt, loader).load() == 10
+    assert _manager(tmp_path, fresh_model, fresh_opt, loader).load(11) == 11
     assert torch.equal(fresh_model.head.weight, model.head.weight.to(torch.bfloat16).float())
     assert loader.value == 1
 

@@ -245,3 +245,18 @@ def test_parse_mixture_and_weight_count():
     assert parse_mixture(["data/a=b=0.7", " c =0.3"]) == [("data/a=b", 0.7), ("c", 0.3)]
     with pytest.raises(ValueError, match="one weight per dataset: 2 datasets, 1 weights"):
         build_dataloader([["x"], ["y"]], TOK, 4, 1, weights=[1.0])
+
+
+def test_restored_loader_keeps_the_saved_seed(corpus):
+    text, folder = corpus
+    for data in (load_dataset(folder), load_dataset(text)):
+        first = build_dataloader(data, TOK, 15, 2, shuffle=True, seed=4, shuffle_buffer=7)
+        windows_of(first, 3)
+        state = first.state_dict()
+        assert state["seed"] == 4
+        other_seed = build_dataloader(data, TOK, 15, 2, shuffle=True, seed=9, shuffle_buffer=7)
+        other_seed.load_state_dict(state)
+        assert equal(windows_of(other_seed, 40), windows_of(first, 40))  # runs on into later epochs
+    assert "seed" not in build_dataloader(load_dataset(text), TOK, 15, 2).state_dict()  # file order: no seed
+    with pytest.raises(ValueError, match="seed must be a non-negative int, got -1"):
+        build_dataloader(load_dataset(text), TOK, 15, 2, seed=-1)

@@ -14,6 +14,7 @@ from tessera.ckpt import (
     rng_state,
 )
 from tessera.trainer.config import JobConfig
+from tessera.trainer.faults import TrainingError, weights_finite
 
 
 class TrainState:
@@ -67,6 +68,7 @@ class Checkpointer:
                 keep_latest_k=self.config.keep_latest_k, exclude_from_loading=self.config.exclude_from_loading,
                 last_save_model_only=self.config.last_save_model_only, export_dtype=self.config.export_dtype,
             )
+            self.manager.check_writable()
 
     def _say(self, message: str) -> None:
         if self.rank == 0:
@@ -75,6 +77,11 @@ class Checkpointer:
     def restore(self) -> int:
         """Loads checkpoint.load_step (-1: the newest) from the run's folder or, when that has
         none, checkpoint.initial_load_path. Returns the number of steps already trained."""
+        if self.config.enable and self.config.load_step == -1:
+            full, passed = self.manager.resume_step()
+            if passed:
+                self._say(f"{self.folder / f'step-{passed[-1]}'} holds only the model; resuming from the newest "
+                          f"full checkpoint, step-{full}")
         loaded = self.manager.load(self.config.load_step) if self.config.enable else None
         if loaded is not None:
             self._say(f"loaded {self.folder / f'step-{loaded}'}; training continues after step {self.train_state.step}")
@@ -117,9 +124,28 @@ class Checkpointer:
         self.train_state.step = step
         if self.manager is None:
             return
+        if self.manager.due(step, last_step):
+            self._check_finite(step)
         self.manager.maybe_save(step, last_step=last_step)
         if last_step and self.config.last_save_in_hf:
             self._export_hf(step)
+
+    def save_now(self, step: int) -> bool:
+        """A full checkpoint of ``step`` outside the interval (a stop signal); False when
+        checkpointing is off."""
+        self.train_state.step = step
+        if self.manager is None or not self.config.enable:
+            return False
+        self._check_finite(step)
+        self.manager.save(step)
+        return True
+
+    def _check_finite(self, step: int) -> None:
+        """A checkpoint with non-finite weights would poison every resume from it."""
+        device = next(p.device for part in self.parts for p in part.parameters())
+        if not weights_finite((p for part in self.parts for p in part.parameters()), device.type):
+            raise TrainingError(f"step {step}: model weights are not finite; not writing a checkpoint "
+                                f"(the newest one in {self.folder} stays)")
 
     def _export_hf(self, step: int) -> None:
         """The model as Hugging Face safetensors in ``step-<N>-hf``, cast to export_dtype, one

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import math
 import os
 import sys
 import types
@@ -19,7 +20,7 @@ from tessera.ckpt import ASYNC_MODES, EXPORT_DTYPES
 from tessera.data import parse_mixture
 from tessera.fsdp import MIXED_PRECISION_DTYPES, RESHARD_POLICIES
 from tessera.models import AC_MODES
-from tessera.trainer import float8_converter  # noqa: F401  registers "float8" and "quantize.linear.float8"
+from tessera.trainer import float8_converter  # registers the float8 and MX converters
 from tessera.trainer.converters import registered_converters
 from tessera.trainer.lr_schedule import DECAY_TYPES
 
@@ -48,6 +49,8 @@ class Job:
     dump_folder: str = "./outputs"
     description: str = "Tessera training job"
     print_args: bool = False
+    # After SIGTERM/SIGUSR1 the ranks finish the step and save; past this many seconds they exit anyway.
+    stop_grace_seconds: int = 120
 
 
 @dataclasses.dataclass
@@ -111,6 +114,8 @@ class Training:
     mixed_precision_reduce: str = "float32"
     enable_cpu_offload: bool = False
     gc_freq: int = 50
+    # Optimizer steps skipped for a non-finite gradient norm before the run stops (exit 1).
+    max_skipped_steps: int = 3
 
 
 @dataclasses.dataclass
@@ -168,6 +173,25 @@ class Float8:
     recipe_name: str = ""  # "" = tensorwise; rowwise | rowwise_with_gw_hp
     filter_fqns: list[str] = dataclasses.field(default_factory=lambda: ["output"])  # + "auto_filter_small_kn"
     emulate: bool = False
+
+
+@dataclasses.dataclass
+class MX:
+    """[quantize.linear.mx]: MXFP8 linears through torchao (tessera.float8.MX_RECIPES)."""
+
+    recipe_name: str = "mxfp8_rceil"
+    filter_fqns: list[str] = dataclasses.field(default_factory=lambda: ["output"])
+
+
+@dataclasses.dataclass
+class QuantizedLinear:
+    float8: Float8 = dataclasses.field(default_factory=Float8)  # torchtitan 0.2's home of the [float8] keys
+    mx: MX = dataclasses.field(default_factory=MX)
+
+
+@dataclasses.dataclass
+class Quantize:
+    linear: QuantizedLinear = dataclasses.field(default_factory=QuantizedLinear)
 
 
 @dataclasses.dataclass
@@ -231,7 +255,8 @@ class JobConfig:
     checkpoint: Checkpoint = dataclasses.field(default_factory=Checkpoint)
     activation_checkpoint: ActivationCheckpoint = dataclasses.field(default_factory=ActivationCheckpoint)
     compile: Compile = dataclasses.field(default_factory=Compile)
-    float8: Float8 = dataclasses.field(default_factory=Float8)
+    float8: Float8 = dataclasses.field(default_factory=Float8)  # torchtitan 0.1's section
+    quantize: Quantize = dataclasses.field(default_factory=Quantize)
     metrics: Metrics = dataclasses.field(default_factory=Metrics)
     profiling: Profiling = dataclasses.field(default_factory=Profiling)
     comm: Comm = dataclasses.field(default_factory=Comm)
@@ -286,14 +311,18 @@ def _section_fields(section: str) -> dict[str, dataclasses.Field]:
 
 
 def _field_type(section: str, key: str) -> typing.Any:
-    fields, owner = _section_fields(section), type(getattr(JobConfig(), section))
-    group, dot, leaf = key.partition(".")
-    if dot and group in fields and dataclasses.is_dataclass(fields[group].default_factory):  # [section.group]
-        owner = fields[group].default_factory
-        fields, section, key = {f.name: f for f in dataclasses.fields(owner)}, f"{section}.{group}", leaf
-    if key not in fields:
-        raise ConfigError(f"unknown config key {section}.{key}{_closest(key, fields)}")
-    return typing.get_type_hints(owner)[key]
+    """The declared type of section.key, where key may name a nested table's key
+    ("dataloader.num_workers", "linear.float8.recipe_name")."""
+    fields, owner, path = _section_fields(section), type(getattr(JobConfig(), section)), section
+    *groups, leaf = key.split(".")
+    for group in groups:
+        if group not in fields or not dataclasses.is_dataclass(fields[group].default_factory):
+            raise ConfigError(f"unknown config table [{path}.{group}]{_closest(group, fields)}")
+        owner, path = fields[group].default_factory, f"{path}.{group}"
+        fields = {f.name: f for f in dataclasses.fields(owner)}
+    if leaf not in fields:
+        raise ConfigError(f"unknown config key {path}.{leaf}{_closest(leaf, fields)}")
+    return typing.get_type_hints(owner)[leaf]
 
 
 def _is_optional(tp: typing.Any) -> bool:
@@ -316,7 +345,8 @@ def _convert(section: str, key: str, value: typing.Any, from_cli: bool) -> typin
     tp = _field_type(section, key)
     if dataclasses.is_dataclass(tp):
         raise ConfigError(f"config key {section}.{key} is a table: set its keys, e.g. --{section}.{key}.<key>")
-    bad = ConfigError(f"config key {section}.{key}: value {value!r} is not a {_type_name(tp)}")
+    name = _type_name(tp)
+    bad = ConfigError(f"config key {section}.{key}: value {value!r} is not {'an' if name[0] in 'aeiou' else 'a'} {name}")
     if _is_optional(tp):
         if value is None or (from_cli and str(value).lower() in ("none", "null", "")):
             return None
@@ -342,13 +372,15 @@ def _convert(section: str, key: str, value: typing.Any, from_cli: bool) -> typin
                 return False
             raise bad
         try:
-            return tp(value)
+            value = tp(value)
         except ValueError:
             raise bad from None
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if type(value) is not tp:
+    elif tp is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    elif type(value) is not tp:
         raise bad
+    if tp is float and not math.isfinite(value):  # NaN passes every < / > check after this
+        raise ConfigError(f"config key {section}.{key}: {value} is not a finite number")
     return value
 
 
@@ -372,6 +404,8 @@ def parse_overrides(argv: list[str]) -> list[tuple[str, str, str]]:
             if i + 1 >= len(argv):
                 raise ConfigError(f"option --{name} needs a value")
             value = argv[i + 1]
+            if value.startswith("--"):
+                raise ConfigError(f"option --{name} needs a value, got the option {value.split('=')[0]}")
             i += 1
         section, key = _split_key(name)
         overrides.append((section, key, value))
@@ -382,10 +416,19 @@ def parse_overrides(argv: list[str]) -> list[tuple[str, str, str]]:
 def _apply(config: JobConfig, section: str, key: str, value: typing.Any, from_cli: bool) -> None:
     value = _convert(section, key, value, from_cli)  # validates section and key first
     owner = getattr(config, section)
-    group, dot, leaf = key.partition(".")
-    if dot:  # a key of a [section.group] table
-        owner, key = getattr(owner, group), leaf
-    setattr(owner, key, value)
+    *groups, leaf = key.split(".")
+    for group in groups:  # a key of a nested [section.group...] table
+        owner = getattr(owner, group)
+    setattr(owner, leaf, value)
+
+
+def _keys(table: dict, prefix: str = "") -> Iterator[tuple[str, typing.Any]]:
+    """A TOML section's keys, nested tables flattened to dotted keys."""
+    for key, value in table.items():
+        if isinstance(value, dict):
+            yield from _keys(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
 
 
 def _read_toml(path: Path) -> dict:
@@ -400,6 +443,8 @@ def _read_toml(path: Path) -> dict:
         raise ConfigError(f"config file {path} cannot be read: {e.strerror}") from None
     except tomli.TOMLDecodeError as e:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path} is not UTF-8 text (a binary file?)") from None
 
 
 def load_config(argv: list[str]) -> JobConfig:
@@ -410,16 +455,15 @@ def load_config(argv: list[str]) -> JobConfig:
     config_file = [v for s, k, v in overrides if (s, k) == ("job", "config_file")]
     if config_file:
         path = base / config_file[-1]
-        for section, table in _read_toml(path).items():
+        sections = _read_toml(path)
+        if not sections:  # an empty (or comment-only) file: surely not the config meant
+            raise ConfigError(f"config file {path} holds no settings")
+        for section, table in sections.items():
             if not isinstance(table, dict):
                 raise ConfigError(f"config file {path}: '{section}' must be a [section] table")
             _section_fields(section)
-            for key, value in table.items():
-                if isinstance(value, dict):  # a [section.key] table
-                    for leaf, leaf_value in value.items():
-                        _apply(config, section, f"{key}.{leaf}", leaf_value, from_cli=False)
-                else:
-                    _apply(config, section, key, value, from_cli=False)
+            for key, value in _keys(table):
+                _apply(config, section, key, value, from_cli=False)
     for section, key, value in overrides:
         _apply(config, section, key, value, from_cli=True)
     for section, key in PATH_KEYS:
@@ -470,6 +514,7 @@ def validate(config: JobConfig) -> None:
         ("training", "local_batch_size"), ("training", "seq_len"), ("training", "steps"),
         ("metrics", "log_freq"), ("checkpoint", "interval"), ("validation", "freq"),
         ("profiling", "profile_freq"), ("training", "gc_freq"), ("comm", "init_timeout_seconds"),
+        ("job", "stop_grace_seconds"),
         ("parallelism", "pipeline_parallel_degree"), ("parallelism", "pipeline_parallel_microbatch_size"),
     ]
     for section, key in positive:
@@ -477,7 +522,7 @@ def validate(config: JobConfig) -> None:
         if value < 1:
             raise ConfigError(f"config key {section}.{key}: {value} must be >= 1")
     non_negative = [("lr_scheduler", "warmup_steps"), ("optimizer", "lr"), ("optimizer", "eps"),
-                    ("optimizer", "weight_decay"), ("checkpoint", "keep_latest_k")]
+                    ("optimizer", "weight_decay"), ("checkpoint", "keep_latest_k"), ("training", "max_skipped_steps")]
     for section, key in non_negative:
         if getattr(getattr(config, section), key) < 0:
             raise ConfigError(f"config key {section}.{key}: must be >= 0")
@@ -512,6 +557,10 @@ def validate(config: JobConfig) -> None:
     unknown = [name for name in config.model.converters if name not in registered_converters()]
     if unknown:
         raise ConfigError(f"config key model.converters: {unknown} not registered; available: {registered_converters()}")
+    for name, path in [*float8_converter.SECTIONS.items(), (float8_converter.MX_NAME, float8_converter.MX_SECTION)]:
+        section = float8_converter.section_of(config, path)
+        if section != type(section)() and name not in config.model.converters:
+            raise ConfigError(f"config section [{'.'.join(path)}] is set but model.converters does not list {name!r}")
 
 
 def to_dict(config: JobConfig) -> dict:

@@ -1,8 +1,7 @@
-"""The float8 model converter, registered as "float8" (torchtitan 0.1.x's name) and
-"quantize.linear.float8" (torchtitan 0.2.x's). Importing this module registers both.
-
-Both read the [float8] section: its keys are those of torchtitan 0.2.x's
-[quantize.linear.float8], which config.py cannot load yet (it has no nested sections).
+"""The float8 model converters, registered as "float8" (torchtitan 0.1.x's name, reading the
+[float8] section) and "quantize.linear.float8" (torchtitan 0.2.x's, reading
+[quantize.linear.float8], the same keys), and the MXFP8 one, "quantize.linear.mx"
+([quantize.linear.mx]). Importing this module registers them.
 """
 
 from __future__ import annotations
@@ -21,18 +20,24 @@ if TYPE_CHECKING:
 
 # In filter_fqns, torchtitan's switch for the size rule (tessera.float8.size_filter), not a name.
 AUTO_FILTER_FLAG = "auto_filter_small_kn"
-NAMES = ("float8", "quantize.linear.float8")
+# converter name -> the config table it reads
+SECTIONS = {"float8": ("float8",), "quantize.linear.float8": ("quantize", "linear", "float8")}
+MX_NAME, MX_SECTION = "quantize.linear.mx", ("quantize", "linear", "mx")
 
 
-def float8_options(config: JobConfig, dims: ParallelDims) -> Float8Options:
-    """The [float8] keys as tessera.float8 options for this layout; ConfigError naming the key
-    when they cannot run here (checked once, in the job plan)."""
+def section_of(config: JobConfig, path: tuple[str, ...]):
+    return functools.reduce(getattr, path, config)
+
+
+def float8_options(config: JobConfig, dims: ParallelDims, name: str = "float8") -> Float8Options:
+    """The float8 keys of converter `name`'s section as tessera.float8 options for this layout;
+    ConfigError naming the key when they cannot run here (checked once, in the job plan)."""
     # Imported here: config imports this module to register the names, and torchao takes
     # seconds to import, which only runs that use float8 should pay.
     from tessera import float8
     from tessera.trainer.config import ConfigError
 
-    section = config.float8
+    section = section_of(config, SECTIONS[name])
     options = float8.Float8Options(
         recipe_name=section.recipe_name or "tensorwise",  # "" (torchtitan: None) = torchao's default recipe
         filter_fqns=tuple(name for name in section.filter_fqns if name != AUTO_FILTER_FLAG),
@@ -44,7 +49,7 @@ def float8_options(config: JobConfig, dims: ParallelDims) -> Float8Options:
     try:
         float8.check_options(options, device_type())
     except ValueError as e:
-        raise ConfigError(f"config section [float8]: {e}") from None
+        raise ConfigError(f"config section [{'.'.join(SECTIONS[name])}]: {e}") from None
     if dims.fsdp_enabled:
         return options
     # Like torchtitan: the FSDP-only switches are dropped where there is no FSDP, so one config
@@ -57,7 +62,7 @@ def float8_options(config: JobConfig, dims: ParallelDims) -> Float8Options:
 def _factory(name: str, config: JobConfig, dims: ParallelDims) -> ModelConverter:
     from tessera import float8
 
-    options = float8_options(config, dims)
+    options = float8_options(config, dims, name)
     return ModelConverter(
         name=name,
         convert=functools.partial(float8.convert, options=options),
@@ -66,5 +71,21 @@ def _factory(name: str, config: JobConfig, dims: ParallelDims) -> ModelConverter
     )
 
 
-for _name in NAMES:
+def _mx_factory(config: JobConfig, dims: ParallelDims) -> ModelConverter:
+    from tessera import float8
+    from tessera.trainer.config import ConfigError
+
+    section = section_of(config, MX_SECTION)
+    options = float8.MXOptions(recipe_name=section.recipe_name, filter_fqns=tuple(section.filter_fqns))
+    try:
+        float8.check_mx_options(options, device_type())
+    except ValueError as e:
+        raise ConfigError(f"config section [quantize.linear.mx]: {e}") from None
+    if dims.tp_enabled:  # torchao 0.18 has no MX tensor-parallel styles
+        raise ConfigError("model.converters quantize.linear.mx with tensor_parallel_degree > 1 is not supported")
+    return ModelConverter(name=MX_NAME, convert=functools.partial(float8.convert_mx, options=options))
+
+
+for _name in SECTIONS:
     register_converter(_name, functools.partial(_factory, _name))
+register_converter(MX_NAME, _mx_factory)

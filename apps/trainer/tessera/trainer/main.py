@@ -13,6 +13,7 @@ import os
 import sys
 
 from tessera.trainer.config import ConfigError, load_config
+from tessera.trainer.faults import TrainingError, die_with_launcher
 
 
 def _take_option(argv: list[str], name: str, takes_value: bool = True) -> tuple[str | None, list[str]]:
@@ -38,6 +39,7 @@ def _launch_local(nproc: int, argv: list[str]) -> int:
     """Runs this same program on nproc local ranks (rendezvous on a free localhost port)."""
     from torch.distributed.run import get_args_parser, run
 
+    os.environ["TESSERA_LAUNCHER_PID"] = str(os.getpid())  # the ranks die with this process (faults.py)
     launcher_args = get_args_parser().parse_args(
         ["--standalone", f"--nproc_per_node={nproc}", "--no-python", sys.executable, "-m", "tessera.trainer.main", *argv]
     )
@@ -73,10 +75,14 @@ def main(argv: list[str] | None = None) -> int:
             return _launch_local(nproc, argv)
         from tessera.trainer.train import train
 
+        die_with_launcher()
         train(config)
     except (ConfigError, OSError) as e:  # OSError: unwritable dump folder, full disk, unreadable files
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except TrainingError as e:  # diverged: the numbers, not the input, are at fault
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -71,20 +71,36 @@ def all_reduce_mean(value: torch.Tensor, mesh: DeviceMesh | None) -> float:
 
 class StepTimer:
     """Throughput over the steps since the last restart: a window that logging and validation
-    restart, so neither counts as training time."""
+    restart, so neither counts as training time. With `warmup` the first step (where
+    torch.compile compiles) is timed on its own and left out of every window."""
 
-    def __init__(self, tokens_per_step: float, flops_per_token: float, peak_tflops: float):
+    def __init__(self, tokens_per_step: float, flops_per_token: float, peak_tflops: float, warmup: bool = False):
         self.tokens_per_step, self.flops_per_token, self.peak = tokens_per_step, flops_per_token, peak_tflops * 1e12
+        self.warmup_pending, self.warmup_seconds, self._unreported = warmup, None, False
         self.restart()
 
     def restart(self) -> None:
         self.start, self.steps = time.perf_counter(), 0
 
     def step_done(self) -> None:
+        if self.warmup_pending:
+            self.warmup_pending, self._unreported = False, True
+            self.warmup_seconds = time.perf_counter() - self.start
+            self.restart()
+            return
         self.steps += 1
+
+    def take_warmup(self) -> float | None:
+        """The warm-up step's seconds, once, the first time it is asked after that step."""
+        if not self._unreported:
+            return None
+        self._unreported = False
+        return self.warmup_seconds
 
     @property
     def seconds_per_step(self) -> float:
+        if self.steps == 0 and self.warmup_seconds is not None:  # only the warm-up step so far
+            return self.warmup_seconds
         return (time.perf_counter() - self.start) / max(self.steps, 1)
 
     def rates(self) -> dict[str, float]:

@@ -54,7 +54,11 @@ def parallelize(model: nn.Module, plan: JobPlan, meshes: Meshes | None) -> nn.Mo
     if ac.mode != "none":
         apply_activation_checkpointing(model, ac.mode, ac.selective_ac_option)
     if config.compile.enable and "model" in config.compile.components:
+        if config.parallelism.enable_async_tensor_parallel:  # the plan checked CUDA, TP and compile
+            tp.enable_async_tp(meshes.tp, plan.device, compile_enabled=True)
         apply_compile(model)
+        if dims.tp_enabled:
+            _copy_first_block_input(model)
     if dims.fsdp_enabled:
         fsdp.apply_fsdp(
             model, meshes.fsdp, param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype,
@@ -64,6 +68,16 @@ def parallelize(model: nn.Module, plan: JobPlan, meshes: Meshes | None) -> nn.Mo
     elif dims.dp_replicate > 1:
         fsdp.apply_ddp(model, meshes.dp_replicate)
     return model
+
+
+def _copy_first_block_input(model: nn.Module) -> None:
+    """Measured (torch 2.13, CPU gloo): a compiled block fed the tensor-parallel embedding's
+    output directly (the local view that DTensor's to_local returns) hands that view's backward a
+    plain gradient where it expects a DTensor, and backward fails; a copy taken outside the
+    compiled region keeps the two autograd graphs apart. Costs one activation copy per step."""
+    blocks = list(model.layers.values())
+    if blocks:
+        blocks[0].register_forward_pre_hook(lambda module, args: (args[0].clone(), *args[1:]))
 
 
 def materialise(model: nn.Module, plan: JobPlan) -> None:

@@ -150,8 +150,13 @@ def _model_args(config: JobConfig, spec: ModelSpec, vocab_size: int):
     flavors = spec.flavors
     if config.model.flavor not in flavors:
         raise ConfigError(f"model.flavor {config.model.flavor!r} is not a flavor of {spec.name}; choose from {sorted(flavors)}")
-    # The run decides how many positions RoPE needs.
-    return dataclasses.replace(flavors[config.model.flavor], vocab_size=vocab_size, max_seq_len=config.training.seq_len)
+    # The run decides how many positions RoPE needs, up to the flavor's context length (its
+    # RoPE scaling and training were made for that many).
+    flavor = flavors[config.model.flavor]
+    if config.training.seq_len > flavor.max_seq_len:
+        raise ConfigError(f"training.seq_len {config.training.seq_len} exceeds the context length of "
+                          f"{spec.name}/{config.model.flavor} ({flavor.max_seq_len})")
+    return dataclasses.replace(flavor, vocab_size=vocab_size, max_seq_len=config.training.seq_len)
 
 
 def _batch(config: JobConfig, dims: ParallelDims) -> BatchPlan:
@@ -254,17 +259,14 @@ def _check_tensor_parallel(config: JobConfig, spec: ModelSpec, args, dims: Paral
 
 def _check_layout(config: JobConfig, dims: ParallelDims, device: str) -> None:
     """Combinations the trainer cannot run."""
-    if config.compile.enable and dims.tp_enabled:
-        raise ConfigError(
-            "compile.enable with tensor_parallel_degree > 1 is not supported: per-block compile "
-            "fails in backward on TP-sharded embedding outputs"
-        )
     if config.parallelism.enable_async_tensor_parallel:
-        # tessera.tp.enable_async_tp needs CUDA and torch.compile; compile with TP is refused above
-        raise ConfigError(
-            "parallelism.enable_async_tensor_parallel needs CUDA and compile.enable with tensor parallel, "
-            "which the trainer does not support yet (per-block compile fails with TP)"
-        )
+        # an inductor pass over symmetric memory, which only CUDA has; elsewhere it would do nothing
+        missing = [what for what, ok in (("CUDA", device == "cuda"), ("tensor_parallel_degree > 1", dims.tp_enabled),
+                                         ("compile.enable", config.compile.enable and "model" in config.compile.components))
+                   if not ok]
+        if missing:
+            raise ConfigError("parallelism.enable_async_tensor_parallel needs CUDA and compile.enable with "
+                              f"tensor_parallel_degree > 1; missing here: {', '.join(missing)}")
     if config.training.enable_cpu_offload and not dims.fsdp_enabled:
         raise ConfigError("training.enable_cpu_offload needs FSDP (data_parallel_shard_degree > 1)")
     if config.profiling.enable_memory_snapshot and device != "cuda":

@@ -22,6 +22,7 @@ from tessera.mesh import (
 )
 from tessera.trainer.checkpointing import Checkpointer
 from tessera.trainer.config import JobConfig, to_dict, user_input
+from tessera.trainer.faults import StopSignals, TrainingError
 from tessera.trainer.lr_schedule import LockstepSchedulers, build_lr_scheduler
 from tessera.trainer.metrics import MetricLogger, StepTimer, all_reduce_mean, memory_gib, peak_tflops
 from tessera.trainer.parallelize import ParallelModel, build_parallel_model
@@ -203,7 +204,8 @@ def _train(plan: JobPlan, info) -> list[dict]:
         training.steps, dump / config.metrics.save_tb_folder if config.metrics.enable_tensorboard else None,
         color=not config.metrics.disable_color_printing, enabled=is_logging_rank,
     )
-    timer = StepTimer(plan.batch.tokens_per_device, plan.flops_per_token, peak_tflops(device, plan.param_dtype))
+    timer = StepTimer(plan.batch.tokens_per_device, plan.flops_per_token, peak_tflops(device, plan.param_dtype),
+                      warmup=config.compile.enable)
     if info.rank == 0:
         print(_banner(plan, model), flush=True)
 
@@ -211,6 +213,11 @@ def _train(plan: JobPlan, info) -> list[dict]:
         memory, memory_peak = memory_gib(device)
         values = {"loss": all_reduce_mean(result.loss, meshes.loss), "grad_norm": result.grad_norm.item(),
                   "lr": result.lr, **timer.rates(), "memory_gib": memory, "memory_peak_gib": memory_peak}
+        warmup = timer.take_warmup()
+        if warmup is not None:
+            values["compile_warmup_s"] = warmup
+            if is_logging_rank:
+                print(f"compile warm-up: the first step took {warmup:.1f} s, left out of tokens/s and MFU", flush=True)
         logger.log(step, values, timer.seconds_per_step)
         return {"step": step, **values}
 
@@ -222,7 +229,8 @@ def _train(plan: JobPlan, info) -> list[dict]:
         logger.scalars(step, {"validation_loss": val_loss})
         return {"step": step, "validation_loss": val_loss}
 
-    history = []
+    history, skipped = [], 0
+    stop = StopSignals(config.job.stop_grace_seconds, device)
     gc.disable()  # collected every gc_freq steps instead, at the same point on every rank
     try:
         with _profiler(config, dump, info.rank, device) as profiler:
@@ -231,8 +239,13 @@ def _train(plan: JobPlan, info) -> list[dict]:
                 if step % training.gc_freq == 0:
                     gc.collect(1)
                 result = train_step(loader)
-                if result.skipped and is_logging_rank:
-                    print(f"step {step}: gradient norm {result.grad_norm.item()}, optimizer step skipped", flush=True)
+                if result.skipped:
+                    skipped += 1
+                    if skipped > training.max_skipped_steps:
+                        raise TrainingError(f"step {step}: gradient norm {result.grad_norm.item()}; {skipped} optimizer steps "
+                                            f"skipped, more than training.max_skipped_steps = {training.max_skipped_steps}")
+                    if is_logging_rank:
+                        print(f"step {step}: gradient norm {result.grad_norm.item()}, optimizer step skipped", flush=True)
                 if profiler is not None:
                     profiler.step()
                 timer.step_done()
@@ -245,6 +258,12 @@ def _train(plan: JobPlan, info) -> list[dict]:
                 if config.profiling.enable_memory_snapshot and step % config.profiling.profile_freq == 0:
                     _save_memory_snapshot(config, dump, info.rank, step)
                 checkpointer.after_step(step, last_step=step == training.steps)
+                if step < training.steps and stop.requested():
+                    saved = checkpointer.save_now(step)
+                    if info.rank == 0:
+                        print(f"stopped by {stop.received or 'a stop signal'} after step {step}: "
+                              f"{'checkpoint saved' if saved else 'checkpointing is off, nothing saved'}", flush=True)
+                    break
             if training.dataset_mixture and is_logging_rank:
                 shares = ", ".join(f"{name} {share:.3f}" for name, share in loader.realised_proportions().items())
                 print(f"data: realised mixture {shares} (weights {training.dataset_mixture})", flush=True)
@@ -252,6 +271,7 @@ def _train(plan: JobPlan, info) -> list[dict]:
                 loader.close()  # before the process group goes; collective-safe, see tessera.data.prefetch
     finally:
         gc.enable()
+        stop.close()
         logger.close()
         checkpointer.close()
     return history

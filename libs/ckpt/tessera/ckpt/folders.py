@@ -1,4 +1,5 @@
-"""Checkpoint folder layout: ``<folder>/step-<N>/`` complete, ``.step-<N>.tmp`` in progress.
+"""Checkpoint folder layout: ``<folder>/step-<N>/`` complete, ``.step-<N>.tmp`` in progress,
+``step-<N>-model`` (and the trainer's ``step-<N>-hf``) final exports beside the full checkpoint.
 
 A step folder only ever appears by renaming a fully written tmp folder, so any ``step-<N>``
 holding a ``.metadata`` file is complete; everything starting with "." is ignored by loading.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import tempfile
 from pathlib import Path
 
 from tessera.ckpt.dcp_io import METADATA_FILE
@@ -20,8 +22,13 @@ def step_folder(folder: Path, step: int) -> Path:
     return folder / f"step-{step}"
 
 
-def tmp_folder(folder: Path, step: int) -> Path:
-    return folder / f".step-{step}.tmp"
+def export_folder(folder: Path, step: int) -> Path:
+    """Where the final model-only export goes, beside the full ``step-<N>`` (never loaded to resume)."""
+    return folder / f"step-{step}-model"
+
+
+def is_complete(path: Path) -> bool:
+    return (path / METADATA_FILE).is_file()
 
 
 def complete_steps(folder: Path) -> list[int]:
@@ -31,7 +38,7 @@ def complete_steps(folder: Path) -> list[int]:
     steps = []
     for entry in folder.iterdir():
         match = _STEP.fullmatch(entry.name)
-        if match and (entry / METADATA_FILE).is_file():
+        if match and is_complete(entry):
             steps.append(int(match.group(1)))
     return sorted(steps)
 
@@ -60,8 +67,26 @@ def remove_stale_tmp(folder: Path) -> None:
 
 
 def remove_step(folder: Path, step: int) -> None:
-    """Hides the step folder first, so a crash mid-delete leaves no half-deleted ``step-<N>``."""
-    doomed = folder / f".step-{step}.deleting"
-    os.rename(step_folder(folder, step), doomed)
-    fsync_dir(folder)
+    discard(step_folder(folder, step))
+
+
+def discard(path: Path) -> None:
+    """Hides the folder first, so a crash mid-delete leaves no half-deleted ``step-<N>``."""
+    doomed = path.parent / f".{path.name}.deleting"
+    os.rename(path, doomed)
+    fsync_dir(path.parent)
     shutil.rmtree(doomed)
+
+
+def check_writable(folder: Path, size: int) -> None:
+    """Writes and deletes ``size`` bytes in ``folder`` (made if missing): raises the OSError a
+    checkpoint write would meet there (read-only, no permission, full disk)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=".probe-", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(bytes(size))
+            f.flush()
+            os.fsync(f.fileno())
+    finally:
+        os.unlink(name)

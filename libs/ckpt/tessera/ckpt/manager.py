@@ -16,8 +16,12 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from tessera.ckpt.dcp_io import check_storage_files, load_into, raise_first_failure, read_metadata, save_state_dict
-from tessera.ckpt.folders import complete_steps, publish, remove_stale_tmp, remove_step, step_folder, tmp_folder
+from tessera.ckpt.dcp_io import (
+    METADATA_FILE, check_storage_files, load_into, raise_first_failure, read_metadata, save_state_dict,
+)
+from tessera.ckpt.folders import (
+    check_writable, complete_steps, discard, export_folder, is_complete, publish, remove_stale_tmp, remove_step, step_folder,
+)
 from tessera.ckpt.states import ModelState, RankLocalState, Stateful
 
 logger = logging.getLogger("tessera.ckpt")
@@ -100,35 +104,74 @@ class CheckpointManager:
 
     # ---- saving ----------------------------------------------------------------------------
 
+    def due(self, step: int, last_step: bool = False) -> bool:
+        """Whether ``maybe_save(step, last_step)`` writes anything."""
+        return last_step or step % self.interval == 0
+
     def maybe_save(self, step: int, last_step: bool = False) -> None:
-        """Saves when ``step`` is a multiple of ``interval`` or ``last_step`` (model-only and
-        cast to ``export_dtype`` then, if ``last_save_model_only``)."""
-        if last_step:
-            self.save(step, model_only=self.last_save_model_only)
-        elif step % self.interval == 0:
+        """Saves when ``step`` is a multiple of ``interval`` or ``last_step``; after the last step,
+        if ``last_save_model_only``, also the model-only export beside it (``export_model``): an
+        export never replaces the full checkpoint that a longer run resumes from."""
+        if self.due(step, last_step):
             self.save(step)
+        if last_step and self.last_save_model_only:
+            self.export_model(step)
 
     def save(self, step: int, model_only: bool = False) -> None:
         """Writes ``step-<step>`` atomically; returns once written (sync) or staged (async).
 
         A step that already has a complete checkpoint is not saved again, so the last good
-        checkpoint is never overwritten.
+        checkpoint is never overwritten; an incomplete ``step-<step>`` (no ``.metadata``: a copy
+        cut short, never a save of ours) is replaced.
         """
+        self._write(step_folder(self.folder, step), model_only)
+
+    def export_model(self, step: int) -> None:
+        """The model states alone, cast to ``export_dtype``, in ``step-<step>-model``."""
+        self._write(export_folder(self.folder, step), model_only=True)
+
+    def check_writable(self) -> None:
+        """Fails now, naming the folder and the OS error, if no checkpoint could be written
+        (read-only or unwritable folder), rather than after the first interval of training."""
+        try:
+            check_writable(self.folder, size=4096)
+        except OSError as e:
+            raise OSError(f"checkpoint folder {self.folder} is not writable: {e.strerror or e}") from None
+
+    def _storage_error(self) -> OSError | None:
+        """DCP reports a full disk as, e.g., the zip writer's "unexpected pos"; a probe write
+        recovers the OS error behind a failed save, named with the folder."""
+        try:
+            check_writable(self.folder, size=1 << 20)
+        except OSError as e:
+            return OSError(f"cannot write checkpoint to {self.folder}: {e.strerror or e}")
+        return None
+
+    def _write(self, final: Path, model_only: bool) -> None:
         self.wait()
-        if step_folder(self.folder, step).is_dir():
-            logger.info("checkpoint for step %d already exists in %s; not saving it again", step, self.folder)
+        if is_complete(final):
+            logger.info("checkpoint %s already exists; not saving it again", final)
             return
         if self._rank == 0:
             self.folder.mkdir(parents=True, exist_ok=True)
             remove_stale_tmp(self.folder)
+            if final.exists():
+                logger.warning("%s is incomplete (no %s); replacing it", final, METADATA_FILE)
+                discard(final)
         self._barrier()
-        tmp = tmp_folder(self.folder, step)
+        tmp = self.folder / f".{final.name}.tmp"
         started = time.perf_counter()
         state_dict = self._model_export() if model_only else {name: state.state_dict() for name, state in self.states.items()}
         if self.async_mode == "disabled":
             try:
-                save_state_dict(state_dict, tmp, self.process_group)
-                self._finish_save(tmp, step, started)
+                try:
+                    save_state_dict(state_dict, tmp, self.process_group)
+                except Exception:
+                    error = self._storage_error()
+                    if error is None:
+                        raise
+                    raise error from None
+                self._finish_save(tmp, final, started)
             finally:  # a failure on rank 0 alone (publishing) must not leave the others waiting
                 self._barrier()
             return
@@ -140,23 +183,29 @@ class CheckpointManager:
             no_dist=not self._distributed,
         )
         upload = getattr(upload, "upload_completion", upload)  # AsyncSaveResponse with some stagers
-        logger.info("checkpoint step %d staged in %.2fs, writing in the background", step, time.perf_counter() - started)
-        self._pending = self._committer.submit(self._finish_async_save, upload, tmp, step, started)
+        logger.info("checkpoint %s staged in %.2fs, writing in the background", final.name, time.perf_counter() - started)
+        self._pending = self._committer.submit(self._finish_async_save, upload, tmp, final, started)
 
-    def _finish_async_save(self, upload: Future, tmp: Path, step: int, started: float) -> None:
+    def _finish_async_save(self, upload: Future, tmp: Path, final: Path, started: float) -> None:
         try:
-            upload.result()
-        except CheckpointException as e:  # a BaseException: turn it into an ordinary error
-            raise_first_failure(e)
-        self._finish_save(tmp, step, started)
+            try:
+                upload.result()
+            except CheckpointException as e:  # a BaseException: turn it into an ordinary error
+                raise_first_failure(e)
+        except Exception:
+            error = self._storage_error()
+            if error is None:
+                raise
+            raise error from None
+        self._finish_save(tmp, final, started)
 
-    def _finish_save(self, tmp: Path, step: int, started: float) -> None:
+    def _finish_save(self, tmp: Path, final: Path, started: float) -> None:
         """After DCP returns every rank's files and the metadata are written (it gathers all
         write results before the coordinator writes .metadata), so rank 0 publishes alone."""
         if self._rank != 0:
             return
-        publish(tmp, step_folder(self.folder, step))
-        logger.info("checkpoint step %d saved to %s in %.2fs", step, step_folder(self.folder, step), time.perf_counter() - started)
+        publish(tmp, final)
+        logger.info("checkpoint saved to %s in %.2fs", final, time.perf_counter() - started)
         if self.keep_latest_k:
             for old in complete_steps(self.folder)[: -self.keep_latest_k]:
                 remove_step(self.folder, old)
@@ -197,19 +246,34 @@ class CheckpointManager:
 
     # ---- loading ---------------------------------------------------------------------------
 
+    def resume_step(self) -> tuple[int | None, list[int]]:
+        """The step ``load()`` resumes from: the newest complete checkpoint holding more than the
+        model, else the newest model-only one (a seed checkpoint), else None; and the newer
+        model-only steps passed over."""
+        steps = complete_steps(self.folder)
+        for i in reversed(range(len(steps))):
+            if not self._is_model_only(step_folder(self.folder, steps[i])):
+                return steps[i], steps[i + 1:]
+        return (steps[-1], []) if steps else (None, [])
+
+    def _is_model_only(self, path: Path) -> bool:
+        stored = {fqn.split(".", 1)[0] for fqn in read_metadata(path).state_dict_metadata}
+        return bool(stored) and stored <= set(self._model_names)
+
     def load(self, step: int = -1) -> int | None:
-        """Restores the states (except ``exclude_from_loading``) from ``step``, or from the
-        newest complete checkpoint when -1. Returns the step loaded, or None if there is none.
+        """Restores the states (except ``exclude_from_loading``) from ``step``, or from
+        ``resume_step()`` when -1. Returns the step loaded, or None if there is none.
 
         A model-only checkpoint restores just the model states.
         """
         self.wait()
         if step == -1:
-            steps = complete_steps(self.folder)
-            if not steps:
+            step, passed = self.resume_step()
+            if step is None:
                 logger.info("no checkpoint in %s; starting from scratch", self.folder)
                 return None
-            step = steps[-1]
+            if passed:
+                logger.warning("checkpoint steps %s hold only the model; resuming from step %d", passed, step)
         elif not self.folder.is_dir():
             raise FileNotFoundError(f"checkpoint folder {self.folder} does not exist")
         elif not step_folder(self.folder, step).is_dir():

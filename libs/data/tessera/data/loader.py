@@ -12,6 +12,8 @@ single process with batch size b * W. With a mixture, global window i comes from
 The state is a global position (the windows consumed by all ranks together and where each
 stream stands), the same on every rank: a loader restored from `state_dict()` taken after k
 batches yields batch k + 1 onward, under any data-parallel degree with the same global batch.
+When shuffling or mixing, the state also holds the seed, and a restored loader adopts it: the
+data order is the saved run's, whatever seed the resuming run was given.
 """
 
 from __future__ import annotations
@@ -40,9 +42,10 @@ Dataset = Union[Sequence[str], ShardDataset]
 class PackedLoader:
     """Iterator of (inputs, labels) LongTensors [local_batch_size, seq_len]; see the module."""
 
-    def __init__(self, streams: list, names: list[str], mixture: Mixture | None, local_batch_size: int,
-                 dp_rank: int, dp_world_size: int):
+    def __init__(self, streams: list, names: list[str], mixture: Mixture | None, seed: int | None,
+                 local_batch_size: int, dp_rank: int, dp_world_size: int):
         self._streams = streams
+        self._seed = seed  # None: neither shuffled nor mixed, the order needs no seed
         self._names = names
         self._mixture = mixture
         self._local_batch_size = local_batch_size
@@ -67,15 +70,21 @@ class PackedLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """Global position (plain ints); the same on every rank after the same number of batches."""
+        seed = {} if self._seed is None else {"seed": self._seed}
         if self._mixture is None:
-            return {**self._streams[0].state_dict(), "window_index": self._window_index}
-        return {"window_index": self._window_index, "datasets": [s.state_dict() for s in self._streams]}
+            return {**self._streams[0].state_dict(), "window_index": self._window_index, **seed}
+        return {"window_index": self._window_index, "datasets": [s.state_dict() for s in self._streams], **seed}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at the position of `state` (from `state_dict()`, any data-parallel layout).
 
         Collective with peers: all of them must load the same state (it is rank-independent).
         """
+        if self._seed is not None and "seed" in state:
+            check_state(state, ["seed"])
+            self._seed = state["seed"]
+            for part in [*self._streams, *([self._mixture] if self._mixture else [])]:
+                part.reseed(self._seed)
         if self._mixture is None:
             self._streams[0].load_state_dict(state)
         else:
@@ -137,6 +146,8 @@ def build_dataloader(
                         ("shuffle_buffer", shuffle_buffer)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
     if not isinstance(dp_rank, int) or not 0 <= dp_rank < dp_world_size:
         raise ValueError(f"dp_rank must be in [0, {dp_world_size}), got {dp_rank!r}")
     datasets = [dataset] if weights is None else list(dataset)
@@ -154,4 +165,5 @@ def build_dataloader(
         else:
             streams.append(TextStream(data, tokenizer, seq_len + 1, infinite, peers, block_documents, shuffle_seed))
     names = [getattr(data, "source", f"dataset {i}") for i, data in enumerate(datasets)]
-    return PackedLoader(streams, names, mixture, local_batch_size, dp_rank, dp_world_size)
+    seeded = seed if shuffle or weights is not None else None
+    return PackedLoader(streams, names, mixture, seeded, local_batch_size, dp_rank, dp_world_size)

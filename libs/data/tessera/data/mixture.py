@@ -45,6 +45,9 @@ class Mixture:
         self._round = max(_ROUND, len(weights) ** 2)
         self._cached: tuple[int, np.ndarray] | None = None  # (round, dataset of each window)
 
+    def reseed(self, seed: int) -> None:
+        self._seed, self._cached = seed, None
+
     def counts(self, windows: int) -> np.ndarray:
         """Windows each dataset gives among the first `windows` (complete rounds only)."""
         counts = np.floor(windows * self.weights).astype(np.int64)

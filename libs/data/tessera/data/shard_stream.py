@@ -48,6 +48,12 @@ class ShardStream:
     def state_dict(self) -> dict[str, int]:
         return {"windows": self._windows, "num_tokens": self._data.num_tokens}
 
+    def reseed(self, seed: int) -> None:
+        """Order the epochs by `seed` (a restored run's), if shuffling."""
+        if self._seed is not None:
+            self._seed, self._shard_order = seed, None
+            self._groups.clear()
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         check_state(state, STATE_KEYS)
         if state["num_tokens"] != self._data.num_tokens:

@@ -79,6 +79,12 @@ class TextStream:
         return {"epoch": self._epoch, "doc_index": self._doc_index, "token_offset": self._token_offset,
                 "num_documents": len(self._dataset)}
 
+    def reseed(self, seed: int) -> None:
+        """Order the epochs by `seed` (a restored run's), if shuffling."""
+        if self._shuffle_seed is not None:
+            self._shuffle_seed, self._order = seed, None
+            self._block.clear()
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Collective with peers: all of them must load the same state (it is rank-independent)."""
         check_state(state, STATE_KEYS)

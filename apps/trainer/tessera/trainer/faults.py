@@ -1,0 +1,89 @@
+"""What a run does when the world goes wrong: diverged numbers, a scheduler's stop signal, a
+launcher that died. Each ends the run cleanly: one line, a checkpoint kept or written, no orphans."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import threading
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on for a reason in its numbers (diverged, non-finite weights), not in
+    the code: the command line prints it as one line and exits 1."""
+
+
+def weights_finite(params: Iterable[torch.Tensor], device: str) -> bool:
+    """Every rank's share of the weights is finite (collective: every rank gets the same answer)."""
+    bad = torch.zeros((), device=device)
+    for p in params:
+        local = p.to_local() if isinstance(p, DTensor) else p
+        bad += (~torch.isfinite(local.detach())).any().to(bad.device, torch.float32)
+    if dist.is_initialized():
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return not bad.item()
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_launcher() -> None:
+    """A rank started by a launcher (torchrun, `--nproc`) is killed when that launcher dies
+    (Linux's parent-death signal): orphans would keep training and writing checkpoints into the
+    folder a restarted job uses. TESSERA_LAUNCHER_PID (set by `--nproc`) closes the race of a
+    launcher that died before this call."""
+    if "LOCAL_RANK" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    launcher = os.environ.get("TESSERA_LAUNCHER_PID")
+    if launcher and os.getppid() != int(launcher):
+        os._exit(1)
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class StopSignals:
+    """SIGTERM / SIGUSR1 (what SLURM and Kubernetes send ahead of a kill) ask the run to stop
+    after the current step with a checkpoint. Every rank learns of it at the same step (`requested`
+    all-reduces the flag), so they save together. ``grace_s`` after the signal the process exits 1
+    regardless: a stuck save must not outlive the scheduler's grace period."""
+
+    def __init__(self, grace_s: int, device: str) -> None:
+        self.grace_s, self.device = grace_s, device
+        self.received: str | None = None
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():  # handlers live in the main thread only
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.received is None:
+            self.received = signal.Signals(signum).name
+            timer = threading.Timer(self.grace_s, self._expire)
+            timer.daemon = True
+            timer.start()
+
+    def _expire(self) -> None:
+        print(f"error: not stopped within {self.grace_s}s of {self.received} (job.stop_grace_seconds); exiting",
+              file=sys.stderr, flush=True)
+        os._exit(1)
+
+    def requested(self) -> bool:
+        flag = torch.tensor(float(self.received is not None), device=self.device)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def close(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}

@@ -1,0 +1,256 @@
+"""The trainer under faults (issue 13): extending a finished run, non-finite steps, unwritable
+and full checkpoint folders, stop signals, orphaned ranks, and bad input that used to pass."""
+
+import os
+import re
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tessera.ckpt import read_dcp
+from tessera.trainer import train as train_module
+from tessera.trainer.config import ConfigError, load_config
+from tessera.trainer.main import main
+from tessera.trainer.plan import make_plan
+from tessera.trainer.train import train
+
+torch.set_num_threads(1)
+
+SMALL = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--metrics.log_freq", "1",
+         "--metrics.disable_color_printing", "true", "--lr_scheduler.warmup_steps", "2"]
+CKPT = ["--checkpoint.enable", "true", "--checkpoint.interval", "2"]
+FULL = {"train_state", "model", "optimizer", "lr_scheduler", "dataloader", "rng"}
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+
+
+def run(dump, *extra):
+    return train(load_config([*SMALL, "--job.dump_folder", str(dump), *extra]))
+
+
+def trainer(dump, *extra, **popen):
+    """The trainer as a separate process (signals, resource limits); stdout and stderr go to
+    <dump>.out and <dump>.err beside the dump folder."""
+    with open(f"{dump}.out", "wb") as out, open(f"{dump}.err", "wb") as err:
+        return subprocess.Popen([sys.executable, "-m", "tessera.trainer.main", *SMALL, "--job.dump_folder", str(dump),
+                                 *extra], env=ENV, stdout=out, stderr=err, **popen)
+
+
+def output(dump, stream="out"):
+    return Path(f"{dump}.{stream}").read_text()
+
+
+def wait_for(condition, proc, what, timeout=300):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, f"trainer exited before {what}: {output(proc.args[proc.args.index('--job.dump_folder') + 1], 'err')[-2000:]}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.05)
+
+
+# ---- 1. extending a finished run ---------------------------------------------------------
+
+def test_extending_a_finished_run_continues_it(tmp_path, capsys):
+    run(tmp_path, "--training.steps", "4", *CKPT)  # checkpoint.last_save_model_only is on by default
+    folder = tmp_path / "checkpoint"
+    assert set(read_dcp(folder / "step-4")) == FULL
+    assert set(read_dcp(folder / "step-4-model")) == {"model"}
+    history = run(tmp_path, "--training.steps", "6", *CKPT)
+    assert [h["step"] for h in history] == [5, 6]
+    assert "training continues after step 4" in capsys.readouterr().out
+
+
+def test_model_only_newest_checkpoint_resumes_from_the_newest_full_one(tmp_path, capsys):
+    run(tmp_path, "--training.steps", "4", *CKPT)
+    folder = tmp_path / "checkpoint"
+    shutil.rmtree(folder / "step-4")
+    (folder / "step-4-model").rename(folder / "step-4")  # the layout older versions wrote
+    history = run(tmp_path, "--training.steps", "6", *CKPT)
+    assert [h["step"] for h in history] == [3, 4, 5, 6]
+    assert f"{folder / 'step-4'} holds only the model; resuming from the newest full checkpoint, step-2" in capsys.readouterr().out
+
+
+# ---- 2. non-finite steps -----------------------------------------------------------------
+
+def test_diverging_run_stops_after_max_skipped_steps(tmp_path, capsys):
+    code = main([*SMALL, "--job.dump_folder", str(tmp_path), "--training.steps", "30", *CKPT, "--checkpoint.interval", "1",
+                 "--optimizer.lr", "1e6", "--lr_scheduler.warmup_steps", "0", "--training.max_skipped_steps", "2"])
+    err = capsys.readouterr().err.strip()
+    assert code == 1
+    assert "\n" not in err and err.startswith("error: step ") and "3 optimizer steps skipped" in err, err
+    assert "training.max_skipped_steps = 2" in err
+    for step in (tmp_path / "checkpoint").glob("step-*"):
+        assert all(torch.isfinite(v).all() for v in read_dcp(step, only="model").values()), step
+
+
+def test_non_finite_weights_are_never_checkpointed(tmp_path, capsys, monkeypatch):
+    make_train_step = train_module.make_train_step
+
+    def poisoned(parts, *args, **kwargs):
+        step, calls = make_train_step(parts, *args, **kwargs), []
+
+        def poisoning_step(batches):
+            result = step(batches)
+            calls.append(1)
+            if len(calls) == 3:  # weights go bad while the gradient norm stayed finite
+                with torch.no_grad():
+                    next(parts[0].parameters()).fill_(float("nan"))
+            return result
+
+        return poisoning_step
+
+    monkeypatch.setattr(train_module, "make_train_step", poisoned)
+    code = main([*SMALL, "--job.dump_folder", str(tmp_path), "--training.steps", "6", *CKPT])
+    err = capsys.readouterr().err.strip()
+    assert code == 1
+    assert err == (f"error: step 4: model weights are not finite; not writing a checkpoint "
+                   f"(the newest one in {tmp_path / 'checkpoint'} stays)")
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-2"]
+
+
+# ---- 3. unwritable and full checkpoint folders -------------------------------------------
+
+def test_unwritable_checkpoint_folder_fails_before_the_first_step(tmp_path, capsys):
+    (tmp_path / "blocker").write_text("a file where the checkpoint folder should be")
+    code = main([*SMALL, "--job.dump_folder", str(tmp_path), "--training.steps", "4", *CKPT,
+                 "--checkpoint.folder", "blocker/ckpt"])
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert err.strip() == f"error: checkpoint folder {tmp_path / 'blocker' / 'ckpt'} is not writable: Not a directory"
+    assert "step 1" not in out
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_read_only_dump_folder_fails_before_the_first_step(tmp_path, capsys):
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    dump.chmod(0o555)
+    try:
+        assert main([*SMALL, "--job.dump_folder", str(dump), "--training.steps", "4", *CKPT]) == 2
+    finally:
+        dump.chmod(0o755)
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: checkpoint folder {dump / 'checkpoint'} is not writable: Permission denied"
+
+
+def _limit_file_size():
+    """A full disk, as far as the writer can tell: writes past 256 KiB fail (EFBIG)."""
+    resource.setrlimit(resource.RLIMIT_FSIZE, (256 << 10, 256 << 10))
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+
+def test_failed_save_names_the_folder_and_keeps_the_previous_checkpoint(tmp_path):
+    dump = tmp_path / "run"
+    run(dump, "--training.steps", "2", *CKPT)
+    step2 = dump / "checkpoint" / "step-2"
+    before = {p.name: p.read_bytes() for p in step2.iterdir()}
+    proc = trainer(dump, "--training.steps", "4", *CKPT, preexec_fn=_limit_file_size)
+    assert proc.wait(timeout=300) == 2
+    assert output(dump, "err").strip() == f"error: cannot write checkpoint to {dump / 'checkpoint'}: File too large"
+    assert {p.name: p.read_bytes() for p in step2.iterdir()} == before
+    assert not (dump / "checkpoint" / "step-4").exists()
+
+
+# ---- 5. stop signals, orphaned ranks -----------------------------------------------------
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_stop_signal_saves_a_checkpoint_and_exits_0(tmp_path, sig):
+    dump = tmp_path / "run"
+    proc = trainer(dump, "--training.steps", "1000", *CKPT, "--checkpoint.interval", "500")
+    try:
+        wait_for(lambda: "step    2/1000" in output(dump), proc, "step 2")
+        proc.send_signal(sig)
+        assert proc.wait(timeout=120) == 0, output(dump, "err")[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    stopped = [line for line in output(dump).splitlines() if line.startswith("stopped by")]
+    assert len(stopped) == 1 and stopped[0].startswith(f"stopped by {sig.name} after step "), output(dump)[-2000:]
+    step = int(stopped[0].split("after step ")[1].split(":")[0])
+    assert stopped[0].endswith(": checkpoint saved")
+    assert set(read_dcp(dump / "checkpoint" / f"step-{step}")) == FULL
+    assert read_dcp(dump / "checkpoint" / f"step-{step}", only="train_state")["step"] == step
+
+
+def _processes_naming(text):
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and text in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux's")
+def test_ranks_die_with_their_launcher(tmp_path):
+    dump = tmp_path / "orphans"
+    proc = trainer(dump, "--nproc", "2", "--training.steps", "100000", "--parallelism.data_parallel_shard_degree", "2")
+    try:
+        wait_for(lambda: re.search(r"step +1/100000", output(dump)), proc, "a training step")
+        workers = [pid for pid in _processes_naming(str(dump)) if pid != proc.pid]
+        assert len(workers) == 2
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 30
+        while [pid for pid in workers if Path(f"/proc/{pid}").exists() and "Z" not in _state(pid)]:
+            assert time.monotonic() < deadline, "ranks outlived their launcher"
+            time.sleep(0.1)
+    finally:
+        for pid in _processes_naming(str(dump)):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _state(pid):
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
+
+
+# ---- 4. bad input accepted silently or misreported ---------------------------------------
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "holds no settings"),
+    (b"# only a comment\n", "holds no settings"),
+    (b"\x89PNG\r\n\x1a\n\x00\x00\xff\xfe", "is not UTF-8 text"),
+])
+def test_unusable_config_file_is_named(tmp_path, content, message):
+    path = tmp_path / "job.toml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError, match=f"^config file {path} {message}"):
+        load_config(["--job.config_file", str(path)])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--training.steps", "--metrics.log_freq", "1"], "option --training.steps needs a value, got the option --metrics.log_freq"),
+    (["--training.steps", "--metrics.log_freq=1"], "option --training.steps needs a value, got the option --metrics.log_freq"),
+    (["--optimizer.lr", "nan"], "config key optimizer.lr: nan is not a finite number"),
+    (["--optimizer.lr", "inf"], "config key optimizer.lr: inf is not a finite number"),
+    (["--training.max_norm", "nan"], "config key training.max_norm: nan is not a finite number"),
+    (["--training.steps", "x"], "config key training.steps: value 'x' is not an int"),
+    (["--training.max_skipped_steps", "-1"], "config key training.max_skipped_steps: must be >= 0"),
+    (["--job.stop_grace_seconds", "0"], "config key job.stop_grace_seconds: 0 must be >= 1"),
+])
+def test_bad_command_line_values(argv, message):
+    with pytest.raises(ConfigError, match=f"^{message}$"):
+        load_config(argv)
+
+
+def test_nan_in_a_config_file(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text("[optimizer]\nlr = nan\n")
+    with pytest.raises(ConfigError, match="^config key optimizer.lr: nan is not a finite number$"):
+        load_config(["--job.config_file", str(path)])
+
+
+def test_seq_len_above_the_flavors_context_length():
+    with pytest.raises(ConfigError, match=r"^training.seq_len 4096 exceeds the context length of llama3/debugmodel \(2048\)$"):
+        make_plan(load_config(["--training.seq_len", "4096"]), 1, check_only=True)

@@ -1,0 +1,55 @@
+"""CheckpointManager under faults: leftovers of foreign copies, final exports, unwritable folders."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from tessera.ckpt import CheckpointManager, ModelState, OptimizerState, read_dcp
+
+
+def _manager(folder, **kwargs):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    states = {"model": ModelState([model]), "optimizer": OptimizerState([model], [optimizer])}
+    return CheckpointManager(folder, states, interval=2, **kwargs)
+
+
+def test_incomplete_step_folder_does_not_block_its_save(tmp_path):
+    stale = tmp_path / "step-2"
+    stale.mkdir()
+    (stale / "__0_0.distcp").write_bytes(b"\0" * 100)  # e.g. an interrupted copy: no .metadata
+    manager = _manager(tmp_path)
+    manager.save(2)
+    assert (stale / ".metadata").is_file()
+    assert set(read_dcp(stale)) == {"model", "optimizer"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2"]
+
+
+def test_final_export_goes_beside_the_full_checkpoint(tmp_path):
+    manager = _manager(tmp_path, last_save_model_only=True)
+    manager.maybe_save(3, last_step=True)
+    assert set(read_dcp(tmp_path / "step-3")) == {"model", "optimizer"}
+    assert set(read_dcp(tmp_path / "step-3-model")) == {"model"}
+    assert _manager(tmp_path).load() == 3
+
+
+def test_resume_passes_over_newer_model_only_checkpoints(tmp_path):
+    manager = _manager(tmp_path)
+    manager.save(0, model_only=True)  # a seed checkpoint
+    assert manager.resume_step() == (0, [])
+    manager.save(2)
+    manager.save(4, model_only=True)  # a final export as older versions wrote it
+    assert manager.resume_step() == (2, [4])
+    assert _manager(tmp_path).load() == 2
+
+
+def test_unwritable_folder_is_named_with_the_os_error(tmp_path):
+    (tmp_path / "file").write_text("x")
+    manager = _manager(tmp_path / "file" / "ckpt")
+    with pytest.raises(OSError, match=r"^checkpoint folder .*file/ckpt is not writable: Not a directory$"):
+        manager.check_writable()
+    assert manager.load() is None
+    assert not Path(tmp_path / "file").is_dir()
