@@ -1,10 +1,13 @@
 """Side-by-side CPU benchmark: Tessera's trainer against a bare PyTorch loop (the floor) on the
-same model, data and batch, plus Tessera under FSDP and TP on 2 local ranks.
+same model, data and batch; Tessera under FSDP and TP on 2 local ranks; and one process with
+per-block compile, activation checkpointing (full, selective per-op) and float8 (torchao,
+emulated on CPU: a correctness path, slower than fp32 there).
 
 Each variant runs in its own process, so peak RSS is that variant's own. Prints tokens/s per
-rank, peak RSS per rank, and the ratio to the bare loop, all measured in this one run.
+rank, peak RSS per rank, and the ratios to the bare loop and to the plain trainer, all measured
+in this one run. Compile's warm-up step is left out of its rate (and printed).
 
-  bazel run //tools/bench -- [--steps 20] [--warmup 3] [--variants bare,tessera,fsdp2,tp2] [--section.key value ...]
+  bazel run //tools/bench -- [--steps 20] [--warmup 3] [--variants bare,tessera,fsdp2,...] [--section.key value ...]
 """
 
 from __future__ import annotations
@@ -22,10 +25,18 @@ VARIANTS = {
     "tessera": ("tessera trainer", 1),
     "fsdp2": ("tessera FSDP", 2),
     "tp2": ("tessera TP (SP, loss parallel)", 2),
+    "compile": ("tessera + compile", 1),
+    "ac_full": ("tessera + full AC", 1),
+    "ac_op": ("tessera + selective AC (op)", 1),
+    "float8": ("tessera + float8 (emulated)", 1),
 }
 LAYOUT_ARGS = {
     "fsdp2": ["--parallelism.data_parallel_shard_degree", "2"],
     "tp2": ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
+    "compile": ["--compile.enable", "true"],
+    "ac_full": ["--activation_checkpoint.mode", "full"],
+    "ac_op": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
+    "float8": ["--model.converters", "float8"],
 }
 
 
@@ -84,7 +95,9 @@ def _trainer_rank(rank: int, world_size: int, overrides: list[str], warmup: int)
     from tessera.trainer.train import train
 
     history = train(load_config(overrides))
-    return {"tps": _tokens_per_second([h["tps"] for h in history if "tps" in h], warmup), "rss": _peak_rss_gib()}
+    warm_up = next((h["compile_warmup_s"] for h in history if "compile_warmup_s" in h), None)
+    return {"tps": _tokens_per_second([h["tps"] for h in history if "tps" in h], warmup), "rss": _peak_rss_gib(),
+            "warmup_s": warm_up}
 
 
 def measure_tessera(overrides: list[str], steps: int, warmup: int, ranks: int) -> dict:
@@ -130,12 +143,17 @@ def main() -> int:
         return 0
 
     results = {v: _child(v, overrides, known.steps, known.warmup) for v in variants}
-    floor = results.get("bare")
-    print(f"\n{'variant':34} {'ranks':>5} {'tokens/s/rank':>14} {'peak RSS/rank':>14} {'tok/s vs bare':>14}")
+    floor, plain = results.get("bare"), results.get("tessera")
+    print(f"\n{'variant':34} {'ranks':>5} {'tokens/s/rank':>14} {'peak RSS/rank':>14} {'vs bare':>8} "
+          f"{'vs tessera':>10} {'RSS vs tessera':>15}")
     for v, r in results.items():
         name, ranks = VARIANTS[v]
-        ratio = f"{r['tps'] / floor['tps']:.2f}x" if floor else "-"
-        print(f"{name:34} {ranks:>5} {r['tps']:>14,.1f} {r['rss']:>11.2f}GiB {ratio:>14}")
+        vs_bare = f"{r['tps'] / floor['tps']:.2f}x" if floor else "-"
+        vs_plain = f"{r['tps'] / plain['tps']:.2f}x" if plain else "-"
+        rss = f"{r['rss'] / plain['rss']:.2f}x" if plain else "-"
+        print(f"{name:34} {ranks:>5} {r['tps']:>14,.1f} {r['rss']:>11.2f}GiB {vs_bare:>8} {vs_plain:>10} {rss:>15}")
+        if r.get("warmup_s"):
+            print(f"{'':34}       compile warm-up (first step): {r['warmup_s']:.1f} s")
     print(f"({known.steps} steps, first {known.warmup} untimed; overrides: {' '.join(overrides) or 'none'})")
     return 0
 

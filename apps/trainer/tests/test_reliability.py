@@ -178,6 +178,24 @@ def test_stop_signal_saves_a_checkpoint_and_exits_0(tmp_path, sig):
     assert read_dcp(dump / "checkpoint" / f"step-{step}", only="train_state")["step"] == step
 
 
+def test_stop_signal_to_the_nproc_launcher_reaches_every_rank(tmp_path):
+    dump = tmp_path / "run"
+    proc = trainer(dump, "--nproc", "2", "--parallelism.data_parallel_shard_degree", "2", "--training.steps", "1000",
+                   *CKPT, "--checkpoint.interval", "500")
+    try:
+        wait_for(lambda: "step    2/1000" in output(dump), proc, "step 2")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0, output(dump, "err")[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    stopped = [line for line in output(dump).splitlines() if line.startswith("stopped by SIGTERM after step ")]
+    assert len(stopped) == 1 and stopped[0].endswith(": checkpoint saved"), output(dump)[-2000:]
+    step = int(stopped[0].split("after step ")[1].split(":")[0])
+    assert read_dcp(dump / "checkpoint" / f"step-{step}", only="train_state")["step"] == step
+    assert output(dump, "err").strip().splitlines()[-1] == "2-process run stopped by SIGTERM"
+
+
 def _processes_naming(text):
     found = []
     for entry in Path("/proc").iterdir():

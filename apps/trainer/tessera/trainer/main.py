@@ -13,7 +13,7 @@ import os
 import sys
 
 from tessera.trainer.config import ConfigError, load_config
-from tessera.trainer.faults import TrainingError, die_with_launcher
+from tessera.trainer.faults import STOP_SIGNALS, TrainingError, die_with_launcher
 
 
 def _take_option(argv: list[str], name: str, takes_value: bool = True) -> tuple[str | None, list[str]]:
@@ -35,17 +35,25 @@ def _positive_int(name: str, value: str | None) -> int | None:
     return None if value is None else int(value)
 
 
-def _launch_local(nproc: int, argv: list[str]) -> int:
-    """Runs this same program on nproc local ranks (rendezvous on a free localhost port)."""
+def _launch_local(nproc: int, argv: list[str], grace_s: int) -> int:
+    """Runs this same program on nproc local ranks (rendezvous on a free localhost port). A stop
+    signal reaches every rank, which saves and exits 0 (faults.StopSignals); the launcher waits
+    for that up to the ranks' own grace, plus a margin, before killing them."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import get_args_parser, run
 
     os.environ["TESSERA_LAUNCHER_PID"] = str(os.getpid())  # the ranks die with this process (faults.py)
-    launcher_args = get_args_parser().parse_args(
-        ["--standalone", f"--nproc_per_node={nproc}", "--no-python", sys.executable, "-m", "tessera.trainer.main", *argv]
-    )
+    launcher_args = get_args_parser().parse_args([
+        "--standalone", f"--nproc_per_node={nproc}", f"--shutdown_timeout={grace_s + 30}",
+        f"--signals_to_handle=SIGINT,SIGHUP,SIGQUIT,{','.join(sig.name for sig in STOP_SIGNALS)}",
+        "--no-python", sys.executable, "-m", "tessera.trainer.main", *argv,
+    ])
     try:
         run(launcher_args)
     except Exception as e:  # ChildFailedError: the failing rank already printed its own error
+        if isinstance(e, SignalException) and e.sigval in STOP_SIGNALS:  # the ranks said what they saved
+            print(f"{nproc}-process run stopped by {e.sigval.name}", file=sys.stderr)
+            return 0
         print(f"error: {nproc}-process run failed: {type(e).__name__}", file=sys.stderr)
         return 1
     return 0
@@ -72,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if nproc is not None:
             make_plan(config, nproc)  # every config error once, before any worker starts
-            return _launch_local(nproc, argv)
+            return _launch_local(nproc, argv, config.job.stop_grace_seconds)
         from tessera.trainer.train import train
 
         die_with_launcher()
