@@ -14,7 +14,7 @@ import pytest
 LIBS = Path(__file__).absolute().parent.parent / "libs"
 # Tessera libraries a library may import (DEVELOPERS.md): installed next to it in the test.
 ALLOWED = {"mesh": [], "models": [], "data": [], "fsdp": ["mesh"], "tp": ["mesh"], "ckpt": ["mesh"], "float8": ["mesh"],
-           "pp": ["mesh"]}
+           "pp": ["mesh"], "cp": ["mesh"]}
 SMOKE = {
     "mesh": "from tessera.mesh import resolve_parallel_dims; assert resolve_parallel_dims(4, tp=2).dp_shard == 2",
     "models": "from tessera.models import get_model_spec; assert 'debugmodel' in get_model_spec('llama3').flavors",
@@ -24,6 +24,7 @@ SMOKE = {
     "ckpt": "from tessera.ckpt import CheckpointManager, save_hf, load_hf",
     "float8": "from tessera.float8 import Float8Options, check_options, convert, tp_styles",
     "pp": "from tessera.pp import build_pipeline, even_split; assert len(even_split(2, 4)) == 2",
+    "cp": "from tessera.cp import apply_cp, local_positions; assert local_positions(8, 2, 0).tolist() == [0, 1, 6, 7]",
 }
 
 

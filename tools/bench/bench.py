@@ -8,6 +8,7 @@ rank, peak RSS per rank, and the ratios to the bare loop and to the plain traine
 in this one run. Compile's warm-up step is left out of its rate (and printed).
 
   bazel run //tools/bench -- [--steps 20] [--warmup 3] [--variants bare,tessera,fsdp2,...] [--section.key value ...]
+  long sequences, cp 1 vs 2: --variants tessera,cp2 --training.seq_len 8192 --training.local_batch_size 1
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ VARIANTS = {
     "tessera": ("tessera trainer", 1),
     "fsdp2": ("tessera FSDP", 2),
     "tp2": ("tessera TP (SP, loss parallel)", 2),
+    "cp2": ("tessera CP (all-gather KV)", 2),
     "compile": ("tessera + compile", 1),
     "ac_full": ("tessera + full AC", 1),
     "ac_op": ("tessera + selective AC (op)", 1),
@@ -33,6 +35,7 @@ VARIANTS = {
 LAYOUT_ARGS = {
     "fsdp2": ["--parallelism.data_parallel_shard_degree", "2"],
     "tp2": ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
+    "cp2": ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
     "compile": ["--compile.enable", "true"],
     "ac_full": ["--activation_checkpoint.mode", "full"],
     "ac_op": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],

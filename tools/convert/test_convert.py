@@ -73,3 +73,36 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     )
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "Traceback" not in result.stderr
+
+
+def test_outputs_are_never_overwritten_without_force(tmp_path, capsys):
+    weights, step_dir = _trained_checkpoint(tmp_path / "ckpt")
+    flavor = ("--model", "llama3", "--flavor", "debugmodel")
+    out = tmp_path / "whole.pt"
+    out.write_bytes(b"precious")
+    assert _run("dcp-to-torch", step_dir, out) == 2
+    assert capsys.readouterr().err.strip() == f"convert: error: output {out} already exists; pass --force to replace it"
+    assert out.read_bytes() == b"precious"
+    assert _run("dcp-to-torch", "--force", step_dir, out) == 0
+    assert torch.equal(torch.load(out, weights_only=True)["model"]["norm.weight"], weights["norm.weight"])
+
+    hf = tmp_path / "hf"
+    hf.mkdir()  # an empty folder is no output yet
+    assert _run("dcp-to-hf", *flavor, step_dir, hf) == 0
+    before = {p.name: p.read_bytes() for p in hf.iterdir()}
+    assert _run("dcp-to-hf", *flavor, step_dir, hf) == 2
+    assert "already exists; pass --force" in capsys.readouterr().err
+    assert _run("dcp-to-hf", *flavor, "--force", step_dir, hf) == 0
+    assert {p.name: p.read_bytes() for p in hf.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "hf", "whole.pt"]  # no hidden leftovers
+
+
+def test_output_path_errors_are_one_line(tmp_path, capsys):
+    _, step_dir = _trained_checkpoint(tmp_path / "ckpt")
+    assert _run("dcp-to-torch", step_dir, tmp_path) == 2
+    assert capsys.readouterr().err.strip() == f"convert: error: output {tmp_path} is a folder; this conversion writes a file"
+    missing = tmp_path / "no" / "such" / "x.pt"
+    assert _run("dcp-to-torch", step_dir, missing) == 2
+    assert capsys.readouterr().err.strip() == f"convert: error: output {missing}: its folder {missing.parent} does not exist"
+    assert _run("hf-to-dcp", "--model", "llama3", "--flavor", "debugmodel", tmp_path, step_dir / ".metadata") == 2
+    assert "is a file; this conversion writes a folder" in capsys.readouterr().err

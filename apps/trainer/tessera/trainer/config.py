@@ -126,6 +126,9 @@ class Parallelism:
     tensor_parallel_degree: int = 1
     disable_loss_parallel: bool = False
     enable_async_tensor_parallel: bool = False
+    context_parallel_degree: int = 1
+    context_parallel_rotate_method: str = "allgather"  # Tessera's CP all-gathers K/V (tessera.cp)
+    context_parallel_load_balancer: str | None = "headtail"  # None: contiguous shards
     pipeline_parallel_degree: int = 1
     pipeline_parallel_schedule: str = "1F1B"  # one of tessera.pp.SCHEDULES, case-insensitive
     pipeline_parallel_schedule_csv: str = ""  # a file of actions per rank; overrides the schedule's order
@@ -215,6 +218,7 @@ class Profiling:
 @dataclasses.dataclass
 class Comm:
     init_timeout_seconds: int = 300
+    train_timeout_seconds: int = 100  # the training's collectives after the first step (torchtitan's key)
 
 
 @dataclasses.dataclass
@@ -277,6 +281,8 @@ CHOICES = {
     ("checkpoint", "async_mode"): ASYNC_MODES,
     ("checkpoint", "export_dtype"): tuple(EXPORT_DTYPES),
     ("activation_checkpoint", "mode"): AC_MODES,
+    ("parallelism", "context_parallel_rotate_method"): ("allgather",),
+    ("parallelism", "context_parallel_load_balancer"): ("headtail", None),
 }
 
 # Keys holding paths a user types: relative ones resolve against the user's directory.
@@ -514,8 +520,9 @@ def validate(config: JobConfig) -> None:
         ("training", "local_batch_size"), ("training", "seq_len"), ("training", "steps"),
         ("metrics", "log_freq"), ("checkpoint", "interval"), ("validation", "freq"),
         ("profiling", "profile_freq"), ("training", "gc_freq"), ("comm", "init_timeout_seconds"),
-        ("job", "stop_grace_seconds"),
+        ("job", "stop_grace_seconds"), ("comm", "train_timeout_seconds"),
         ("parallelism", "pipeline_parallel_degree"), ("parallelism", "pipeline_parallel_microbatch_size"),
+        ("parallelism", "context_parallel_degree"),
     ]
     for section, key in positive:
         value = getattr(getattr(config, section), key)

@@ -4,6 +4,8 @@ launcher that died. Each ends the run cleanly: one line, a checkpoint kept or wr
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+import datetime
 import os
 import signal
 import sys
@@ -12,6 +14,7 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 
@@ -29,6 +32,31 @@ def weights_finite(params: Iterable[torch.Tensor], device: str) -> bool:
     if dist.is_initialized():
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     return not bad.item()
+
+
+def tighten_timeouts(seconds: int, meshes) -> None:
+    """comm.train_timeout_seconds, set after the first step (torchtitan's meaning) on the training's
+    own groups (the default one and every mesh's): a stuck collective then fails instead of
+    hanging. Background groups (async checkpoints, data prefetch) keep the init timeout: they
+    may rightly wait through a long step."""
+    meshes = {*meshes.values(), *(getattr(meshes, f.name) for f in dataclasses.fields(meshes))}
+    groups = {dist.group.WORLD, *(g for mesh in meshes if isinstance(mesh, DeviceMesh) for g in mesh.get_all_groups())}
+    for group in groups:
+        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), group)
+
+
+# gloo's words for a collective that timed out here, or whose peer gave up (timed out or failed)
+_STALLS = {"Timed out waiting": "timed out", "Connection closed by peer": "lost a peer rank (it failed or timed out)"}
+
+
+def stalled_collective(error: RuntimeError, rank: int, step: int, seconds: int) -> TrainingError | None:
+    """The one-line error for a collective that comm.train_timeout_seconds ended, else None."""
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    for words, what in _STALLS.items():
+        if words in first_line:
+            return TrainingError(f"rank {rank}, step {step}: a collective {what} (comm.train_timeout_seconds = "
+                                 f"{seconds}): {first_line.split('] ', 1)[-1]}")
+    return None
 
 
 _PR_SET_PDEATHSIG = 1

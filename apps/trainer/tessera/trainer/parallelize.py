@@ -20,7 +20,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from tessera import fsdp, pp, tp
+from tessera import cp, fsdp, pp, tp
 from tessera.mesh import Meshes
 from tessera.models import apply_activation_checkpointing, apply_compile
 from tessera.trainer.plan import JobPlan
@@ -50,6 +50,8 @@ def parallelize(model: nn.Module, plan: JobPlan, meshes: Meshes | None) -> nn.Mo
             model, meshes.tp, plan.spec.tp_plan, sequence_parallel=True, loss_parallel=plan.loss_parallel,
             styles=plan.tp_styles, missing_ok=plan.pipeline is not None,
         )
+    if dims.cp_enabled and len(model.layers):  # each attention: this rank's queries, every rank's keys
+        cp.apply_cp(model, meshes.cp.get_group(), load_balance=config.parallelism.context_parallel_load_balancer is not None)
     ac = config.activation_checkpoint
     if ac.mode != "none":
         apply_activation_checkpointing(model, ac.mode, ac.selective_ac_option)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from tessera import pp, tp
+from tessera import cp, pp, tp
 from tessera.data import load_tokenizer
 from tessera.fsdp import MIXED_PRECISION_DTYPES
 from tessera.mesh import MeshLayout, ParallelDims, device_type, mesh_layout, resolve_parallel_dims
@@ -109,7 +109,7 @@ def make_plan(config: JobConfig, world_size: int, device: str | None = None, *, 
         dims = resolve_parallel_dims(
             world_size, dp_replicate=par.data_parallel_replicate_degree,
             dp_shard=par.data_parallel_shard_degree, tp=par.tensor_parallel_degree,
-            pp=par.pipeline_parallel_degree,
+            pp=par.pipeline_parallel_degree, cp=par.context_parallel_degree,
         )
         spec = get_model_spec(config.model.name)
     args = _model_args(config, spec, _vocab_size(config, spec, notes if check_only else None))
@@ -259,6 +259,12 @@ def _check_tensor_parallel(config: JobConfig, spec: ModelSpec, args, dims: Paral
 
 def _check_layout(config: JobConfig, dims: ParallelDims, device: str) -> None:
     """Combinations the trainer cannot run."""
+    if dims.cp_enabled:
+        with user_input():
+            cp.check_seq_len(config.training.seq_len, dims.cp, config.parallelism.context_parallel_load_balancer is not None)
+        if config.compile.enable and "model" in config.compile.components:
+            raise ConfigError("compile.enable with context_parallel_degree > 1 is not supported yet: the all-gather-KV "
+                              "attention's collectives break the compiled block's graph")
     if config.parallelism.enable_async_tensor_parallel:
         # an inductor pass over symmetric memory, which only CUDA has; elsewhere it would do nothing
         missing = [what for what, ok in (("CUDA", device == "cuda"), ("tensor_parallel_degree > 1", dims.tp_enabled),

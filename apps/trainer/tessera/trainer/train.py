@@ -22,19 +22,12 @@ from tessera.mesh import (
 )
 from tessera.trainer.checkpointing import Checkpointer
 from tessera.trainer.config import JobConfig, to_dict, user_input
-from tessera.trainer.faults import StopSignals, TrainingError
+from tessera.trainer.faults import StopSignals, TrainingError, stalled_collective, tighten_timeouts
 from tessera.trainer.lr_schedule import LockstepSchedulers, build_lr_scheduler
 from tessera.trainer.metrics import MetricLogger, StepTimer, all_reduce_mean, memory_gib, peak_tflops
 from tessera.trainer.parallelize import ParallelModel, build_parallel_model
 from tessera.trainer.plan import JobPlan, make_plan
-from tessera.trainer.step import (
-    StepResult,
-    build_loss,
-    evaluation_loss,
-    make_train_step,
-    pipelined_forward_backward,
-    plain_forward_backward,
-)
+from tessera.trainer.step import StepResult, build_loss, make_train_step, step_functions
 
 
 def _seed_everything(seed: int, deterministic: bool) -> None:
@@ -106,10 +99,14 @@ def train(config: JobConfig) -> list[dict]:
     owns_process_group = not dist.is_initialized()  # a caller's group (tests, benchmarks) stays up
     info = init_distributed(device, timeout_s=config.comm.init_timeout_seconds)
     try:
-        return _train(make_plan(config, info.world_size, device), info)
-    finally:
-        if owns_process_group:
-            destroy_distributed()
+        history = _train(make_plan(config, info.world_size, device), info)
+    except BaseException:
+        if owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()  # no barrier: a failed or stalled peer would turn it into a second error
+        raise
+    if owns_process_group:
+        destroy_distributed()
+    return history
 
 
 def _tokenising_peers():
@@ -194,12 +191,10 @@ def _train(plan: JobPlan, info) -> list[dict]:
             return []
         start_step = checkpointer.restore()
 
-    forward_backward = (pipelined_forward_backward(model.pipeline, plan, meshes.pp) if model.pipeline
-                        else plain_forward_backward(model.parts[0], loss_fn, plan))
+    forward_backward, evaluate = step_functions(model.parts, model.pipeline, loss_fn, plan, meshes)
     train_step = make_train_step(
         model.parts, optimizers, scheduler, forward_backward, plan, plan.post_optimizer_hooks, pp_mesh=meshes.pp,
     )
-    evaluate = evaluation_loss(model.parts, model.pipeline, loss_fn, plan, meshes.pp)
     logger = MetricLogger(
         training.steps, dump / config.metrics.save_tb_folder if config.metrics.enable_tensorboard else None,
         color=not config.metrics.disable_color_printing, enabled=is_logging_rank,
@@ -264,11 +259,18 @@ def _train(plan: JobPlan, info) -> list[dict]:
                         print(f"stopped by {stop.received or 'a stop signal'} after step {step}: "
                               f"{'checkpoint saved' if saved else 'checkpointing is off, nothing saved'}", flush=True)
                     break
+                if step == start_step + 1 and dist.is_initialized():
+                    tighten_timeouts(config.comm.train_timeout_seconds, meshes)
             if training.dataset_mixture and is_logging_rank:
                 shares = ", ".join(f"{name} {share:.3f}" for name, share in loader.realised_proportions().items())
                 print(f"data: realised mixture {shares} (weights {training.dataset_mixture})", flush=True)
             if isinstance(loader, Prefetcher):
                 loader.close()  # before the process group goes; collective-safe, see tessera.data.prefetch
+    except RuntimeError as e:
+        stall = stalled_collective(e, info.rank, step, config.comm.train_timeout_seconds) if step > start_step + 1 else None
+        if stall is None:
+            raise
+        raise stall from None
     finally:
         gc.enable()
         stop.close()

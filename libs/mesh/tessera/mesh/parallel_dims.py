@@ -36,7 +36,9 @@ class ParallelDims:
 
     @property
     def fsdp_enabled(self) -> bool:
-        return self.dp_shard > 1
+        """FSDP shards over dp_shard x cp: context-parallel ranks hold the same weights and must
+        average their gradients, so cp alone turns FSDP on (as in torchtitan)."""
+        return self.dp_shard * self.cp > 1
 
     @property
     def hsdp_enabled(self) -> bool:

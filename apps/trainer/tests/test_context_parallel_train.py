@@ -1,0 +1,70 @@
+"""The trainer under context parallel on local gloo ranks, against its single-process run on the
+same global batch: fp32 losses, grad norms and validation losses within 1e-5 relative. Several
+runs share one set of processes to keep the suite fast."""
+
+import pytest
+
+from tessera.mesh.testing import run_on_ranks
+from tessera.trainer.config import ConfigError, load_config
+from tessera.trainer.plan import make_plan
+from tessera.trainer.train import train
+
+TOL = 1e-5
+BASE = ["--training.seq_len", "32", "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1",
+        "--training.steps", "3", "--lr_scheduler.warmup_steps", "1", "--model.flavor", "debugmodel",
+        "--validation.enable", "true", "--validation.freq", "3", "--validation.steps", "1"]
+CP2 = ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
+
+
+def _numbers(history):
+    return [(h["loss"], h["grad_norm"]) if "loss" in h else h["validation_loss"] for h in history]
+
+
+def _runs(rank, world_size, runs):
+    return {name: _numbers(train(load_config(argv))) for name, argv in runs.items()}
+
+
+def _check(results_by_rank, reference):
+    for rank_results in results_by_rank:
+        for name, history in rank_results.items():
+            assert len(history) == len(reference), name
+            for got, want in zip(history, reference):
+                assert got == pytest.approx(want, rel=TOL), name
+
+
+def _reference(tmp_path, local_batch):
+    return _numbers(train(load_config([*BASE, "--training.local_batch_size", str(local_batch),
+                                       "--job.dump_folder", str(tmp_path / "single")])))
+
+
+def test_cp2_with_and_without_load_balancing_matches_one_process(tmp_path):
+    runs = {
+        "cp2": [*BASE, *CP2, "--training.local_batch_size", "2", "--job.dump_folder", str(tmp_path / "cp2")],
+        "cp2 contiguous": [*BASE, *CP2, "--training.local_batch_size", "2", "--parallelism.context_parallel_load_balancer",
+                           "none", "--job.dump_folder", str(tmp_path / "contiguous")],
+    }
+    _check(run_on_ranks(_runs, 2, runs), _reference(tmp_path, 2))
+
+
+def test_cp2_with_fsdp2_with_tp2_and_with_pp2_matches_one_process(tmp_path):
+    # global batch 4: dp 2 x 2 sequences with FSDP, else 4 sequences on one data-parallel rank
+    runs = {
+        "fsdp2 cp2": [*BASE, "--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
+                      "--training.local_batch_size", "2", "--job.dump_folder", str(tmp_path / "fsdp")],
+        "tp2 cp2": [*BASE, *CP2, "--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4",
+                    "--job.dump_folder", str(tmp_path / "tp")],
+        "pp2 cp2": [*BASE, *CP2, "--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4",
+                    "--job.dump_folder", str(tmp_path / "pp")],
+    }
+    _check(run_on_ranks(_runs, 4, runs), _reference(tmp_path, 4))
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--training.seq_len", "34"], r"seq_len 34 does not divide into 4 = 2 \* context_parallel_degree"),
+    (["--parallelism.context_parallel_load_balancer", "ptrr"], "context_parallel_load_balancer: 'ptrr' is not one of"),
+    (["--parallelism.context_parallel_rotate_method", "alltoall"], "context_parallel_rotate_method: 'alltoall' is not one of"),
+    (["--compile.enable", "true"], "compile.enable with context_parallel_degree > 1 is not supported yet"),
+])
+def test_bad_context_parallel_configs_name_the_key(extra, message):
+    with pytest.raises(ConfigError, match=message):
+        make_plan(load_config([*BASE, *CP2, *extra]), 2, "cpu")

@@ -1,0 +1,98 @@
+"""All-gather-KV attention against full-sequence SDPA in one process: outputs and dQ/dK/dV of
+every rank's tokens equal to fp32 rounding, for cp 2 and 4, with and without load balancing,
+with GQA-shaped (repeated) K/V."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tessera.cp import AllGatherKVAttention, check_seq_len, local_positions
+from tessera.mesh.testing import run_on_ranks
+
+B, H, T, D = 2, 4, 16, 8
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, H, T, D, generator=g)
+    kv = torch.randn(2, B, H // 2, T, D, generator=g).repeat_interleave(2, dim=2)  # 2 KV heads repeated, as GQA
+    return q, kv[0], kv[1]
+
+
+def _reference():
+    q, k, v = (t.clone().requires_grad_() for t in _inputs())
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    out.backward(torch.ones_like(out))
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _cp_rank(rank, world_size, load_balance):
+    positions = local_positions(T, world_size, rank, load_balance)
+    q, k, v = (t.index_select(2, positions).clone().requires_grad_() for t in _inputs())
+    out = AllGatherKVAttention(dist.group.WORLD, load_balance)(q, k, v)
+    out.backward(torch.ones_like(out))
+    return positions, out.detach(), q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("cp, load_balance", [(2, True), (4, True), (2, False)])
+def test_matches_full_sequence_attention(cp, load_balance):
+    ref = _reference()
+    for positions, *got in run_on_ranks(_cp_rank, cp, load_balance):
+        for name, value, full in zip(("out", "dq", "dk", "dv"), got, ref):
+            torch.testing.assert_close(value, full.index_select(2, positions), rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_load_balanced_shards_hold_a_head_and_a_tail_chunk():
+    assert local_positions(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert local_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
+    assert local_positions(8, 2, 1, load_balance=False).tolist() == [4, 5, 6, 7]
+    assert sorted(torch.cat([local_positions(16, 4, r) for r in range(4)]).tolist()) == list(range(16))
+
+
+def test_seq_len_that_does_not_cut_is_named():
+    with pytest.raises(ValueError, match=r"seq_len 12 does not divide into 8 = 2 \* context_parallel_degree"):
+        check_seq_len(12, 4, load_balance=True)
+
+
+def _saved_bytes(model, tokens, positions=None) -> int:
+    """Activation bytes autograd keeps for backward (parameters left out)."""
+    params = {p.data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(tensor):
+        if tensor.data_ptr() not in params:
+            seen[tensor.data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(tokens, **({} if positions is None else {"positions": positions})).sum().backward()
+    return sum(seen.values())
+
+
+def _model():
+    from dataclasses import replace
+
+    from tessera.models.llama import Transformer, llama3_flavors
+
+    torch.manual_seed(0)
+    return Transformer(replace(llama3_flavors["debugmodel"], dim=64, n_layers=2, n_heads=4, vocab_size=128, max_seq_len=256))
+
+
+def _activation_bytes(rank, world_size):
+    from tessera.cp import apply_cp, shard_sequence
+
+    tokens = torch.randint(0, 128, (1, 256), generator=torch.Generator().manual_seed(0))
+    model = _model()
+    apply_cp(model, dist.group.WORLD)
+    positions = local_positions(256, world_size, rank)
+    return _saved_bytes(model, shard_sequence(tokens, positions), positions)
+
+
+def test_activation_memory_per_rank_about_halves_at_cp2():
+    whole = _saved_bytes(_model(), torch.randint(0, 128, (1, 256), generator=torch.Generator().manual_seed(0)))
+    per_rank = run_on_ranks(_activation_bytes, 2)
+    print(f"activation bytes kept for backward at seq 256: cp 1 {whole / 1024:.0f} KiB, "
+          f"cp 2 {[f'{b / 1024:.0f} KiB' for b in per_rank]} per rank ({max(per_rank) / whole:.2f}x)")
+    # the gathered K/V of the whole sequence stay saved for backward, so a bit more than half
+    assert max(per_rank) < 0.7 * whole

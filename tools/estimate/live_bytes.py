@@ -1,0 +1,93 @@
+"""Live tensor bytes of one process, counted at the dispatcher: every storage an op creates is
+added when it appears and dropped when its last reference dies (a weakref callback). The same
+counter runs under fake tensors (the estimate) and on real tensors (the measured run), so the two
+count the same thing: tensor storage, not allocator caching or fragmentation. FSDP frees and
+re-allocates its gathered weights by resizing storages, which the dispatcher does not see, so
+`UntypedStorage.resize_` is wrapped while the counter is active (as torch's MemTracker does)."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.distributed._tools.common_utils import get_untyped_storages
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+class LiveBytes(TorchDispatchMode):
+    """`current` and `peak` bytes of the storages created while active (plus `adopt`ed ones);
+    `peak_storages` holds the keys live at the peak, so the peak can be split by owner."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: dict[int, int] = {}  # storage key -> bytes
+        self._refs: dict[int, weakref.ref] = {}
+        self.current = 0
+        self.peak = 0
+        self.peak_storages: frozenset[int] = frozenset()
+
+    def __enter__(self):
+        self._resize = torch.UntypedStorage.resize_
+        counter, original = self, self._resize
+
+        def resize_(storage, size):
+            original(storage, size)
+            key = counter.key(storage)
+            if key in counter.sizes:
+                counter.current += storage.nbytes() - counter.sizes[key]
+                counter.sizes[key] = storage.nbytes()
+                counter._new_peak()
+            else:
+                counter._add(storage)
+
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._resize
+        return super().__exit__(*exc)
+
+    @staticmethod
+    def key(storage: torch.UntypedStorage) -> int:
+        return storage._cdata
+
+    def adopt(self, tensors) -> None:
+        """Counts tensors that existed before the counter started (a model built earlier)."""
+        for t in tensors:
+            self._track(t)
+
+    def reset_peak(self) -> None:
+        self.peak, self.peak_storages = self.current, frozenset(self.sizes)
+
+    def _track(self, t: torch.Tensor) -> None:
+        for storage in get_untyped_storages(t):
+            if self.key(storage) not in self.sizes:
+                self._add(storage)
+
+    def _add(self, storage: torch.UntypedStorage) -> None:
+        key = self.key(storage)
+        self.sizes[key] = storage.nbytes()
+        self._refs[key] = weakref.ref(storage, lambda _, key=key: self._drop(key))
+        self.current += self.sizes[key]
+        self._new_peak()
+
+    def _new_peak(self) -> None:
+        if self.current > self.peak:
+            self.peak, self.peak_storages = self.current, frozenset(self.sizes)
+
+    def _drop(self, key: int) -> None:
+        self.current -= self.sizes.pop(key, 0)
+        self._refs.pop(key, None)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._track(t)
+        return out
+
+    def bytes_of(self, tensors, live: frozenset[int] | None = None) -> int:
+        """Bytes of `tensors`' storages (each once), restricted to `live` keys when given."""
+        seen = {self.key(s): s.nbytes() for t in tensors for s in get_untyped_storages(t)}
+        return sum(n for k, n in seen.items() if live is None or k in live)
