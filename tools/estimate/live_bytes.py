@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_leaves
 
 class LiveBytes(TorchDispatchMode):
     """`current` and `peak` bytes of the storages created while active (plus `adopt`ed ones);
-    `peak_storages` holds the keys live at the peak, so the peak can be split by owner."""
+    `peak_sizes` holds the storages live at the peak, so the peak can be split by owner."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -25,7 +25,7 @@ class LiveBytes(TorchDispatchMode):
         self._refs: dict[int, weakref.ref] = {}
         self.current = 0
         self.peak = 0
-        self.peak_storages: frozenset[int] = frozenset()
+        self.peak_sizes: dict[int, int] = {}  # the storages live at the peak and their sizes then
 
     def __enter__(self):
         self._resize = torch.UntypedStorage.resize_
@@ -58,7 +58,7 @@ class LiveBytes(TorchDispatchMode):
             self._track(t)
 
     def reset_peak(self) -> None:
-        self.peak, self.peak_storages = self.current, frozenset(self.sizes)
+        self.peak, self.peak_sizes = self.current, dict(self.sizes)
 
     def _track(self, t: torch.Tensor) -> None:
         for storage in get_untyped_storages(t):
@@ -74,7 +74,7 @@ class LiveBytes(TorchDispatchMode):
 
     def _new_peak(self) -> None:
         if self.current > self.peak:
-            self.peak, self.peak_storages = self.current, frozenset(self.sizes)
+            self.peak, self.peak_sizes = self.current, dict(self.sizes)
 
     def _drop(self, key: int) -> None:
         self.current -= self.sizes.pop(key, 0)
@@ -87,7 +87,7 @@ class LiveBytes(TorchDispatchMode):
                 self._track(t)
         return out
 
-    def bytes_of(self, tensors, live: frozenset[int] | None = None) -> int:
-        """Bytes of `tensors`' storages (each once), restricted to `live` keys when given."""
-        seen = {self.key(s): s.nbytes() for t in tensors for s in get_untyped_storages(t)}
-        return sum(n for k, n in seen.items() if live is None or k in live)
+    def bytes_of(self, tensors, sizes: dict[int, int]) -> int:
+        """Bytes `sizes` (a snapshot such as peak_sizes) gives `tensors`' storages, each once."""
+        keys = {self.key(s) for t in tensors for s in get_untyped_storages(t)}
+        return sum(sizes.get(k, 0) for k in keys)

@@ -73,7 +73,7 @@ def copy_steps(run4, dest, *steps):
 def test_sigkill_then_resume_matches_the_uninterrupted_run(tmp_path):
     steps = 10
     argv = [*SMALL, "--training.steps", str(steps), "--checkpoint.enable", "true", "--checkpoint.interval", "2",
-            "--job.dump_folder", str(tmp_path / "run")]
+            "--checkpoint.last_save_model_only", "false", "--job.dump_folder", str(tmp_path / "run")]
     folder = tmp_path / "run" / "checkpoint"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
     log = tmp_path / "killed.log"
@@ -147,7 +147,8 @@ def test_last_save_model_only_in_bfloat16(run4, tmp_path):
         "--checkpoint.export_dtype", "bfloat16")
     folder = tmp_path / "checkpoint"
     assert set(read_dcp(folder / "step-1")) == {"train_state", "model", "optimizer", "lr_scheduler", "dataloader", "rng"}
-    final = read_dcp(folder / "step-2")
+    assert set(read_dcp(folder / "step-2")) == set(read_dcp(folder / "step-1"))  # the export goes beside it
+    final = read_dcp(folder / "step-2-model")
     assert set(final) == {"model"}
     # Warmup (2 steps) does not depend on the horizon, so step 2 equals the 4-step run's step 2.
     full = read_dcp(run4[1] / "checkpoint" / "step-2", only="model")

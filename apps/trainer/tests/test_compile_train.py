@@ -18,6 +18,7 @@ LAYOUTS = {
     2: {"fsdp2": ["--parallelism.data_parallel_shard_degree", "2"],
         "tp2": ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]},
     4: {"fsdp2_tp2": ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"],
+        "hsdp2x2": ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"],
         # everything at once: selective AC, FSDP over 4 ranks, float8 (emulated here) with its all-gather
         "ac_fsdp4_float8": ["--activation_checkpoint.mode", "selective", "--model.converters", "float8",
                             "--float8.enable_fsdp_float8_all_gather", "true",

@@ -2,6 +2,8 @@
 same global batch: fp32 losses, grad norms and validation losses within 1e-5 relative. Several
 runs share one set of processes to keep the suite fast."""
 
+import json
+
 import pytest
 
 from tessera.mesh.testing import run_on_ranks
@@ -44,6 +46,27 @@ def test_cp2_with_and_without_load_balancing_matches_one_process(tmp_path):
                            "none", "--job.dump_folder", str(tmp_path / "contiguous")],
     }
     _check(run_on_ranks(_runs, 2, runs), _reference(tmp_path, 2))
+
+
+def test_block_causal_masks_under_cp2_and_tp2_match_one_process(tmp_path):
+    short_documents = tmp_path / "short.jsonl"  # a few words each: every 32-token window packs several
+    short_documents.write_text("".join(
+        json.dumps({"text": f"note {i}: the {'quick' if i % 2 else 'lazy'} fox {'ran' * (i % 5)} at {i * 7}"}) + "\n"
+        for i in range(400)))
+    block = ["--model.attn_mask_type", "block_causal", "--training.dataset_path", str(short_documents),
+             "--validation.dataset_path", str(short_documents)]
+    reference = _numbers(train(load_config([*BASE, *block, "--training.local_batch_size", "2",
+                                            "--job.dump_folder", str(tmp_path / "single")])))
+    causal = _numbers(train(load_config([*BASE, *block[2:], "--training.local_batch_size", "2",
+                                         "--job.dump_folder", str(tmp_path / "causal")])))
+    # the masks change the numbers by far more than the parity tolerance below
+    assert abs(reference[0][0] - causal[0][0]) > 10 * TOL * causal[0][0]
+    runs = {
+        "cp2": [*BASE, *block, *CP2, "--training.local_batch_size", "2", "--job.dump_folder", str(tmp_path / "cp2")],
+        "tp2": [*BASE, *block, "--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
+                "--training.local_batch_size", "2", "--job.dump_folder", str(tmp_path / "tp2")],
+    }
+    _check(run_on_ranks(_runs, 2, runs), reference)
 
 
 def test_cp2_with_fsdp2_with_tp2_and_with_pp2_matches_one_process(tmp_path):

@@ -69,13 +69,16 @@ def _fsdp_runs(rank, world_size, dump):
         "plain": _losses([*BASE, *FLOAT8, "--training.local_batch_size", "1", "--job.dump_folder", f"{dump}/plain"]),
         "all_gather": _losses([*BASE, *FLOAT8, *ALL_GATHER, "--training.local_batch_size", "1",
                                "--job.dump_folder", f"{dump}/all_gather"]),
+        # float8 TP styles where gloo can carry them (see tessera.float8.tp_styles), plain ones else
+        "tp2": _losses([*BASE, *FLOAT8, "--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree",
+                        "1", "--training.local_batch_size", "2", "--job.dump_folder", f"{dump}/tp2"]),
     }
 
 
-def test_fsdp2_matches_single_process_float8(tmp_path, single_tensorwise):
+def test_fsdp2_and_tp2_match_single_process_float8(tmp_path, single_tensorwise):
     runs = run_on_ranks(_fsdp_runs, 2, str(tmp_path))[0]
     for name, losses in runs.items():
-        print(f"fsdp2 {name} {losses} vs single {single_tensorwise}: max rel {_rel(losses, single_tensorwise):.1e}")
+        print(f"{name} {losses} vs single {single_tensorwise}: max rel {_rel(losses, single_tensorwise):.1e}")
         # each rank scales its own half of the activations (tensorwise amax): not bit-identical
         assert _rel(losses, single_tensorwise) <= 1e-3
 

@@ -272,3 +272,44 @@ def test_nan_in_a_config_file(tmp_path):
 def test_seq_len_above_the_flavors_context_length():
     with pytest.raises(ConfigError, match=r"^training.seq_len 4096 exceeds the context length of llama3/debugmodel \(2048\)$"):
         make_plan(load_config(["--training.seq_len", "4096"]), 1, check_only=True)
+
+
+# ---- 7. hangs ----------------------------------------------------------------------------
+
+def _stall_rank_1_at_step_3(rank, world_size, dump):
+    """Rank 1 stops answering in step 3; rank 0 must fail within comm.train_timeout_seconds."""
+    from tessera.trainer import train as train_module
+    from tessera.trainer.faults import TrainingError
+
+    make_train_step = train_module.make_train_step
+
+    def stalling(*args, **kwargs):
+        step, calls = make_train_step(*args, **kwargs), []
+
+        def stalling_step(batches):
+            calls.append(1)
+            if rank == 1 and len(calls) == 3:
+                time.sleep(8)
+            return step(batches)
+
+        return stalling_step
+
+    train_module.make_train_step = stalling
+    started = time.monotonic()
+    try:
+        train(load_config([*SMALL, "--job.dump_folder", str(dump), "--training.steps", "5", "--comm.train_timeout_seconds",
+                           "2", "--parallelism.data_parallel_shard_degree", "2", "--training.dataloader.num_workers", "0"]))
+    except TrainingError as e:
+        (Path(dump) / f"rank{rank}.err").write_text(f"{time.monotonic() - started:.1f} {e}")
+    else:
+        (Path(dump) / f"rank{rank}.err").write_text("finished")
+
+
+def test_stalled_rank_fails_the_step_within_the_train_timeout(tmp_path):
+    from tessera.mesh.testing import run_on_ranks
+
+    with pytest.raises(RuntimeError):  # the harness's own barrier meets the broken group
+        run_on_ranks(_stall_rank_1_at_step_3, 2, str(tmp_path), timeout_s=120)
+    seconds, message = (tmp_path / "rank0.err").read_text().split(" ", 1)
+    assert message.startswith("rank 0, step 3: a collective timed out (comm.train_timeout_seconds = 2): "), message
+    assert "\n" not in message and float(seconds) < 60

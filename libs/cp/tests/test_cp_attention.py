@@ -96,3 +96,41 @@ def test_activation_memory_per_rank_about_halves_at_cp2():
           f"cp 2 {[f'{b / 1024:.0f} KiB' for b in per_rank]} per rank ({max(per_rank) / whole:.2f}x)")
     # the gathered K/V of the whole sequence stay saved for backward, so a bit more than half
     assert max(per_rank) < 0.7 * whole
+
+
+def _documents():
+    """Two sequences packing documents of uneven lengths (ids ascend along the sequence)."""
+    starts = [[0, 3, 9], [0, 11]]
+    ids = torch.zeros(B, T, dtype=torch.long)
+    for row, row_starts in enumerate(starts):
+        for start in row_starts[1:]:
+            ids[row, start:] += 1
+    return ids
+
+
+def _reference_block_causal():
+    from tessera.models.attention import CausalSDPA
+
+    q, k, v = (t.clone().requires_grad_() for t in _inputs())
+    out = CausalSDPA()(q, k, v, document_ids=_documents())
+    out.backward(torch.ones_like(out))
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _cp_rank_documents(rank, world_size):
+    positions = local_positions(T, world_size, rank)
+    q, k, v = (t.index_select(2, positions).clone().requires_grad_() for t in _inputs())
+    out = AllGatherKVAttention(dist.group.WORLD)(q, k, v, document_ids=_documents().index_select(1, positions))
+    out.backward(torch.ones_like(out))
+    return positions, out.detach(), q.grad, k.grad, v.grad
+
+
+def test_block_causal_masks_match_full_sequence_and_stay_in_each_document():
+    ref = _reference_block_causal()
+    plain = _reference()
+    assert not torch.allclose(ref[0], plain[0])  # the documents' boundaries change the result
+    # a query in the first document sees the same keys with or without document masking
+    torch.testing.assert_close(ref[0][:, :, :3], plain[0][:, :, :3])
+    for positions, *got in run_on_ranks(_cp_rank_documents, 2):
+        for name, value, full in zip(("out", "dq", "dk", "dv"), got, ref):
+            torch.testing.assert_close(value, full.index_select(2, positions), rtol=1e-5, atol=1e-6, msg=name)

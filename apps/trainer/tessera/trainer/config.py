@@ -59,6 +59,7 @@ class Model:
     flavor: str = "debugmodel"
     tokenizer_path: str = ""  # "" = the offline default BPE shipped with tessera.data
     converters: list[str] = dataclasses.field(default_factory=list)
+    attn_mask_type: str = "causal"  # "block_causal": attention stays within each packed document
 
 
 @dataclasses.dataclass
@@ -281,6 +282,7 @@ CHOICES = {
     ("checkpoint", "async_mode"): ASYNC_MODES,
     ("checkpoint", "export_dtype"): tuple(EXPORT_DTYPES),
     ("activation_checkpoint", "mode"): AC_MODES,
+    ("model", "attn_mask_type"): ("causal", "block_causal"),
     ("parallelism", "context_parallel_rotate_method"): ("allgather",),
     ("parallelism", "context_parallel_load_balancer"): ("headtail", None),
 }

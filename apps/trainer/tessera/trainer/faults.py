@@ -39,7 +39,7 @@ def tighten_timeouts(seconds: int, meshes) -> None:
     own groups (the default one and every mesh's): a stuck collective then fails instead of
     hanging. Background groups (async checkpoints, data prefetch) keep the init timeout: they
     may rightly wait through a long step."""
-    meshes = {*meshes.values(), *(getattr(meshes, f.name) for f in dataclasses.fields(meshes))}
+    meshes = [*meshes.values(), *(getattr(meshes, f.name) for f in dataclasses.fields(meshes))]
     groups = {dist.group.WORLD, *(g for mesh in meshes if isinstance(mesh, DeviceMesh) for g in mesh.get_all_groups())}
     for group in groups:
         dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), group)

@@ -27,9 +27,10 @@ from tessera import cp, fsdp, pp, tp
 from tessera.trainer.plan import JobPlan
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-# (inputs, labels[, positions]) of one micro-batch -> its detached loss, already divided by the
-# micro-batch count; positions: the tokens' positions in their sequence when a rank holds a
-# part of it (context parallel), else None
+# (inputs, labels, **model_kwargs) of one micro-batch -> its detached loss, already divided by
+# the micro-batch count; model_kwargs: what the model's forward takes besides the tokens, per
+# token ([batch, seq]): `positions` when a rank holds part of each sequence (context parallel),
+# `document_ids` for block-causal masking
 ForwardBackward = Callable[..., torch.Tensor]
 
 
@@ -65,45 +66,50 @@ def plain_forward_backward(model: nn.Module, loss_fn: LossFn, plan: JobPlan) -> 
     """The whole model on every rank of a data-parallel (and tensor-parallel) group."""
     autocast, scale = compute_context(plan), plan.batch.accumulation
 
-    def forward_backward(inputs: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_backward(inputs: torch.Tensor, labels: torch.Tensor, **model_kwargs) -> torch.Tensor:
         # loss parallel's cross-entropy backward only works inside its context, too
         with tp.loss_parallel_context(plan.loss_parallel):
             with autocast():
-                loss = loss_fn(model(inputs, **_positions(positions)), labels) / scale
+                loss = loss_fn(model(inputs, **model_kwargs), labels) / scale
             loss.backward()
         return plain_value(loss)
 
     return forward_backward
 
 
-def _positions(positions: torch.Tensor | None) -> dict:
-    """The model's `positions` keyword, only when given: a model family that never runs under
-    context parallel need not take it."""
-    return {} if positions is None else {"positions": positions}
-
-
-def _stage_kwargs(inputs: torch.Tensor, plan: JobPlan, positions: torch.Tensor | None) -> dict:
+def _stage_kwargs(inputs: torch.Tensor, plan: JobPlan, model_kwargs: dict) -> dict:
     """Under sequence parallel a later stage receives a sequence shard and cannot count the
-    positions itself; the model's `positions` convention carries them to every stage, as one row
-    per sequence, since the schedule splits keyword tensors along dim 0 into micro-batches."""
-    if positions is None and not plan.dims.tp_enabled:
-        return {}
-    if positions is None:
-        positions = torch.arange(inputs.shape[1], device=inputs.device)
-    return {"positions": positions.expand(inputs.shape)}
+    positions itself; the model's `positions` convention carries them to every stage. Every
+    keyword tensor goes as one row per sequence: the schedule splits them along dim 0 into
+    micro-batches."""
+    if plan.dims.tp_enabled and "positions" not in model_kwargs:
+        model_kwargs = {**model_kwargs, "positions": torch.arange(inputs.shape[1], device=inputs.device)}
+    return {name: value.expand(inputs.shape) for name, value in model_kwargs.items()}
 
 
 def context_parallel(run: Callable[..., torch.Tensor], plan: JobPlan, cp_mesh) -> Callable[..., torch.Tensor]:
     """`run` (a forward_backward or an evaluation loss) on this cp rank's part of every sequence:
-    inputs and labels cut to its tokens (load-balanced), which go with their positions."""
+    inputs, labels and per-token keywords cut to its tokens (load-balanced), which go with their
+    positions."""
     par = plan.config.parallelism
     positions = cp.local_positions(plan.batch.seq_len, plan.dims.cp, cp_mesh.get_local_rank(),
                                    par.context_parallel_load_balancer is not None, plan.device)
 
-    def on_shard(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return run(cp.shard_sequence(inputs, positions), cp.shard_sequence(labels, positions), positions=positions)
+    def on_shard(inputs: torch.Tensor, labels: torch.Tensor, **model_kwargs) -> torch.Tensor:
+        shard = {name: cp.shard_sequence(value, positions) for name, value in model_kwargs.items()}
+        return run(cp.shard_sequence(inputs, positions), cp.shard_sequence(labels, positions), positions=positions, **shard)
 
     return on_shard
+
+
+def document_masking(run: Callable[..., torch.Tensor], bos_id: int) -> Callable[..., torch.Tensor]:
+    """`run` with block-causal attention: every token's document, counted from the BOS tokens
+    that open documents in a packed window (before any sequence sharding), goes to the model."""
+
+    def with_documents(inputs: torch.Tensor, labels: torch.Tensor, **model_kwargs) -> torch.Tensor:
+        return run(inputs, labels, document_ids=torch.cumsum(inputs == bos_id, dim=1), **model_kwargs)
+
+    return with_documents
 
 
 def _from_last_stage(loss: torch.Tensor | None, device: str, pp_mesh) -> torch.Tensor:
@@ -118,9 +124,9 @@ def pipelined_forward_backward(pipeline: pp.Pipeline, plan: JobPlan, pp_mesh) ->
     pipeline's own micro-batches, each already divided by their count and the accumulation."""
     autocast = compute_context(plan)
 
-    def forward_backward(inputs: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_backward(inputs: torch.Tensor, labels: torch.Tensor, **model_kwargs) -> torch.Tensor:
         with tp.loss_parallel_context(plan.loss_parallel), autocast():
-            loss = pipeline.run(inputs, labels, **_stage_kwargs(inputs, plan, positions))
+            loss = pipeline.run(inputs, labels, **_stage_kwargs(inputs, plan, model_kwargs))
         return _from_last_stage(loss, plan.device, pp_mesh)
 
     return forward_backward
@@ -131,24 +137,25 @@ def evaluation_loss(parts: Sequence[nn.Module], pipeline: pp.Pipeline | None, lo
     """(inputs, labels) -> the batch's mean loss, forward only, on every rank."""
     autocast = compute_context(plan)
     if pipeline is None:
-        def plain(inputs: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        def plain(inputs: torch.Tensor, labels: torch.Tensor, **model_kwargs) -> torch.Tensor:
             with autocast(), tp.loss_parallel_context(plan.loss_parallel):
-                return plain_value(loss_fn(parts[0](inputs, **_positions(positions)), labels))
+                return plain_value(loss_fn(parts[0](inputs, **model_kwargs), labels))
 
         return plain
 
-    def pipelined(inputs: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def pipelined(inputs: torch.Tensor, labels: torch.Tensor, **model_kwargs) -> torch.Tensor:
         with autocast(), tp.loss_parallel_context(plan.loss_parallel):
-            loss = pipeline.evaluate(inputs, labels, loss_fn, **_stage_kwargs(inputs, plan, positions))
+            loss = pipeline.evaluate(inputs, labels, loss_fn, **_stage_kwargs(inputs, plan, model_kwargs))
         return _from_last_stage(loss, plan.device, pp_mesh)
 
     return pipelined
 
 
 def step_functions(parts: Sequence[nn.Module], pipeline: pp.Pipeline | None, loss_fn: LossFn, plan: JobPlan,
-                   meshes) -> tuple[ForwardBackward, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
+                   meshes, bos_id: int) -> tuple[ForwardBackward, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
     """The planned (forward_backward, evaluation loss): plain or pipelined, each on this rank's
-    sequence shard under context parallel."""
+    sequence shard under context parallel, with block-causal masks when model.attn_mask_type
+    asks (document ids counted on whole sequences, then sharded)."""
     if pipeline is None:
         forward_backward = plain_forward_backward(parts[0], loss_fn, plan)
     else:
@@ -156,6 +163,8 @@ def step_functions(parts: Sequence[nn.Module], pipeline: pp.Pipeline | None, los
     evaluate = evaluation_loss(parts, pipeline, loss_fn, plan, meshes.pp)
     if plan.dims.cp_enabled:
         forward_backward, evaluate = (context_parallel(f, plan, meshes.cp) for f in (forward_backward, evaluate))
+    if plan.config.model.attn_mask_type == "block_causal":
+        forward_backward, evaluate = (document_masking(f, bos_id) for f in (forward_backward, evaluate))
     return forward_backward, evaluate
 
 

@@ -191,7 +191,7 @@ def _train(plan: JobPlan, info) -> list[dict]:
             return []
         start_step = checkpointer.restore()
 
-    forward_backward, evaluate = step_functions(model.parts, model.pipeline, loss_fn, plan, meshes)
+    forward_backward, evaluate = step_functions(model.parts, model.pipeline, loss_fn, plan, meshes, tokenizer.bos_id)
     train_step = make_train_step(
         model.parts, optimizers, scheduler, forward_backward, plan, plan.post_optimizer_hooks, pp_mesh=meshes.pp,
     )
@@ -224,7 +224,7 @@ def _train(plan: JobPlan, info) -> list[dict]:
         logger.scalars(step, {"validation_loss": val_loss})
         return {"step": step, "validation_loss": val_loss}
 
-    history, skipped = [], 0
+    history, skipped, step = [], 0, start_step
     stop = StopSignals(config.job.stop_grace_seconds, device)
     gc.disable()  # collected every gc_freq steps instead, at the same point on every rank
     try:

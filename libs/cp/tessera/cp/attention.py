@@ -52,12 +52,21 @@ class AllGatherKVAttention(nn.Module):
         self.group, self.load_balance = group, load_balance
         self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """document_ids: [batch, local_seq] of this rank's tokens, for block-causal masking of
+        windows that pack several documents; the keys' ids are gathered like the keys."""
         seq_len = q.shape[2] * self.cp
         q_pos = local_positions(seq_len, self.cp, self.rank, self.load_balance, q.device)
         k_pos = torch.cat([local_positions(seq_len, self.cp, r, self.load_balance, q.device) for r in range(self.cp)])
         k, v = _GatherSequence.apply(k, self.group), _GatherSequence.apply(v, self.group)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=k_pos[None, :] <= q_pos[:, None])
+        mask = k_pos[None, :] <= q_pos[:, None]
+        if document_ids is not None:
+            everyone = [torch.empty_like(document_ids) for _ in range(self.cp)]
+            dist.all_gather(everyone, document_ids.contiguous(), group=self.group)
+            key_documents = torch.cat(everyone, dim=1)
+            mask = mask & (document_ids[:, :, None] == key_documents[:, None, :])[:, None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 def apply_cp(model: nn.Module, cp_group: dist.ProcessGroup, load_balance: bool = True, name: str = "inner_attention") -> int:

@@ -10,7 +10,8 @@ Conventions other libraries rely on:
   tensor-parallel linears holding fewer local heads work unchanged;
 - ``attention.inner_attention`` is the swappable attention kernel (default
   ``tessera.models.attention.CausalSDPA``): q, k, v [batch, heads, seq, head_dim] with K/V
-  repeated, causal over the tokens it is given -> [batch, heads, seq, head_dim];
+  repeated, causal over the tokens it is given -> [batch, heads, seq, head_dim]; it also gets
+  the keyword ``document_ids`` [batch, seq] when the caller asks for block-causal masking;
 - positions are explicit: ``forward(tokens, positions=None)`` takes position ids ([T] or [B, T],
   default 0..T-1), and the RoPE table is indexed by them once at model entry, where the tokens
   are the whole sequence this rank holds; blocks get that rotation as the keyword ``freqs_cis``
@@ -61,16 +62,17 @@ class Attention(nn.Module):
             _trunc_normal(linear.weight, BASE_INIT_STD)
         _trunc_normal(self.wo.weight, init_std)
 
-    def forward(self, x: torch.Tensor, *, freqs_cis: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, freqs_cis: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """x [bs, seqlen, dim]; freqs_cis: the rotation of each of the seqlen tokens,
-        [seqlen, head_dim // 2] or [bs, seqlen, head_dim // 2]."""
+        [seqlen, head_dim // 2] or [bs, seqlen, head_dim // 2]; document_ids: see Transformer."""
         bs, seqlen, _ = x.shape
         q = self.wq(x).view(bs, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bs, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         q, k = apply_rotary_emb(q, k, freqs_cis)
         k, v = repeat_kv(k, self.n_rep), repeat_kv(v, self.n_rep)
-        out = self.inner_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        masks = {} if document_ids is None else {"document_ids": document_ids}
+        out = self.inner_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **masks)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
 
@@ -112,8 +114,8 @@ class TransformerBlock(nn.Module):
         self.attention.init_weights(self.weight_init_std)
         self.feed_forward.init_weights(self.weight_init_std)
 
-    def forward(self, x: torch.Tensor, *, freqs_cis: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs_cis=freqs_cis)
+    def forward(self, x: torch.Tensor, *, freqs_cis: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis=freqs_cis, document_ids=document_ids)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -175,13 +177,16 @@ class Transformer(nn.Module):
             std = self.args.dim**-0.5
             nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [B, T] -> logits [B, T, vocab]. Pipeline stages without ``tok_embeddings``
         take hidden states [B, T, dim]; without ``norm``/``output`` they return hidden states.
 
         positions: position ids (long, [T] or [B, T], each < ``max_seq_len``) of the T tokens,
         default 0..T-1; a rank holding a later part of a sequence passes that part's ids, and so
         does a later pipeline stage under sequence parallel (its input is a sequence shard).
+        document_ids: [B, T], the document of each token when a window packs several; attention
+        then stays within a document (block-causal). None: plain causal attention.
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if positions is None:
@@ -190,6 +195,6 @@ class Transformer(nn.Module):
         # shard of the sequence, while attention sees (and rotates) all T tokens.
         freqs_cis = self.freqs_cis[positions]
         for layer in self.layers.values():
-            h = layer(h, freqs_cis=freqs_cis)
+            h = layer(h, freqs_cis=freqs_cis, document_ids=document_ids)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h

@@ -1,0 +1,59 @@
+"""The measured side of the accuracy checks: a real training step of the trainer on CPU (its own
+model build, parallelism, step and AdamW), with the same live-bytes counter the estimate uses, and
+the bytes of the real sharded parameters, gradients and optimizer states of this rank."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from tessera.mesh import Meshes, build_meshes
+from tessera.trainer.config import load_config
+from tessera.trainer.lr_schedule import build_lr_scheduler
+from tessera.trainer.parallelize import build_parallel_model
+from tessera.trainer.plan import make_plan
+from tessera.trainer.step import cross_entropy, make_train_step, pipelined_forward_backward, plain_forward_backward
+from tessera.trainer.train import _optimizer
+
+from live_bytes import LiveBytes
+
+
+def local_bytes(tensors) -> int:
+    """Bytes of this rank's part of each tensor (a DTensor's local shard)."""
+    return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors)
+
+
+def measure_rank(rank: int, world_size: int, argv: list[str]) -> dict[str, int]:
+    """Two real steps of the config `argv` on this rank (run_on_ranks' signature); the second
+    step's peak live bytes (optimizer state already there), and the real bytes of this rank's
+    parameters, gradients and optimizer state."""
+    plan = make_plan(load_config(argv), world_size, "cpu")
+    torch.manual_seed(0)
+    with LiveBytes() as live:
+        meshes = build_meshes(plan.dims, "cpu") if dist.is_initialized() else Meshes.single()
+        model = build_parallel_model(plan, meshes, cross_entropy)
+        optimizers = [_optimizer(part, plan.config) for part in model.parts]
+        schedulers = [build_lr_scheduler(o, 10, warmup_steps=1, decay_ratio=None, decay_type="linear", min_lr_factor=0.0) for o in optimizers]
+        forward_backward = (pipelined_forward_backward(model.pipeline, plan, meshes.pp) if model.pipeline
+                            else plain_forward_backward(model.parts[0], cross_entropy, plan))
+        step = make_train_step(model.parts, optimizers, schedulers[0], forward_backward, plan, pp_mesh=meshes.pp)
+        vocab, batch = plan.model_args.vocab_size, plan.batch
+
+        def batches():
+            while True:
+                yield torch.randint(vocab, (batch.local, batch.seq_len)), torch.randint(vocab, (batch.local, batch.seq_len))
+
+        data = batches()
+        step(data)
+        live.reset_peak()
+        step(data)
+        peak = live.peak
+        forward_backward(*next(data))  # once more, to read the gradients the step dropped
+    params = [p for part in model.parts for p in part.parameters()]
+    return {
+        "params": local_bytes(params),
+        "grads": local_bytes(p.grad for p in params if p.grad is not None),
+        "optimizer": local_bytes(v for o in optimizers for s in o.state.values() for v in s.values()),
+        "peak": peak,
+    }

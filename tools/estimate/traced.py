@@ -1,0 +1,163 @@
+"""The traced estimate: for one rank, the trainer's own model code and the libraries' real
+parallelism (tessera.tp, tessera.fsdp, tessera.pp's stage cut) applied over a fake process group,
+weights materialised as fake tensors, then one training step (the configured micro-batches, AC,
+clipping and AdamW) run on fake tensors while the dispatcher counts live bytes and collectives.
+
+Nothing is allocated and nothing is sent, so a 405B rank costs seconds and a few hundred MB.
+Compile is left out (it changes kernels, not what is kept). Pipeline stages are traced for their
+model state only: torch's schedules exchange shape metadata that a fake group cannot carry, so a
+stage's activations come from the closed-form formula times the schedule's micro-batches in flight.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.common_utils import get_untyped_storages
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from tessera import fsdp, pp
+from tessera.mesh import Meshes, build_meshes
+from tessera.trainer.parallelize import convert, parallelize
+from tessera.trainer.plan import JobPlan
+from tessera.trainer.step import cross_entropy, gradient_sync, plain_forward_backward
+from tessera.trainer.train import _optimizer
+
+from collectives import Collectives, group_dims
+from live_bytes import LiveBytes
+
+
+@dataclasses.dataclass
+class RankMemory:
+    """Bytes one rank holds at the step's peak, by owner; `comm`: bytes per step by (kind, mesh dim)."""
+
+    params: int
+    grads: int
+    optimizer: int
+    buffers: int  # model buffers (RoPE table)
+    comm_buffers: int  # tensors a collective read or wrote, live at the peak
+    activations: int  # what forward keeps for backward, at its end (with the loss): their most, gathered weights included
+    peak: int  # the step's peak (forward/backward or the optimizer step), all owners
+    comm: dict[tuple[str, str], int]
+    traced_activations: bool = True  # False: a pipeline stage; activations 0 and `peak` the optimizer step's
+
+
+def trace_plan(plan: JobPlan) -> JobPlan:
+    """The plan as traced here: on CPU fake tensors, compile-free."""
+    config = copy.deepcopy(plan.config)
+    config.compile.enable = False
+    config.parallelism.enable_async_tensor_parallel = False
+    return dataclasses.replace(plan, config=config, device="cpu")
+
+
+def _parts(plan: JobPlan, meshes: Meshes, rank: int) -> list[torch.nn.Module]:
+    """This rank's model parts on the meta device, converted and parallelised as the trainer does."""
+    with torch.device("meta"):
+        model = plan.spec.build(plan.model_args)
+    convert(model, plan)
+    if plan.pipeline is None:
+        return [parallelize(model, plan, meshes)]
+    pp_rank = meshes.pp.get_local_rank()
+    stages = pp.stage_ids(pp_rank, plan.dims.pp, len(plan.pipeline.parts), plan.pipeline.schedule)
+    return [parallelize(pp.keep_only(model, plan.pipeline.parts[s], "layers"), plan, meshes) for s in stages]
+
+
+def trace_rank(plan: JobPlan, rank: int) -> RankMemory:
+    """One rank's memory and communication for one steady-state step (optimizer state present)."""
+    plan = trace_plan(plan)
+    world = plan.world_size
+    if world > 1:
+        dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    try:
+        meshes = build_meshes(plan.dims, "cpu") if world > 1 else Meshes.single()
+        parts = _parts(plan, meshes, rank)
+        with FakeTensorMode(allow_non_fake_inputs=True), LiveBytes() as live, Collectives(group_dims(meshes)) as comm:
+            for part in parts:
+                part.to_empty(device="cpu")
+            optimizers = [_optimizer(part, plan.config) for part in parts]
+            params = [p for part in parts for p in part.parameters()]
+            for p in params:  # a first step creates AdamW's state, as in every step after it
+                p.grad = torch.zeros_like(p)
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            live.reset_peak()
+            comm.bytes.clear()
+            states = lambda: [v for o in optimizers for st in o.state.values() for v in st.values()]  # noqa: E731
+            buffers = [b for part in parts for b in part.buffers()]
+            if plan.pipeline is not None:  # model state and the optimizer step, with gradients of the params' size
+                grads = [torch.zeros_like(p) for p in params]
+                for p, g in zip(params, grads):
+                    p.grad = g
+                for optimizer in optimizers:
+                    optimizer.step()
+                state = _owners(live, live.peak_sizes, params, grads, states(), buffers, set())
+                return RankMemory(**{**state, "activations": 0}, peak=live.peak, comm={}, traced_activations=False)
+            grads, forward_end = _step(plan, parts, optimizers, meshes, comm, live)
+            at_forward_end = _owners(live, forward_end, params, grads, states(), buffers, comm.buffers)
+            at_peak = _owners(live, live.peak_sizes, params, grads, states(), buffers, comm.buffers)
+            return RankMemory(**{**at_peak, "activations": at_forward_end["activations"]}, peak=live.peak,
+                              comm=dict(comm.bytes))
+    finally:
+        if world > 1:
+            dist.destroy_process_group()
+
+
+def _owners(live: LiveBytes, sizes: dict[int, int], params, grads, states, buffers, comm_keys: set[int]) -> dict[str, int]:
+    """A snapshot of live storages split by owner, each storage counted once, in this order:
+    parameters, gradients, optimizer state, buffers, collective buffers, and the rest."""
+    owned, left = {}, dict(sizes)
+    for name, tensors in (("params", params), ("grads", grads), ("optimizer", states), ("buffers", buffers)):
+        keys = {live.key(st) for t in tensors for st in get_untyped_storages(t)} & left.keys()
+        owned[name] = sum(left.pop(k) for k in keys)
+    owned["comm_buffers"] = sum(left.pop(k) for k in comm_keys & left.keys())
+    owned["activations"] = sum(left.values())
+    return owned
+
+
+def _step(plan: JobPlan, parts, optimizers, meshes: Meshes, comm: Collectives,
+          live: LiveBytes) -> tuple[list[torch.Tensor], dict[int, int]]:
+    """make_train_step's work without its data-dependent checks (a fake norm has no value).
+    With accumulation, the first micro-batch (no gradient sync) stands for all but the last:
+    its collectives are counted that many times. Returns the gradients (before they are dropped)
+    and the live storages at the end of the last forward (the loss computed)."""
+    part = parts[0]
+    forward_end = {}
+
+    def loss_fn(logits, labels):
+        loss = cross_entropy(logits, labels)
+        forward_end.clear()
+        forward_end.update(live.sizes)
+        return loss
+
+    forward_backward = plain_forward_backward(part, loss_fn, plan)
+    sync = gradient_sync(parts, pipelined=False)
+    batch = plan.batch
+    tokens = torch.zeros(batch.local, batch.seq_len, dtype=torch.long)
+    if batch.accumulation > 1:
+        sync(False)
+        forward_backward(tokens, tokens)
+        for key in list(comm.bytes):
+            comm.bytes[key] *= batch.accumulation - 1
+    sync(True)
+    forward_backward(tokens, tokens)
+    params = list(part.parameters())
+    fsdp.clip_grad_norm_(params, plan.config.training.max_norm, pp_mesh=meshes.pp, error_if_nonfinite=False)
+    for optimizer in optimizers:
+        optimizer.step()
+    grads = [p.grad for p in params if p.grad is not None]
+    for optimizer in optimizers:
+        optimizer.zero_grad(set_to_none=True)
+    return grads, forward_end
+
+
+def rank_roles(plan: JobPlan) -> list[tuple[int, list[int]]]:
+    """(a representative rank, the ranks it stands for): ranks differ only by pipeline stage, since
+    every data- and tensor-parallel rank of a stage holds same-sized shards (FSDP pads its shards
+    to equal sizes), so one rank per pp rank is traced."""
+    per_stage = plan.world_size // plan.dims.pp
+    return [(s * per_stage, list(range(s * per_stage, (s + 1) * per_stage))) for s in range(plan.dims.pp)]
