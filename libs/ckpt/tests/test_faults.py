@@ -53,3 +53,8 @@ def test_unwritable_folder_is_named_with_the_os_error(tmp_path):
         manager.check_writable()
     assert manager.load() is None
     assert not Path(tmp_path / "file").is_dir()
+
+
+def test_writability_check_leaves_no_trace(tmp_path):
+    _manager(tmp_path / "new" / "ckpt").check_writable()
+    assert list(tmp_path.iterdir()) == []

@@ -79,14 +79,21 @@ def discard(path: Path) -> None:
 
 
 def check_writable(folder: Path, size: int) -> None:
-    """Writes and deletes ``size`` bytes in ``folder`` (made if missing): raises the OSError a
-    checkpoint write would meet there (read-only, no permission, full disk)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=".probe-", dir=folder)
+    """Writes and deletes ``size`` bytes in ``folder``: raises the OSError a checkpoint write
+    would meet there (read-only, no permission, full disk). Folders it has to make are removed
+    again, so a check leaves no trace; one process at a time."""
+    made = [path for path in (folder, *folder.parents) if not path.exists()]
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(bytes(size))
-            f.flush()
-            os.fsync(f.fileno())
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=".probe-", dir=folder)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(bytes(size))
+                f.flush()
+                os.fsync(f.fileno())
+        finally:
+            os.unlink(name)
     finally:
-        os.unlink(name)
+        for path in made:  # innermost first
+            if path.is_dir():
+                path.rmdir()

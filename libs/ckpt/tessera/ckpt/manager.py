@@ -132,11 +132,19 @@ class CheckpointManager:
 
     def check_writable(self) -> None:
         """Fails now, naming the folder and the OS error, if no checkpoint could be written
-        (read-only or unwritable folder), rather than after the first interval of training."""
-        try:
-            check_writable(self.folder, size=4096)
-        except OSError as e:
-            raise OSError(f"checkpoint folder {self.folder} is not writable: {e.strerror or e}") from None
+        (read-only or unwritable folder), rather than after the first interval of training.
+        Collective: rank 0 checks and every rank raises its answer."""
+        error = [None]
+        if self._rank == 0:
+            try:
+                check_writable(self.folder, size=4096)
+            except OSError as e:
+                error[0] = f"checkpoint folder {self.folder} is not writable: {e.strerror or e}"
+        if self._distributed:
+            source = 0 if self.process_group is None else dist.get_global_rank(self.process_group, 0)
+            dist.broadcast_object_list(error, src=source, group=self.process_group)
+        if error[0] is not None:
+            raise OSError(error[0])
 
     def _storage_error(self) -> OSError | None:
         """DCP reports a full disk as, e.g., the zip writer's "unexpected pos"; a probe write
