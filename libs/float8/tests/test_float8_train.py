@@ -3,12 +3,12 @@ and without float8 all-gather and the scale precompute) and TP 2 (with the float
 when filters leave some linears plain) it matches the single-process float8 run."""
 
 import collections
+import dataclasses
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torchao.float8.float8_linear import Float8Linear
@@ -30,82 +30,16 @@ from tessera.float8 import (
 )
 from tessera.fsdp import apply_fsdp
 from tessera.mesh.testing import run_on_ranks
+from tessera.models import get_model_spec
+from tessera.models.llama import Transformer, llama3_flavors
 from tessera.tp import apply_tp, loss_parallel_context
 
-# Every linear a multiple of 16 (float8 matmul rule); the size thresholds are off in this tiny model.
-DIM, N_HEADS, N_KV_HEADS, VOCAB, FFN_HIDDEN, N_LAYERS = 32, 4, 2, 64, 64, 2
+# tessera.models' Llama, tiny: every linear a multiple of 16 (float8 matmul rule; the FFN width
+# rounds up to 96), so the size thresholds are off here.
+ARGS = dataclasses.replace(llama3_flavors["debugmodel"], dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64,
+                           multiple_of=16, max_seq_len=8)
+VOCAB, PLAN = ARGS.vocab_size, get_model_spec("llama3").tp_plan
 BATCH, SEQ, STEPS, SEED, LR = 4, 8, 3, 0, 1e-2
-
-PLAN = {
-    "tok_embeddings": "vocab_embedding",
-    "layers.*.attention_norm": "norm",
-    "layers.*.attention": "block_input",
-    "layers.*.attention.wq": "colwise",
-    "layers.*.attention.wk": "colwise",
-    "layers.*.attention.wv": "colwise",
-    "layers.*.attention.wo": "rowwise",
-    "layers.*.ffn_norm": "norm",
-    "layers.*.feed_forward": "block_input",
-    "layers.*.feed_forward.w1": "colwise",
-    "layers.*.feed_forward.w2": "rowwise",
-    "layers.*.feed_forward.w3": "colwise",
-    "norm": "norm",
-    "output": "vocab_output",
-}
-
-
-class Attention(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.head_dim, self.n_rep = DIM // N_HEADS, N_HEADS // N_KV_HEADS
-        self.wq = nn.Linear(DIM, N_HEADS * self.head_dim, bias=False)
-        self.wk = nn.Linear(DIM, N_KV_HEADS * self.head_dim, bias=False)
-        self.wv = nn.Linear(DIM, N_KV_HEADS * self.head_dim, bias=False)
-        self.wo = nn.Linear(N_HEADS * self.head_dim, DIM, bias=False)
-
-    def forward(self, x):
-        bs, seqlen, _ = x.shape
-        q, k, v = (w(x).view(bs, seqlen, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        k, v = k.repeat_interleave(self.n_rep, dim=1), v.repeat_interleave(self.n_rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
-
-
-class FeedForward(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.w1 = nn.Linear(DIM, FFN_HIDDEN, bias=False)
-        self.w2 = nn.Linear(FFN_HIDDEN, DIM, bias=False)
-        self.w3 = nn.Linear(DIM, FFN_HIDDEN, bias=False)
-
-    def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.attention_norm, self.attention = nn.RMSNorm(DIM), Attention()
-        self.ffn_norm, self.feed_forward = nn.RMSNorm(DIM), FeedForward()
-
-    def forward(self, x):
-        h = x + self.attention(self.attention_norm(x))
-        return h + self.feed_forward(self.ffn_norm(h))
-
-
-class ToyLlama(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.tok_embeddings = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleDict({str(i): Block() for i in range(N_LAYERS)})
-        self.norm = nn.RMSNorm(DIM)
-        self.output = nn.Linear(DIM, VOCAB, bias=False)
-
-    def forward(self, tokens):
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers.values():
-            h = layer(h)
-        return self.output(self.norm(h))
 
 
 def options(recipe, **changes):
@@ -114,7 +48,7 @@ def options(recipe, **changes):
 
 def build(opts=None):
     torch.manual_seed(SEED)
-    model = ToyLlama()
+    model = Transformer(ARGS)
     if opts is not None:
         convert(model, opts)
     return model
