@@ -12,7 +12,9 @@ LLAMA3_1_SCALING = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor
 LLAMA3_2_SCALING = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                original_max_position_embeddings=8192)
 
-_DEBUG = dict(dim=256, n_layers=6, n_heads=16, vocab_size=2048, multiple_of=256, max_seq_len=2048)
+# The debug model is never pretrained, so its context is the family's (131072, as torchtitan's
+# debugmodel inherits it): long-sequence runs (context parallel) can use it.
+_DEBUG = dict(dim=256, n_layers=6, n_heads=16, vocab_size=2048, multiple_of=256, max_seq_len=131072)
 _LLAMA2 = dict(vocab_size=32000, rope_theta=10000.0, norm_eps=1e-5, max_seq_len=4096)
 _LLAMA3 = dict(vocab_size=128256, rope_theta=500000.0, norm_eps=1e-5, max_seq_len=131072)
 
