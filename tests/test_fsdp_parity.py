@@ -3,8 +3,9 @@
 Tolerances (fp32): loss and grad norm within 1e-5 relative, every parameter within 1e-5
 absolute after 3 AdamW steps with clipping (measured: loss and norm <= 2.2e-7, parameters
 <= 7e-7; only the reduction order differs, and Adam magnifies it on near-zero gradients).
-bf16 parameters with fp32 reduction: loss and grad norm within 1e-2 relative (bf16 rounds to
-~4e-3; measured 3.7e-4 and 1.4e-3), parameters not compared.
+bf16 parameters with fp32 reduction, at about twice the measured error (bf16 rounds to ~4e-3):
+loss within 8e-4 relative (measured 3.6e-4), grad norm within 3e-3 relative (1.4e-3), every
+parameter within 7e-3 absolute (3.5e-3).
 """
 
 import pytest
@@ -48,5 +49,5 @@ def test_fp32_layout_matches_single_process(runs, ref, name):
 
 @pytest.mark.parametrize("name", sorted(BF16))
 def test_bf16_mixed_precision_is_close(runs, ref, name):
-    loss, norm, _ = max_diffs(runs[name][0], ref)
-    assert loss <= 1e-2 and norm <= 1e-2, (loss, norm)
+    loss, norm, param = max_diffs(runs[name][0], ref)
+    assert loss <= 8e-4 and norm <= 3e-3 and param <= 7e-3, (loss, norm, param)

@@ -51,9 +51,12 @@ def _python_venv_impl(rctx):
         _run(rctx, ["mkdir", "-p", cache], "mkdir " + cache)
         _run(rctx, ["rm", "-rf", building], "clean " + building)
         _run(rctx, [python, "-m", "venv", building], "python -m venv")
+        # Dependencies are resolved, not skipped: the lock is complete for the CPU build (pip
+        # installs exactly its packages), while PyPI's CUDA build of the same torch pin needs
+        # its own exactly-pinned nvidia-* libraries and triton, which the lock cannot list.
         _run(
             rctx,
-            [building + "/bin/python3", "-m", "pip", "install", "--quiet", "--no-deps", "--disable-pip-version-check", "-r", str(rctx.path(rctx.attr.lock))],
+            [building + "/bin/python3", "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "-r", str(rctx.path(rctx.attr.lock))],
             "pip install -r " + rctx.attr.lock.name,
             timeout = 3600,
         )

@@ -48,11 +48,12 @@ def _group_name(args) -> str | None:
 
 class Collectives(TorchDispatchMode):
     """bytes[(kind, mesh dim)]: the collectives' buffer sizes (see _OPS), summed over the run;
-    `dims` maps a process group's name to the mesh dimension (a Meshes key) it belongs to."""
+    `dims` maps a process group's name to the mesh dimension (a Meshes key) it belongs to; `key`
+    names a storage (LiveBytes.key) for `buffers`."""
 
-    def __init__(self, dims: dict[str, str]) -> None:
+    def __init__(self, dims: dict[str, str], key) -> None:
         super().__init__()
-        self.dims = dims
+        self.dims, self.key = dims, key
         self.bytes: collections.Counter = collections.Counter()
         self.buffers: set[int] = set()  # storage keys of tensors a collective read or wrote
 
@@ -65,7 +66,7 @@ class Collectives(TorchDispatchMode):
             group = _group_name(args)
             self.bytes[(kind, self.dims.get(group, group or "?"))] += _nbytes(sized)
             for t in [*_flat(args), *_flat(out)]:
-                self.buffers.add(t.untyped_storage()._cdata)
+                self.buffers.add(self.key(t.untyped_storage()))
         return out
 
 

@@ -22,7 +22,9 @@ class LiveBytes(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.sizes: dict[int, int] = {}  # storage key -> bytes
+        self._keys: dict[int, int] = {}  # storage address -> key; an address is reused once freed
         self._refs: dict[int, weakref.ref] = {}
+        self._dropped = 0
         self.current = 0
         self.peak = 0
         self.peak_sizes: dict[int, int] = {}  # the storages live at the peak and their sizes then
@@ -34,7 +36,7 @@ class LiveBytes(TorchDispatchMode):
         def resize_(storage, size):
             original(storage, size)
             key = counter.key(storage)
-            if key in counter.sizes:
+            if key is not None:
                 counter.current += storage.nbytes() - counter.sizes[key]
                 counter.sizes[key] = storage.nbytes()
                 counter._new_peak()
@@ -48,9 +50,9 @@ class LiveBytes(TorchDispatchMode):
         torch.UntypedStorage.resize_ = self._resize
         return super().__exit__(*exc)
 
-    @staticmethod
-    def key(storage: torch.UntypedStorage) -> int:
-        return storage._cdata
+    def key(self, storage: torch.UntypedStorage) -> int | None:
+        """A live storage's key: unique over the run, unlike its address."""
+        return self._keys.get(storage._cdata)
 
     def adopt(self, tensors) -> None:
         """Counts tensors that existed before the counter started (a model built earlier)."""
@@ -62,13 +64,13 @@ class LiveBytes(TorchDispatchMode):
 
     def _track(self, t: torch.Tensor) -> None:
         for storage in get_untyped_storages(t):
-            if self.key(storage) not in self.sizes:
+            if self.key(storage) is None:
                 self._add(storage)
 
     def _add(self, storage: torch.UntypedStorage) -> None:
-        key = self.key(storage)
+        key = self._keys[storage._cdata] = len(self._refs) + self._dropped
         self.sizes[key] = storage.nbytes()
-        self._refs[key] = weakref.ref(storage, lambda _, key=key: self._drop(key))
+        self._refs[key] = weakref.ref(storage, lambda _, key=key, address=storage._cdata: self._drop(key, address))
         self.current += self.sizes[key]
         self._new_peak()
 
@@ -76,9 +78,12 @@ class LiveBytes(TorchDispatchMode):
         if self.current > self.peak:
             self.peak, self.peak_sizes = self.current, dict(self.sizes)
 
-    def _drop(self, key: int) -> None:
+    def _drop(self, key: int, address: int) -> None:
         self.current -= self.sizes.pop(key, 0)
         self._refs.pop(key, None)
+        self._dropped += 1
+        if self._keys.get(address) == key:
+            del self._keys[address]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))

@@ -39,9 +39,9 @@ class RankMemory:
     grads: int
     optimizer: int
     buffers: int  # model buffers (RoPE table)
-    comm_buffers: int  # tensors a collective read or wrote, live at the peak
     activations: int  # what forward keeps for backward, at its end (with the loss): their most, gathered weights included
     peak: int  # the step's peak (forward/backward or the optimizer step), all owners
+    at_peak: dict[str, int]  # the peak by owner (see _owners): params, grads so far, ..., comm_buffers, activations
     comm: dict[tuple[str, str], int]
     traced_activations: bool = True  # False: a pipeline stage; activations 0 and `peak` the optimizer step's
 
@@ -75,7 +75,7 @@ def trace_rank(plan: JobPlan, rank: int) -> RankMemory:
     try:
         meshes = build_meshes(plan.dims, "cpu") if world > 1 else Meshes.single()
         parts = _parts(plan, meshes, rank)
-        with FakeTensorMode(allow_non_fake_inputs=True), LiveBytes() as live, Collectives(group_dims(meshes)) as comm:
+        with FakeTensorMode(allow_non_fake_inputs=True), LiveBytes() as live, Collectives(group_dims(meshes), live.key) as comm:
             for part in parts:
                 part.to_empty(device="cpu")
             optimizers = [_optimizer(part, plan.config) for part in parts]
@@ -95,16 +95,23 @@ def trace_rank(plan: JobPlan, rank: int) -> RankMemory:
                     p.grad = g
                 for optimizer in optimizers:
                     optimizer.step()
-                state = _owners(live, live.peak_sizes, params, grads, states(), buffers, set())
-                return RankMemory(**{**state, "activations": 0}, peak=live.peak, comm={}, traced_activations=False)
+                at_peak = _owners(live, live.peak_sizes, params, grads, states(), buffers, set())
+                return RankMemory(**_state(live, params, grads, states(), buffers), activations=0, peak=live.peak,
+                                  at_peak=at_peak, comm={}, traced_activations=False)
             grads, forward_end = _step(plan, parts, optimizers, meshes, comm, live)
             at_forward_end = _owners(live, forward_end, params, grads, states(), buffers, comm.buffers)
-            at_peak = _owners(live, live.peak_sizes, params, grads, states(), buffers, comm.buffers)
-            return RankMemory(**{**at_peak, "activations": at_forward_end["activations"]}, peak=live.peak,
-                              comm=dict(comm.bytes))
+            return RankMemory(**_state(live, params, grads, states(), buffers), activations=at_forward_end["activations"],
+                              peak=live.peak, at_peak=_owners(live, live.peak_sizes, params, grads, states(), buffers,
+                                                              comm.buffers), comm=dict(comm.bytes))
     finally:
         if world > 1:
             dist.destroy_process_group()
+
+
+def _state(live: LiveBytes, params, grads, states, buffers) -> dict[str, int]:
+    """Model state bytes, each kind whole (the gradients as the step completed them)."""
+    kinds = {"params": params, "grads": grads, "optimizer": states, "buffers": buffers}
+    return {name: live.bytes_of(tensors, live.sizes) for name, tensors in kinds.items()}
 
 
 def _owners(live: LiveBytes, sizes: dict[int, int], params, grads, states, buffers, comm_keys: set[int]) -> dict[str, int]:

@@ -1,7 +1,10 @@
 """Checkpoints through the trainer on local gloo ranks: an FSDP 4 checkpoint (saved in the
 background) loads under FSDP 2, TP 2 and one process with every weight and optimizer value
-intact, its Hugging Face export loads under FSDP 2, and a seed checkpoint starts a 2-rank FSDP
-run from exactly its weights."""
+intact, and each resume then trains 2 more steps with the uninterrupted FSDP 4 run's losses and
+grad norms (fp32, 1e-5 relative: only the reduction order differs); its Hugging Face export loads
+under FSDP 2, and a seed checkpoint starts a 2-rank FSDP run from exactly its weights."""
+
+import shutil
 
 import pytest
 import torch
@@ -54,56 +57,65 @@ def _train_and_capture(rank, world_size, runs):
     return results if rank == 0 else None
 
 
+def _resume(tmp, layout):
+    """The argv re-running the FSDP 4 job in a folder holding only its step-2 checkpoint: the
+    trainer resumes from there and trains steps 3 and 4."""
+    shutil.copytree(tmp / "fsdp4" / "checkpoint" / "step-2", tmp / layout / "checkpoint" / "step-2")
+    return [*BASE, "--training.steps", "4", "--job.dump_folder", str(tmp / layout), "--checkpoint.enable", "true"]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """An FSDP 4 run saving step-2 in the background plus its HF export, a seed checkpoint
-    (seed 7, so not what a seed-0 run builds itself), then every 2-rank run in one spawn
-    (starting the processes costs far more than these runs)."""
+    """An FSDP 4 run of 4 steps saving step-2 and step-4 in the background plus its HF export, a
+    seed checkpoint (seed 7, so not what a seed-0 run builds itself), then every 2-rank run in
+    one spawn (starting the processes costs far more than these runs)."""
     tmp = tmp_path_factory.mktemp("ckpt")
-    run_on_ranks(_train_and_capture, 4, [[
-        *BASE, "--job.dump_folder", str(tmp / "fsdp4"), "--parallelism.data_parallel_shard_degree", "4",
-        "--checkpoint.enable", "true", "--checkpoint.interval", "2", "--checkpoint.last_save_model_only", "false",
-        "--checkpoint.async_mode", "async", "--checkpoint.last_save_in_hf", "true",
-    ]])
+    (uninterrupted, _), = run_on_ranks(_train_and_capture, 4, [[
+        *BASE, "--training.steps", "4", "--job.dump_folder", str(tmp / "fsdp4"),
+        "--parallelism.data_parallel_shard_degree", "4", "--checkpoint.enable", "true", "--checkpoint.interval", "2",
+        "--checkpoint.last_save_model_only", "false", "--checkpoint.async_mode", "async",
+        "--checkpoint.last_save_in_hf", "true",
+    ]])[0]
     seed_run = [*BASE, "--job.dump_folder", str(tmp / "seed"), "--checkpoint.create_seed_checkpoint", "true"]
     assert train(load_config([*seed_run, "--debug.seed", "7"])) == []
 
-    # Resumes of the FSDP 4 run at its last step load step-2 and train nothing more.
-    resume = [*BASE, "--job.dump_folder", str(tmp / "fsdp4"), "--checkpoint.enable", "true"]
     two_ranks = {
-        "fsdp2": [*resume, *FSDP2],
-        "tp2": [*resume, *TP2],
+        "fsdp2": [*_resume(tmp, "fsdp2"), *FSDP2],
+        "tp2": [*_resume(tmp, "tp2"), *TP2],
         "fsdp2_from_hf": [*BASE, *FSDP2, "--job.dump_folder", str(tmp / "hf"), "--training.steps", "1",
-                          "--checkpoint.initial_load_path", str(tmp / "fsdp4" / "checkpoint" / "step-2-hf"),
+                          "--checkpoint.initial_load_path", str(tmp / "fsdp4" / "checkpoint" / "step-4-hf"),
                           "--checkpoint.initial_load_in_hf", "true"],
         "seed_on_two_ranks": [*seed_run, "--checkpoint.folder", "again"],
         "fsdp2_from_seed": [*BASE, *FSDP2, "--job.dump_folder", str(tmp / "run"), "--training.steps", "1",
                             "--checkpoint.initial_load_path", str(tmp / "seed" / "checkpoint" / "step-0")],
     }
     results = run_on_ranks(_train_and_capture, 2, list(two_ranks.values()))[0]
-    return tmp, dict(zip(two_ranks, results))
+    return tmp, uninterrupted, dict(zip(two_ranks, results))
 
 
-def test_fsdp4_checkpoint_loads_under_fsdp2_tp2_and_one_process(runs):
-    tmp, results = runs
+def test_fsdp4_checkpoint_resumes_under_fsdp2_tp2_and_one_process(runs):
+    tmp, uninterrupted, results = runs
     step_dir = tmp / "fsdp4" / "checkpoint" / "step-2"
     saved = read_dcp(step_dir)
     assert saved["train_state"] == {"step": 2, "model": "llama3/debugmodel"}
     # One process takes the whole state from initial_load_path into an empty checkpoint folder.
-    single = _train_and_capture(0, 1, [[*BASE, "--job.dump_folder", str(tmp / "single"), "--checkpoint.enable", "true",
-                                        "--checkpoint.initial_load_path", str(step_dir),
+    single = _train_and_capture(0, 1, [[*BASE, "--training.steps", "4", "--job.dump_folder", str(tmp / "single"),
+                                        "--checkpoint.enable", "true", "--checkpoint.initial_load_path", str(step_dir),
                                         "--checkpoint.initial_load_model_only", "false"]])[0]
     for layout, (history, state) in (("fsdp2", results["fsdp2"]), ("tp2", results["tp2"]), ("single", single)):
-        assert history == [], layout  # step 2 of 2 was done
         assert_close(state["model"], saved["model"], rtol=0, atol=0, msg=lambda m: f"{layout} model: {m}")
         assert_close(state["optimizer"], saved["optimizer"], rtol=0, atol=0, msg=lambda m: f"{layout} optimizer: {m}")
+        assert [h["step"] for h in history] == [3, 4], layout
+        for got, want in zip(history, uninterrupted[2:]):
+            assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), layout
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), layout
 
 
 def test_hf_export_under_fsdp4_loads_back_under_fsdp2(runs):
-    tmp, results = runs
-    saved = read_dcp(tmp / "fsdp4" / "checkpoint" / "step-2", only="model")
+    tmp, _, results = runs
+    saved = read_dcp(tmp / "fsdp4" / "checkpoint" / "step-4", only="model")
     spec = get_model_spec("llama3")
-    exported = load_hf(tmp / "fsdp4" / "checkpoint" / "step-2-hf")
+    exported = load_hf(tmp / "fsdp4" / "checkpoint" / "step-4-hf")
     assert_close(spec.hf_adapter.from_hf(exported, spec.flavors["debugmodel"]), saved, rtol=0, atol=0)
     history, state = results["fsdp2_from_hf"]
     assert [h["step"] for h in history] == [1]
@@ -111,7 +123,7 @@ def test_hf_export_under_fsdp4_loads_back_under_fsdp2(runs):
 
 
 def test_seed_checkpoint_starts_every_rank_from_its_weights(runs):
-    tmp, results = runs
+    tmp, _, results = runs
     seed = read_dcp(tmp / "seed" / "checkpoint" / "step-0")
     assert set(seed) == {"model"}
     assert results["seed_on_two_ranks"][0].startswith("checkpoint.create_seed_checkpoint needs a single process, not 2")

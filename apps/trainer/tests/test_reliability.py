@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tessera.ckpt import read_dcp
+from tessera.models import get_model_spec
 from tessera.trainer import train as train_module
 from tessera.trainer.config import ConfigError, load_config
 from tessera.trainer.main import main
@@ -270,8 +271,10 @@ def test_nan_in_a_config_file(tmp_path):
 
 
 def test_seq_len_above_the_flavors_context_length():
-    with pytest.raises(ConfigError, match=r"^training.seq_len 4096 exceeds the context length of llama3/debugmodel \(2048\)$"):
-        make_plan(load_config(["--training.seq_len", "4096"]), 1, check_only=True)
+    context = get_model_spec("llama3").flavors["debugmodel"].max_seq_len
+    message = rf"^training.seq_len {context + 1} exceeds the context length of llama3/debugmodel \({context}\)$"
+    with pytest.raises(ConfigError, match=message):
+        make_plan(load_config(["--training.seq_len", str(context + 1)]), 1, check_only=True)
 
 
 # ---- 7. hangs ----------------------------------------------------------------------------
@@ -313,3 +316,15 @@ def test_stalled_rank_fails_the_step_within_the_train_timeout(tmp_path):
     seconds, message = (tmp_path / "rank0.err").read_text().split(" ", 1)
     assert message.startswith("rank 0, step 3: a collective timed out (comm.train_timeout_seconds = 2): "), message
     assert "\n" not in message and float(seconds) < 60
+
+
+def test_stop_grace_ends_a_process_that_cannot_stop(tmp_path):
+    script = ("import os, signal, time\n"
+              "from tessera.trainer.faults import StopSignals\n"
+              "stop = StopSignals(1, 'cpu')\n"
+              "os.kill(os.getpid(), signal.SIGTERM)\n"
+              "time.sleep(60)  # a save that hangs\n")
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", script], env=ENV, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and time.monotonic() - started < 30
+    assert result.stderr.strip() == "error: not stopped within 1s of SIGTERM (job.stop_grace_seconds); exiting"

@@ -100,3 +100,23 @@ def test_command_line_error_has_no_traceback():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "error: unknown config key training.stepz; did you mean 'steps'?"
+
+
+def test_deterministic_turns_tf32_off():
+    """debug.deterministic: fp32 matmuls stay fp32 (TF32 off); otherwise TF32 is on."""
+    import torch
+
+    from tessera.trainer.train import _seed_everything
+
+    backends = (torch.backends.cuda.matmul, torch.backends.cudnn)
+    before = [b.allow_tf32 for b in backends], torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
+    try:
+        _seed_everything(0, deterministic=True)
+        assert [b.allow_tf32 for b in backends] == [False, False] and torch.are_deterministic_algorithms_enabled()
+        _seed_everything(0, deterministic=False)  # a later run in the same process
+        assert [b.allow_tf32 for b in backends] == [True, True] and not torch.are_deterministic_algorithms_enabled()
+    finally:
+        for backend, allowed in zip(backends, before[0]):
+            backend.allow_tf32 = allowed
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[1:]
+        torch.use_deterministic_algorithms(False)

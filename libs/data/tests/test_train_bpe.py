@@ -32,6 +32,7 @@ def test_merges_most_frequent_pair_with_fixed_tie_break(trainer):
 
 def test_random_corpora_give_distinct_tokens(trainer):
     rng = random.Random(0)
+    ran = 0
     for _ in range(200):
         counts = {
             bytes(rng.choice(b"abc ") for _ in range(rng.randrange(2, 9))): rng.randrange(1, 9)
@@ -42,6 +43,8 @@ def test_random_corpora_give_distinct_tokens(trainer):
         except ValueError:
             continue  # fewer than 10 merges possible
         assert len(ranks) == 266 and sorted(ranks.values()) == list(range(266))
+        ran += 1
+    assert ran == 176  # seed 0's corpora: the other 24 allow fewer than 10 merges
 
 
 def test_too_small_corpus(trainer):

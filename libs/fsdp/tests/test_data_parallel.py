@@ -3,8 +3,9 @@ conventions (tok_embeddings, layers ModuleDict of blocks, norm, output).
 
 Tolerances: fp32 layouts match the reference to 1e-5 relative in loss and grad norm and 1e-5
 absolute in every parameter after 3 AdamW steps (measured ~1e-7: only the reduction order
-differs). bf16 mixed precision (fp32 reduce) is held to 1e-2 relative in loss and grad norm
-(bf16 has an 8-bit mantissa, ~4e-3 per rounding; measured 1.8e-4 and 1.3e-3).
+differs). bf16 mixed precision (fp32 reduce) is held to about twice its measured error (bf16 has
+an 8-bit mantissa, ~4e-3 per rounding): loss within 4e-4 relative (measured 1.8e-4), grad norm
+within 3e-3 relative (1.3e-3), every parameter within 8e-3 absolute (3.8e-3).
 """
 
 import pytest
@@ -154,10 +155,9 @@ def two_rank_runs():
 def _assert_matches(result, ref, rel, abs_param):
     for key in ("loss", "norm"):
         assert result[key] == pytest.approx(ref[key], rel=rel), key
-    if abs_param is not None:
-        for name, value in ref["params"].items():
-            diff = (result["params"][name] - value).abs().max().item()
-            assert diff <= abs_param, f"{name}: max abs diff {diff}"
+    for name, value in ref["params"].items():
+        diff = (result["params"][name] - value).abs().max().item()
+        assert diff <= abs_param, f"{name}: max abs diff {diff}"
 
 
 @pytest.mark.parametrize("layout", ["fsdp", "fsdp_reshard_never", "fsdp_reshard_always", "fsdp_cpu_offload", "ddp"])
@@ -172,7 +172,9 @@ def test_tied_embeddings_stay_in_root_group(two_rank_runs, reference_tied):
 
 
 def test_bf16_mixed_precision_is_close(two_rank_runs, reference):
-    _assert_matches(two_rank_runs[0]["fsdp_bf16"], reference, rel=1e-2, abs_param=None)
+    result = two_rank_runs[0]["fsdp_bf16"]
+    assert result["loss"] == pytest.approx(reference["loss"], rel=4e-4)
+    _assert_matches(result, reference, rel=3e-3, abs_param=8e-3)
 
 
 def test_reshard_policies(two_rank_runs):

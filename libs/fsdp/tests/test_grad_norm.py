@@ -76,8 +76,18 @@ def _pipeline(rank, world_size):
     return out
 
 
+def _sharded(rank, world_size):
+    """FSDP's case alone: every gradient a Shard(0) DTensor on one mesh, 2-norm. Returns the
+    clip's norm and this rank's shard-only norm (what an unreduced norm would give)."""
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    params = [_param(distribute_tensor(g, mesh, [Shard(0)])) for g in _full_grads()[:2]]
+    local = torch.linalg.vector_norm(torch.cat([p.grad.to_local().flatten() for p in params]))
+    return clip_grad_norm_(params, MAX_NORM, 2.0).item(), local.item()
+
+
 def _both(rank, world_size):
-    return {"mixed": _mixed(rank, world_size), "pipeline": _pipeline(rank, world_size)}
+    return {"mixed": _mixed(rank, world_size), "pipeline": _pipeline(rank, world_size),
+            "sharded": _sharded(rank, world_size)}
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +109,13 @@ def test_distributed_norm_equals_single_process(two_rank_results, case):
                 ref_grads_here = ref_grads
             for got, want in zip(grads, ref_grads_here):
                 torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_sharded_2_norm_is_reduced_across_ranks(two_rank_results):
+    ref_norm, _ = _torch_clip(_full_grads()[:2], 2.0)
+    for norm, local in (result["sharded"] for result in two_rank_results):
+        assert abs(local - ref_norm) > 0.1 * ref_norm  # a shard's own norm is far off: the case bites
+        assert norm == pytest.approx(ref_norm, rel=1e-6)
 
 
 def test_plain_grads_match_torch():

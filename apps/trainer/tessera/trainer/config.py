@@ -205,6 +205,10 @@ class Metrics:
     save_tb_folder: str = "tb"
     disable_color_printing: bool = False
     rank_0_only: bool = True
+    # MFU: count attention's QK^T and scores @ V at half the full-sequence FLOPs, as a causal mask
+    # leaves half the score matrix to compute (flash kernels skip it); false is PaLM's and
+    # torchtitan's convention (mask ignored), so MFU figures compare with theirs
+    causal_attention_flops: bool = False
 
 
 @dataclasses.dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import resource
+import sys
 import time
 from pathlib import Path
 
@@ -11,40 +12,65 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-# Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) from the vendors' data sheets.
-GPU_PEAK_TFLOPS = (
-    ("B200", 2250.0),
-    ("H200", 989.0),
-    ("H100 NVL", 835.0),
-    ("H100 PCIe", 756.0),
-    ("H100", 989.0),
-    ("A100", 312.0),
-)
+# Dense bf16/fp16 tensor-core peaks (TFLOP/s, no sparsity) from the vendors' data sheets. The
+# longest marker in the device name wins: "H200 NVL" before "H200", "GB200" before "B200",
+# "H100 NVL" / "H100 PCIe" before "H100" (and GH200 is H100-class, not an H200).
+GPU_PEAK_TFLOPS = {
+    "GB200": 2500.0,
+    "B200": 2250.0,
+    "H200 NVL": 835.0,
+    "H200": 989.0,
+    "GH200": 989.0,
+    "H100 NVL": 835.0,
+    "H100 PCIe": 756.0,
+    "H100": 989.0,
+    "A100": 312.0,
+}
+
+
+def datasheet_peak_tflops(gpu_name: str) -> float | None:
+    """The dense bf16 peak of the most specific table entry in `gpu_name`, or None if unknown."""
+    found = [marker for marker in GPU_PEAK_TFLOPS if marker.upper() in gpu_name.upper()]
+    return GPU_PEAK_TFLOPS[max(found, key=len)] if found else None
 
 
 @functools.lru_cache(maxsize=None)
-def measured_cpu_peak_tflops(dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:
-    """Best matmul rate this CPU reaches with the current thread count: the MFU denominator on
-    CPU, where no data sheet applies (AVX-512 BF16 makes bf16 several times faster than fp32)."""
-    a = torch.randn(size, size, dtype=dtype)
-    b = torch.randn(size, size, dtype=dtype)
-    torch.mm(a, b)  # warm-up: thread pool and kernel selection
+def measured_peak_tflops(device: str, dtype: torch.dtype, repeats: int = 5) -> float:
+    """Best matmul rate reached here: the MFU denominator where no data sheet applies (CPU,
+    where AVX-512 BF16 makes bf16 several times faster than fp32; an unknown GPU; fp32 with
+    TF32 off). It honours the current TF32 setting and thread count."""
+    size = 8192 if device == "cuda" else 2048
+    a = torch.randn(size, size, dtype=dtype, device=device)
+    b = torch.randn(size, size, dtype=dtype, device=device)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    torch.mm(a, b)  # warm-up: thread pool, kernel selection
+    sync()
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         torch.mm(a, b)
+        sync()
         best = min(best, time.perf_counter() - start)
     return 2 * size**3 / best / 1e12
 
 
 def peak_tflops(device: str, dtype: torch.dtype) -> float:
+    """MFU's denominator. A known GPU: its data-sheet peak for bf16 and fp16 (one tensor-core
+    rate), half of it for fp32 on TF32 tensor cores; fp32 with TF32 off, CPUs and unknown GPUs
+    (with a one-line warning, never a guessed table entry): a measured matmul peak."""
     if device == "cuda":
         name = torch.cuda.get_device_name()
-        for marker, peak in GPU_PEAK_TFLOPS:
-            if marker in name:
-                return peak if dtype == torch.bfloat16 else peak / 2  # tf32 runs at half rate
-        return GPU_PEAK_TFLOPS[-1][1]  # unknown GPU: assume A100-class rather than guess high
-    return measured_cpu_peak_tflops(dtype)
+        peak = datasheet_peak_tflops(name)
+        if peak is None:
+            measured = measured_peak_tflops(device, dtype)
+            print(f"warning: no data-sheet peak for GPU {name!r}; MFU uses a measured {dtype} matmul peak of "
+                  f"{measured:.0f} TFLOP/s", file=sys.stderr, flush=True)
+            return measured
+        if dtype in (torch.bfloat16, torch.float16):
+            return peak
+        if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
+            return peak / 2
+    return measured_peak_tflops(device, dtype)
 
 
 def memory_gib(device: str) -> tuple[float, float]:

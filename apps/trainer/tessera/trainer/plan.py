@@ -126,7 +126,7 @@ def make_plan(config: JobConfig, world_size: int, device: str | None = None, *, 
         reduce_dtype=MIXED_PRECISION_DTYPES[training.mixed_precision_reduce],
         autocast=param_dtype != torch.float32 and not dims.fsdp_enabled,
         loss_parallel=dims.tp_enabled and not par.disable_loss_parallel,
-        converters=converters, pipeline=_pipeline(config, spec, args, dims), tp_styles=styles, flops_per_token=spec.flops_per_token(args, training.seq_len),
+        converters=converters, pipeline=_pipeline(config, spec, args, dims), tp_styles=styles, flops_per_token=_flops_per_token(config, spec, args),
         dataset=dataset_source(training),
         validation_dataset=dataset_source(config.validation) if config.validation.enable else None,
         notes=tuple(notes),
@@ -157,6 +157,16 @@ def _model_args(config: JobConfig, spec: ModelSpec, vocab_size: int):
         raise ConfigError(f"training.seq_len {config.training.seq_len} exceeds the context length of "
                           f"{spec.name}/{config.model.flavor} ({flavor.max_seq_len})")
     return dataclasses.replace(flavor, vocab_size=vocab_size, max_seq_len=config.training.seq_len)
+
+
+def _flops_per_token(config: JobConfig, spec: ModelSpec, args) -> float:
+    """The spec's training FLOPs per token; with metrics.causal_attention_flops the part that
+    grows with seq_len (attention's score matmuls) counts half, as a causal mask computes half."""
+    seq_len = config.training.seq_len
+    total = spec.flops_per_token(args, seq_len)
+    if not config.metrics.causal_attention_flops:
+        return total
+    return total - (total - spec.flops_per_token(args, 0)) / 2
 
 
 def _batch(config: JobConfig, dims: ParallelDims) -> BatchPlan:

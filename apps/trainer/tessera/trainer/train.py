@@ -32,12 +32,14 @@ from tessera.trainer.step import StepResult, build_loss, make_train_step, step_f
 
 def _seed_everything(seed: int, deterministic: bool) -> None:
     torch.manual_seed(seed)
-    # fp32 matmuls on tensor cores (TF32), as the fp32 MFU peak assumes
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
+    # fp32 matmuls on tensor cores (TF32, a 10-bit mantissa) unless the run must be
+    # deterministic: then fp32 means fp32, comparable with a CPU or another GPU's run
+    torch.backends.cuda.matmul.allow_tf32 = not deterministic
+    torch.backends.cudnn.allow_tf32 = not deterministic
+    # set both ways: a second run in one process (benchmarks, tools/gpu_check) gets its own setting
+    torch.use_deterministic_algorithms(deterministic)
     if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
 
@@ -146,14 +148,15 @@ def _optimizer(part: torch.nn.Module, config: JobConfig) -> torch.optim.Optimize
     )
 
 
-def _banner(plan: JobPlan, model: ParallelModel) -> str:
+def _banner(plan: JobPlan, model: ParallelModel, peak: float) -> str:
     config, batch = plan.config, plan.batch
     layout = {k: v for k, v in plan.dims.degrees().items() if v > 1} or "single"
     local_params = sum(p.numel() for part in model.parts for p in part.parameters())
     return (
         f"tessera: {plan.spec.name}/{config.model.flavor} {local_params:,} local params | "
         f"{plan.device} x{plan.world_size} {layout} | global batch {batch.global_size} x {batch.seq_len} tokens "
-        f"({batch.accumulation} micro-batches) | {config.training.steps} steps"
+        f"({batch.accumulation} micro-batches) | {config.training.steps} steps | MFU against {peak:,.1f} TFLOP/s, "
+        f"attention FLOPs {'halved (causal)' if config.metrics.causal_attention_flops else 'full (mask ignored)'}"
     )
 
 
@@ -199,10 +202,10 @@ def _train(plan: JobPlan, info) -> list[dict]:
         training.steps, dump / config.metrics.save_tb_folder if config.metrics.enable_tensorboard else None,
         color=not config.metrics.disable_color_printing, enabled=is_logging_rank,
     )
-    timer = StepTimer(plan.batch.tokens_per_device, plan.flops_per_token, peak_tflops(device, plan.param_dtype),
-                      warmup=config.compile.enable)
+    peak = peak_tflops(device, plan.param_dtype)
+    timer = StepTimer(plan.batch.tokens_per_device, plan.flops_per_token, peak, warmup=config.compile.enable)
     if info.rank == 0:
-        print(_banner(plan, model), flush=True)
+        print(_banner(plan, model, peak), flush=True)
 
     def log(step: int, result: StepResult) -> dict:
         memory, memory_peak = memory_gib(device)
