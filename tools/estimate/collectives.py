@@ -9,8 +9,6 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv", "broadcast")
-
 # op name (without overload) -> (kind, index of the argument whose size is the collective's buffer:
 # the gathered output of an all-gather, the unreduced input of a reduce-scatter, the tensor otherwise)
 _OPS = {
@@ -79,11 +77,13 @@ def _flat(value) -> list[torch.Tensor]:
 
 
 def group_dims(meshes) -> dict[str, str]:
-    """Process-group name -> the name of the mesh dimension it spans, for every mesh of a Meshes."""
+    """Process-group name -> what it is to the job: the Meshes accessor ("fsdp", "tp", "pp", ...;
+    HSDP's outer dim "dp_replicate"), else the mapping key of the group."""
     names: dict[str, str] = {}
-    for key, mesh in [*meshes.items(), *((a, getattr(meshes, a)) for a in ("fsdp", "tp", "pp", "dp_replicate"))]:
+    accessors = [(name, getattr(meshes, name)) for name in ("fsdp", "tp", "pp", "cp", "ep", "dp_replicate", "loss", "batch")]
+    for key, mesh in [*accessors, *meshes.items()]:
         if mesh is None or key == "world":
             continue
         for i, dim in enumerate(mesh.mesh_dim_names or ()):
-            names.setdefault(mesh.get_group(i).group_name, dim)
+            names.setdefault(mesh.get_group(i).group_name, key if i == mesh.ndim - 1 else dim)
     return names

@@ -54,7 +54,7 @@ def trace_plan(plan: JobPlan) -> JobPlan:
     return dataclasses.replace(plan, config=config, device="cpu")
 
 
-def _parts(plan: JobPlan, meshes: Meshes, rank: int) -> list[torch.nn.Module]:
+def _parts(plan: JobPlan, meshes: Meshes) -> list[torch.nn.Module]:
     """This rank's model parts on the meta device, converted and parallelised as the trainer does."""
     with torch.device("meta"):
         model = plan.spec.build(plan.model_args)
@@ -74,7 +74,7 @@ def trace_rank(plan: JobPlan, rank: int) -> RankMemory:
         dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
     try:
         meshes = build_meshes(plan.dims, "cpu") if world > 1 else Meshes.single()
-        parts = _parts(plan, meshes, rank)
+        parts = _parts(plan, meshes)
         with FakeTensorMode(allow_non_fake_inputs=True), LiveBytes() as live, Collectives(group_dims(meshes), live.key) as comm:
             for part in parts:
                 part.to_empty(device="cpu")

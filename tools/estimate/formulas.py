@@ -1,0 +1,194 @@
+"""Closed-form estimates for Llama-shaped models (every flavor of tessera.models' llama2/llama3):
+per-rank model state exact (the shard arithmetic of tessera.tp and FSDP2), activations and peak
+from what autograd keeps per block (derived in README.md, checked against the traced estimate),
+FLOPs from the model spec, and collective bytes per step. Instant, so the planner can call it for
+every layout; the traced estimate is the reference."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from tessera import pp
+from tessera.trainer.plan import JobPlan
+
+F32 = 4
+
+
+def _block_params(a) -> list[tuple[int, int, int | None]]:
+    """(rows, cols, dim tensor parallel splits) of one block's parameters (None: replicated)."""
+    h, q, kv, f = a.dim, a.n_heads * a.head_dim, a.kv_heads * a.head_dim, a.ffn_hidden_dim
+    return [(q, h, 0), (kv, h, 0), (kv, h, 0), (h, q, 1), (f, h, 0), (f, h, 0), (h, f, 1), (h, 1, None), (h, 1, None)]
+
+
+def _module_params(a, name: str) -> list[tuple[int, int, int | None]]:
+    if name.startswith("layers."):
+        return _block_params(a)
+    return {"tok_embeddings": [(a.vocab_size, a.dim, 0)], "norm": [(a.dim, 1, None)],
+            "output": [] if a.tie_embeddings else [(a.vocab_size, a.dim, 0)]}[name]
+
+
+def _local_elements(rows: int, cols: int, split: int | None, tp: int, fsdp: int) -> int:
+    """Elements one rank stores: TP splits `split`, then FSDP2 chunks dim 0 of that into equal,
+    padded shards (every rank allocates the padded size)."""
+    if split == 0:
+        rows = math.ceil(rows / tp)
+    elif split == 1:
+        cols = math.ceil(cols / tp)
+    return math.ceil(rows / fsdp) * cols
+
+
+def stage_modules(plan: JobPlan, pp_rank: int) -> list[str]:
+    """The module names the pp rank holds (the whole model without pipeline parallelism)."""
+    a = plan.model_args
+    if plan.pipeline is None:
+        return ["tok_embeddings", *(f"layers.{i}" for i in range(a.n_layers)), "norm", "output"]
+    parts = plan.pipeline.parts
+    return [m for s in pp.stage_ids(pp_rank, plan.dims.pp, len(parts), plan.pipeline.schedule) for m in parts[s]]
+
+
+@dataclasses.dataclass
+class FormulaEstimate:
+    params: int
+    grads: int
+    optimizer: int
+    buffers: int
+    activations: int  # at the end of forward, all micro-batches in flight
+    peak: int
+    flops_per_step: float  # this rank's, model FLOPs (spec formula), recompute excluded
+    comm: dict[tuple[str, str], int]
+
+
+def estimate_rank(plan: JobPlan, pp_rank: int = 0) -> FormulaEstimate:
+    a, dims = plan.model_args, plan.dims
+    fsdp = dims.dp_shard * dims.cp if dims.fsdp_enabled else 1
+    modules = stage_modules(plan, pp_rank)
+    shapes = [p for m in modules for p in _module_params(a, m)]
+    elements = sum(_local_elements(r, c, s, dims.tp, fsdp) for r, c, s in shapes)
+    params = F32 * elements
+    optimizer = 2 * params + F32 * len(shapes)  # AdamW: exp_avg, exp_avg_sq, a float32 step each
+    buffers = 8 * plan.batch.seq_len * a.head_dim // 2 * (len(_local_stages(plan, pp_rank)))  # complex64 RoPE table per part
+    blocks = sum(m.startswith("layers.") for m in modules)
+    tp_local_block = sum(_local_elements(r, c, s, dims.tp, 1) for r, c, s in _block_params(a))
+    # FSDP keeps the last block, the output and the final norm gathered from forward into backward
+    # ("default"; "never": every group, "always": none)
+    kept = _kept_gathered(plan, modules, tp_local_block) if fsdp > 1 else 0
+    act = activations(plan, blocks, "tok_embeddings" in modules, "output" in modules, pp_rank) + kept
+    grads = params
+    if dims.tp > 1 and fsdp == 1 and "tok_embeddings" in modules:
+        grads += F32 * a.vocab_size // dims.tp * a.dim  # measured: the vocab-parallel embedding's gradient storage is twice its size
+    b = plan.pipeline.microbatches if plan.pipeline else 1
+    logits_grad = F32 * plan.batch.local * plan.batch.seq_len // b * a.vocab_size // dims.tp if "output" in modules else 0
+    # backward: gradients take the place of the activations they free; the largest moment is its
+    # start (the logits' gradient) with a checkpointed block rebuilt, or the optimizer step
+    # (gradients + foreach AdamW's parameter-sized temporaries)
+    peak = params + optimizer + buffers + max(act + logits_grad + _recompute_bytes(plan), grads + params)
+    tokens = plan.batch.local * plan.batch.seq_len * plan.batch.accumulation
+    flops = plan.flops_per_token * tokens * blocks / a.n_layers / dims.tp  # this rank's share of its dp rank's tokens
+    return FormulaEstimate(params, grads, optimizer, buffers, act, peak, flops,
+                           comm_bytes(plan, elements, kept, blocks, modules))
+
+
+def _kept_gathered(plan: JobPlan, modules: list[str], tp_local_block: int) -> int:
+    """Bytes of gathered (param dtype) weights FSDP keeps from forward into backward."""
+    a, dims = plan.model_args, plan.dims
+    policy = plan.pipeline.reshard_after_forward if plan.pipeline else plan.config.parallelism.fsdp_reshard_after_forward
+    blocks = [m for m in modules if m.startswith("layers.")]
+    every = {"tok_embeddings": a.vocab_size * a.dim // dims.tp, "norm": a.dim,
+             "output": 0 if a.tie_embeddings else a.vocab_size * a.dim // dims.tp}
+    if policy == "always":
+        return 0
+    if policy == "never":
+        return plan.param_dtype.itemsize * (tp_local_block * len(blocks) + sum(every.get(m, 0) for m in modules))
+    kept = tp_local_block * bool(blocks) + sum(every[m] for m in ("norm", "output") if m in modules)
+    return plan.param_dtype.itemsize * kept
+
+
+def _local_stages(plan: JobPlan, pp_rank: int) -> list[int]:
+    if plan.pipeline is None:
+        return [0]
+    return pp.stage_ids(pp_rank, plan.dims.pp, len(plan.pipeline.parts), plan.pipeline.schedule)
+
+
+def _compute_bytes(plan: JobPlan) -> int:
+    """Activations' element size: the low-precision dtype under FSDP mixed precision or autocast."""
+    return plan.param_dtype.itemsize
+
+
+def block_activations(plan: JobPlan, mode: str) -> float:
+    """Bytes one block keeps per micro-batch for backward under AC `mode` (README: the derivation)."""
+    a, t, b = plan.model_args, plan.dims.tp, plan.pipeline.microbatches if plan.pipeline else 1
+    tokens = plan.batch.local * plan.batch.seq_len // b
+    h, q, kv, f, e = a.dim, a.n_heads * a.head_dim, a.kv_heads * a.head_dim, a.ffn_hidden_dim, _compute_bytes(plan)
+    small = tokens * F32 * 2 / t + tokens * a.n_heads // t * F32  # RMSNorm rstd x2, attention logsumexp
+    gathered_inputs = 2 * h * (t - 1) / t  # under sequence parallel the linears keep the gathered norm outputs
+    if mode == "full":
+        return tokens * e * h / t
+    if mode == "selective":  # the matmul and attention outputs (option "op"); blocks' input
+        return tokens * e * (h / t + (2 * q + 2 * kv + 2 * f) / t + 2 * h) + tokens * a.n_heads // t * F32
+    return tokens * e * ((5 * h + 5 * q + 4 * f) / t + gathered_inputs) + small
+
+
+def _recompute_bytes(plan: JobPlan) -> float:
+    """Backward of a checkpointed block rebuilds its activations: one block's worth on top."""
+    mode = plan.config.activation_checkpoint.mode
+    if mode == "none":
+        return 0
+    return block_activations(plan, "none") - block_activations(plan, mode)
+
+
+def _every_nth(plan: JobPlan) -> int | None:
+    ac = plan.config.activation_checkpoint
+    return int(ac.selective_ac_option) if ac.mode == "selective" and ac.selective_ac_option != "op" else None
+
+
+def activations(plan: JobPlan, blocks: int, first: bool, last: bool, pp_rank: int) -> int:
+    """Bytes at the end of forward: each block's share under the AC mode, the head's logits, and,
+    under pipeline parallel, 1F1B's micro-batches in flight (pp - rank of the first local stage)."""
+    a, t, e = plan.model_args, plan.dims.tp, _compute_bytes(plan)
+    mode, every = plan.config.activation_checkpoint.mode, _every_nth(plan)
+    if every:
+        full = math.ceil(blocks / every)
+        per_batch = full * block_activations(plan, "full") + (blocks - full) * block_activations(plan, "none")
+    else:
+        per_batch = blocks * block_activations(plan, mode)
+    b = plan.pipeline.microbatches if plan.pipeline else 1
+    tokens = plan.batch.local * plan.batch.seq_len // b
+    if last:  # final norm in/out (+ its gathered output), then fp32 logits and log-softmax
+        per_batch += tokens * e * (3 * a.dim / t + a.dim * (t - 1) / t) + tokens * a.vocab_size / t * (8 + (e if e != F32 else 0))
+    if first:
+        per_batch += 2 * tokens * 8  # token ids and labels
+    in_flight = 1
+    if plan.pipeline is not None:
+        in_flight = min(b, plan.dims.pp - pp_rank) * len(_local_stages(plan, pp_rank))
+    return int(per_batch * in_flight)
+
+
+def comm_bytes(plan: JobPlan, local_elements: int, kept: int, blocks: int, modules: list[str]) -> dict[tuple[str, str], int]:
+    """Collective buffer bytes per step (as collectives.py counts them): FSDP all-gathers the
+    parameters (param dtype) in forward and, resharded, again in backward, per micro-batch, and
+    reduce-scatters gradients (reduce dtype) once; TP gathers and scatters each block's two
+    sequence-parallel inputs and outputs in forward and backward (and in recompute); pipeline
+    stages send activations forward and gradients back."""
+    dims, batch = plan.dims, plan.batch
+    out: dict[tuple[str, str], int] = {}
+    fsdp = dims.dp_shard * dims.cp if dims.fsdp_enabled else 1
+    if fsdp > 1:
+        gathered = local_elements * fsdp * plan.param_dtype.itemsize
+        rounds = 1 if plan.pipeline is not None else batch.accumulation  # a pipeline keeps stages gathered
+        out[("all_gather", "fsdp")] = int((2 * gathered - kept) * rounds)
+        out[("reduce_scatter", "fsdp")] = int(local_elements * fsdp * plan.reduce_dtype.itemsize)
+    elif dims.dp_replicate > 1:
+        out[("all_reduce", "dp_replicate")] = int(local_elements * plan.reduce_dtype.itemsize)
+    tokens = batch.local * batch.seq_len * batch.accumulation
+    e = plan.param_dtype.itemsize
+    if dims.tp > 1:
+        recompute = plan.config.activation_checkpoint.mode != "none"
+        per_block = 2 * tokens * plan.model_args.dim * e  # two gathered block inputs (attention, ffn)
+        ends = tokens * plan.model_args.dim * e * (("tok_embeddings" in modules) + ("output" in modules))
+        # recompute regathers both inputs but stops before the block's last reduce-scatter
+        out[("all_gather", "tp")] = int(per_block * blocks * (2 + recompute) + ends)
+        out[("reduce_scatter", "tp")] = int(per_block * blocks * (2 + recompute / 2) + ends)
+    if dims.pp > 1:
+        out[("send_recv", "pp")] = int(2 * 2 * tokens * plan.model_args.dim // dims.tp * e)
+    return out
