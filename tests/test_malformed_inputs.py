@@ -166,6 +166,8 @@ CASES = [
     ("dataset-no-text-field", run_with(setup=lambda tmp: ["--training.dataset_path",
                                                             str(_write(tmp / "d.jsonl", json.dumps({"body": "x"}) + "\n"))]),
      "trainer", "d.jsonl"),
+    ("dataset-shorter-than-a-sequence", run_with(setup=lambda tmp: ["--training.dataset_path", str(_write(tmp / "d.txt", "hi"))]),
+     "trainer", "d.txt holds fewer tokens than one sequence"),
     ("validation-missing", run_with("--validation.enable", "true", "--validation.dataset_path", "/no/such/val.txt"),
      "trainer", "/no/such/val.txt"),
     ("dump-folder-is-file", run_with(setup=lambda tmp: ["--job.dump_folder", str(_write(tmp / "f", "x"))]), "trainer",

@@ -23,6 +23,7 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -95,7 +96,7 @@ def _compare(result: dict, ref: dict, bounds: dict, dumps: tuple[Path, Path, Pat
         flat = lambda sd: torch.cat([sd[k].double().flatten() for k in sorted(seed)])  # noqa: E731
         measured["update"] = ((flat(run) - flat(reference)).norm() / (flat(reference) - flat(seed)).norm()).item()
     ok = all(measured[k] <= bounds[k] for k in measured)
-    return ("PASS" if ok else "FAIL"), ", ".join(f"{k} {v:.1e} (bound {bounds[k]:.0e})" for k, v in measured.items())
+    return ("PASS" if ok else "FAIL"), ", ".join(f"{k} {v:.1e} (bound {bounds[k]:.2g})" for k, v in measured.items())
 
 
 def _init_row(result: dict) -> tuple[str, str]:
@@ -109,6 +110,79 @@ def _init_row(result: dict) -> tuple[str, str]:
     return ("FAIL" if problems else "PASS"), "; ".join([detail, *problems])
 
 
+RUNS = ("seed", "ref", "cpu_ref", "fsdp2", "tp2", "bf16", "offload", "async", "resume", "snapshot", "float8", "async_tp", "init")
+
+
+def _groups(d: dict[str, Path], cuda: bool, ranks: int) -> list[tuple[list[dict], int, dict | None]]:
+    """The launches, in order, as (jobs, ranks, environment): the seed comes first."""
+    a = lambda name, *extra, **kw: _argv(not cuda, d[name], *extra, **kw)  # noqa: E731
+    seed = ["--checkpoint.initial_load_path", str(d["seed"] / "checkpoint" / "step-0")]
+    save = ["--checkpoint.enable", "true", "--checkpoint.interval", str(STEPS)]
+    fsdp2 = ["--parallelism.data_parallel_shard_degree", "2"]
+    tp2 = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
+    layout = fsdp2 if ranks == 2 else []
+    resume = [*layout, "--training.steps", "4", "--checkpoint.enable", "true", "--checkpoint.interval", "2"]
+    single = [("seed", "train", a("seed", "--checkpoint.create_seed_checkpoint", "true")),
+              ("ref", "train", a("ref", *seed, *save))]
+    if cuda:
+        single += [("snapshot", "train", a("snapshot", *seed, "--profiling.enable_memory_snapshot", "true",
+                                           "--profiling.profile_freq", "2")),
+                   ("float8", "train", a("float8", *seed, "--model.converters", "float8", fp32=False))]
+    layouts = [("init", "init_stats", a("init", *layout, dp=ranks)),
+               ("async", "train", a("async", *resume, "--checkpoint.async_mode", "async_with_pinned_mem",
+                                    "--checkpoint.last_save_model_only", "false", dp=ranks)),
+               ("resume", "train", a("resume", *resume, "--checkpoint.initial_load_model_only", "false",
+                                     "--checkpoint.initial_load_path", str(d["async"] / "checkpoint" / "step-2"), dp=ranks))]
+    if ranks == 2:
+        layouts += [("fsdp2", "train", a("fsdp2", *fsdp2, *seed, *save, dp=2)),
+                    ("tp2", "train", a("tp2", *tp2, *seed, *save)),
+                    ("bf16", "train", a("bf16", *fsdp2, *seed, *save, dp=2, fp32=False)),
+                    ("offload", "train", a("offload", *fsdp2, *seed, *save, "--training.enable_cpu_offload", "true", dp=2))]
+        if cuda:
+            layouts.append(("async_tp", "train", a("async_tp", *tp2, *seed, "--compile.enable", "true",
+                                                   "--parallelism.enable_async_tensor_parallel", "true", fp32=False)))
+    cpu_only = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    here = None if cuda else cpu_only  # a dry run stays on CPU even where a GPU is visible
+    groups = [(single, 1, here)]
+    if cuda:  # the single-GPU reference against the same run on CPU
+        groups.append(([("cpu_ref", "train", a("cpu_ref", *seed, *save))], 1, cpu_only))
+    groups.append((layouts, ranks, here))
+    return [([dict(name=n, kind=k, argv=v) for n, k, v in jobs], n_ranks, env) for jobs, n_ranks, env in groups]
+
+
+def _rows(results: dict, d: dict[str, Path], cuda: bool, ranks: int) -> list[tuple[str, str, str]]:
+    need2, ref = "needs 2 GPUs (the trainer's FSDP and TP need 2 ranks)", results["ref"]
+    seed = results["seed"]
+    rows = [("seed checkpoint", "FAIL" if "error" in seed else "PASS", seed.get("error", "step-0 written"))]
+    title = "1 GPU vs CPU, fp32, same seed"
+    rows.append((title, *_compare(results["cpu_ref"], ref, FP32, (d["cpu_ref"], d["ref"], d["seed"]))) if cuda
+                else (title, "SKIP", "needs CUDA"))
+    for name, title, bounds in (("fsdp2", "FSDP 2 vs 1 device, fp32", FP32), ("tp2", "TP 2 vs 1 device, fp32", FP32),
+                                ("bf16", "FSDP 2 bf16 vs fp32 1 device", BF16),
+                                ("offload", "FSDP 2 + CPU offload (pinned on CUDA), fp32", FP32)):
+        rows.append((title, *_compare(results[name], ref, bounds, (d[name], d["ref"], d["seed"]))) if name in results
+                    else (title, "SKIP", need2))
+    rows.append((f"sharded init statistics ({'meta device' if cuda else 'CPU build'}, {ranks} rank(s))",
+                 *_init_row(results["init"])))
+    title = "async_with_pinned_mem save + resume" + ("" if cuda else " (unpinned on CPU)")
+    saved, resumed = results["async"], results["resume"]
+    if "error" in saved or "error" in resumed:
+        rows.append((title, "FAIL", saved.get("error") or resumed["error"]))
+    else:
+        exact = saved["history"][2:] == resumed["history"]
+        rows.append((title, "PASS" if exact else "FAIL",
+                     f"steps 3-4 after loading step-2 {'identical' if exact else 'differ'}: {resumed['history']}"))
+    if not cuda:
+        return rows + [(name, "SKIP", "needs CUDA") for name in
+                       ("memory snapshot written and loadable", "float8 (bf16) vs fp32 1 GPU", "async TP 2 + compile")]
+    snapshot = d["snapshot"] / "memory_snapshot" / "iteration_2" / "rank0_memory_snapshot.pickle"
+    rows.append(("memory snapshot written and loadable", *_snapshot_row(results["snapshot"], snapshot)))
+    rows.append(("float8 (bf16) vs fp32 1 GPU", *_compare(results["float8"], ref, LOSS_ONLY)))
+    rows.append(("async TP 2 + compile (bf16) vs fp32 1 GPU", *_compare(results["async_tp"], ref, LOSS_ONLY))
+                if "async_tp" in results else ("async TP 2 + compile", "SKIP", need2))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true", help="CPU plumbing check at tiny size (automatic without CUDA)")
@@ -119,82 +193,17 @@ def main(argv: list[str] | None = None) -> int:
 
     cuda = torch.cuda.is_available() and not args.dry_run
     gpus = torch.cuda.device_count() if cuda else 0
-    dry, ranks = not cuda, 2 if (not cuda or gpus >= 2) else 1
-    device = torch.cuda.get_device_name() if cuda else "cpu-dry-run"
+    ranks = 2 if (not cuda or gpus >= 2) else 1
     deadline = time.monotonic() + args.budget_s
     tmp = Path(tempfile.mkdtemp(prefix="tessera_gpu_check_"))
-    d = {name: tmp / name for name in ("seed", "ref", "cpu_ref", "fsdp2", "tp2", "bf16", "offload", "async", "resume",
-                                         "snapshot", "float8", "async_tp", "init")}
-    seed = ["--checkpoint.initial_load_path", str(d["seed"] / "checkpoint" / "step-0")]
-    save = ["--checkpoint.enable", "true", "--checkpoint.interval", str(STEPS)]
-    fsdp2 = ["--parallelism.data_parallel_shard_degree", "2"]
-    tp2 = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
-    layout = fsdp2 if ranks == 2 else []
-    a = lambda name, *extra, **kw: _argv(dry, d[name], *extra, **kw)  # noqa: E731
-    resume_base = ["--training.steps", "4", "--checkpoint.enable", "true", "--checkpoint.interval", "2"]
-    # Jobs: (name, kind, argv, ranks); each group launches once, in order (the seed comes first).
-    single = [("seed", "train", a("seed", "--checkpoint.create_seed_checkpoint", "true")),
-              ("ref", "train", a("ref", *seed, *save))]
-    if cuda:
-        single += [("snapshot", "train", a("snapshot", *seed, "--profiling.enable_memory_snapshot", "true",
-                                           "--profiling.profile_freq", "2")),
-                   ("float8", "train", a("float8", *seed, "--model.converters", "float8", fp32=False))]
-    layouts = [("init", "init_stats", a("init", *layout, dp=ranks)),
-               ("async", "train", a("async", *layout, *resume_base, "--checkpoint.async_mode", "async_with_pinned_mem",
-                                    "--checkpoint.last_save_model_only", "false", dp=ranks)),
-               ("resume", "train", a("resume", *layout, *resume_base, "--checkpoint.initial_load_model_only", "false",
-                                     "--checkpoint.initial_load_path", str(d["async"] / "checkpoint" / "step-2"), dp=ranks))]
-    if ranks == 2:
-        layouts += [("fsdp2", "train", a("fsdp2", *fsdp2, *seed, *save, dp=2)),
-                    ("tp2", "train", a("tp2", *tp2, *seed, *save)),
-                    ("bf16", "train", a("bf16", *fsdp2, *seed, *save, dp=2, fp32=False)),
-                    ("offload", "train", a("offload", *fsdp2, *seed, *save, "--training.enable_cpu_offload", "true", dp=2))]
-        if cuda:
-            layouts.append(("async_tp", "train", a("async_tp", *tp2, *seed, "--compile.enable", "true",
-                                                   "--parallelism.enable_async_tensor_parallel", "true", fp32=False)))
-    results, cpu_only = {}, {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    here = None if cuda else cpu_only  # a dry run stays on CPU even where a GPU is visible
-    groups = [(single, 1, here)]
-    if cuda:  # the single-GPU reference against the same run on CPU
-        groups.append(([("cpu_ref", "train", a("cpu_ref", *seed, *save))], 1, cpu_only))
-    groups.append((layouts, ranks, here))
-    for jobs, n, env in groups:
-        jobs = [dict(name=name, kind=kind, argv=job_argv) for name, kind, job_argv in jobs]
-        results.update(_launch(jobs, n, tmp, deadline - time.monotonic(), env))
-        print(f"gpu_check: launched {[j['name'] for j in jobs]} on {n} rank(s)", flush=True)
-
-    rows, need2 = [], "needs 2 GPUs (the trainer's FSDP and TP need 2 ranks)"
-    skip_cuda = lambda name, why="needs CUDA": rows.append((name, "SKIP", why))  # noqa: E731
-    ref, dumps = results["ref"], lambda name: (d[name], d["ref"], d["seed"])  # noqa: E731
-    rows.append(("seed checkpoint", "PASS" if "error" not in results["seed"] else "FAIL", results["seed"].get("error", str(d["seed"]))))
-    if cuda:
-        rows.append(("1 GPU vs CPU, fp32, same seed", *_compare(results["cpu_ref"], ref, FP32, (d["cpu_ref"], d["ref"], d["seed"]))))
-    else:
-        skip_cuda("1 GPU vs CPU, fp32, same seed")
-    for name, title, bounds in (("fsdp2", "FSDP 2 vs 1 device, fp32", FP32), ("tp2", "TP 2 vs 1 device, fp32", FP32),
-                                ("bf16", "FSDP 2 bf16 vs fp32 1 device", BF16),
-                                ("offload", "FSDP 2 + CPU offload (pinned on CUDA), fp32", FP32)):
-        rows.append((title, *_compare(results[name], ref, bounds, dumps(name))) if name in results else (title, "SKIP", need2))
-    rows.append((f"sharded init statistics ({'meta device' if cuda else 'CPU build'}, {ranks} rank(s))", *_init_row(results["init"])))
-    async_rows = results["async"], results["resume"]
-    if any("error" in r for r in async_rows):
-        rows.append(("async_with_pinned_mem save + resume", "FAIL", next(r["error"] for r in async_rows if "error" in r)))
-    else:
-        exact = async_rows[0]["history"][2:] == async_rows[1]["history"]
-        rows.append(("async_with_pinned_mem save + resume" + ("" if cuda else " (unpinned on CPU)"), "PASS" if exact else "FAIL",
-                     f"steps 3-4 after loading step-2 {'identical' if exact else 'differ'}: {async_rows[1]['history']}"))
-    if cuda:
-        snap = d["snapshot"] / "memory_snapshot" / "iteration_2" / "rank0_memory_snapshot.pickle"
-        rows.append(("memory snapshot written and loadable", *_snapshot_row(results["snapshot"], snap)))
-        rows.append(("float8 (bf16) vs fp32 1 GPU", *_compare(results["float8"], ref, LOSS_ONLY)))
-        if "async_tp" in results:
-            rows.append(("async TP 2 + compile (bf16) vs fp32 1 GPU", *_compare(results["async_tp"], ref, LOSS_ONLY)))
-        else:
-            rows.append(("async TP 2 + compile", "SKIP", need2))
-    else:
-        for name in ("memory snapshot written and loadable", "float8 (bf16) vs fp32 1 GPU", "async TP 2 + compile"):
-            skip_cuda(name)
-    return _report(rows, device, gpus, args.out, dry)
+    d = {name: tmp / name for name in RUNS}
+    results = {}
+    for jobs, n_ranks, env in _groups(d, cuda, ranks):
+        results.update(_launch(jobs, n_ranks, tmp, deadline - time.monotonic(), env))
+        print(f"gpu_check: ran {[job['name'] for job in jobs]} on {n_ranks} rank(s)", flush=True)
+    rows = _rows(results, d, cuda, ranks)
+    shutil.rmtree(tmp, ignore_errors=True)  # checkpoints of a dozen runs
+    return _report(rows, torch.cuda.get_device_name() if cuda else "cpu-dry-run", gpus, args.out, dry=not cuda)
 
 
 def _snapshot_row(result: dict, path: Path) -> tuple[str, str]:

@@ -13,3 +13,14 @@ def test_dry_run_checks_its_plumbing(tmp_path, capsys):
                        "float8 (bf16) vs fp32 1 GPU", "async TP 2 + compile"}
     assert set(rows.values()) == {"PASS", "SKIP"} and len(rows) == 11, rows
     assert "needs CUDA" in capsys.readouterr().out
+
+
+def test_every_gpu_job_is_a_valid_trainer_config(tmp_path):
+    """The CUDA-only runs cannot run here, but their arguments must parse (names, values)."""
+    from tessera.trainer.config import load_config
+
+    runs = {name: tmp_path / name for name in gpu_check.RUNS}
+    for gpus in (1, 2):
+        for jobs, _, _ in gpu_check._groups(runs, cuda=True, ranks=min(gpus, 2)):
+            for job in jobs:
+                load_config(job["argv"])

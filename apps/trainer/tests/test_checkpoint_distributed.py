@@ -28,7 +28,9 @@ TP2 = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel
 
 
 def _gathered(state_dict):
-    return {key: value.full_tensor() if isinstance(value, DTensor) else value for key, value in state_dict.items()}
+    """Full copies: the live tensors change as training goes on after the restore."""
+    full = {key: value.full_tensor() if isinstance(value, DTensor) else value for key, value in state_dict.items()}
+    return {key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in full.items()}
 
 
 def _train_and_capture(rank, world_size, runs):
@@ -39,7 +41,11 @@ def _train_and_capture(rank, world_size, runs):
 
     def restore_and_capture(self):
         step = restore(self)
-        captured.append({name: _gathered(self.states[name].state_dict()) for name in ("model", "optimizer")})
+        # An optimizer without state would take a zero-gradient step to build one (torch's
+        # get_optimizer_state_dict), changing the run it observes: only a loaded one is read.
+        loaded = [name for name in ("model", "optimizer")
+                  if name == "model" or any(o.state for o in self.states[name].optimizers)]
+        captured.append({name: _gathered(self.states[name].state_dict()) for name in loaded})
         return step
 
     Checkpointer.restore = restore_and_capture
@@ -57,11 +63,12 @@ def _train_and_capture(rank, world_size, runs):
     return results if rank == 0 else None
 
 
-def _resume(tmp, layout):
-    """The argv re-running the FSDP 4 job in a folder holding only its step-2 checkpoint: the
-    trainer resumes from there and trains steps 3 and 4."""
+def _resume(tmp, layout, dp):
+    """The argv re-running the FSDP 4 job (global batch 8) on `dp` data-parallel ranks in a folder
+    holding only its step-2 checkpoint: the trainer resumes from there and trains steps 3 and 4."""
     shutil.copytree(tmp / "fsdp4" / "checkpoint" / "step-2", tmp / layout / "checkpoint" / "step-2")
-    return [*BASE, "--training.steps", "4", "--job.dump_folder", str(tmp / layout), "--checkpoint.enable", "true"]
+    return [*BASE, "--training.steps", "4", "--training.local_batch_size", str(8 // dp),
+            "--job.dump_folder", str(tmp / layout), "--checkpoint.enable", "true"]
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +87,8 @@ def runs(tmp_path_factory):
     assert train(load_config([*seed_run, "--debug.seed", "7"])) == []
 
     two_ranks = {
-        "fsdp2": [*_resume(tmp, "fsdp2"), *FSDP2],
-        "tp2": [*_resume(tmp, "tp2"), *TP2],
+        "fsdp2": [*_resume(tmp, "fsdp2", 2), *FSDP2],
+        "tp2": [*_resume(tmp, "tp2", 1), *TP2],
         "fsdp2_from_hf": [*BASE, *FSDP2, "--job.dump_folder", str(tmp / "hf"), "--training.steps", "1",
                           "--checkpoint.initial_load_path", str(tmp / "fsdp4" / "checkpoint" / "step-4-hf"),
                           "--checkpoint.initial_load_in_hf", "true"],
@@ -99,7 +106,8 @@ def test_fsdp4_checkpoint_resumes_under_fsdp2_tp2_and_one_process(runs):
     saved = read_dcp(step_dir)
     assert saved["train_state"] == {"step": 2, "model": "llama3/debugmodel"}
     # One process takes the whole state from initial_load_path into an empty checkpoint folder.
-    single = _train_and_capture(0, 1, [[*BASE, "--training.steps", "4", "--job.dump_folder", str(tmp / "single"),
+    single = _train_and_capture(0, 1, [[*BASE, "--training.steps", "4", "--training.local_batch_size", "8",
+                                        "--job.dump_folder", str(tmp / "single"),
                                         "--checkpoint.enable", "true", "--checkpoint.initial_load_path", str(step_dir),
                                         "--checkpoint.initial_load_model_only", "false"]])[0]
     for layout, (history, state) in (("fsdp2", results["fsdp2"]), ("tp2", results["tp2"]), ("single", single)):

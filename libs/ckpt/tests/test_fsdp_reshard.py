@@ -1,5 +1,8 @@
-"""Save under FSDP on 4 ranks, load under FSDP on 2 ranks and in one process without a group."""
+"""Save under FSDP on 4 ranks, load under FSDP on 2 ranks and in one process without a group;
+each load then trains 2 steps like the uninterrupted 4-rank run (one global batch per step, split
+over the ranks): every weight within 1e-6 (fp32, only the reduction order differs)."""
 
+import copy
 import io
 
 import torch
@@ -60,9 +63,10 @@ def _states(model, optimizer, loader, rank):
 
 
 def _full(model, optimizer):
-    """Whole model and optimizer state on this rank (plain tensors): what is compared."""
+    """Whole model and optimizer state on this rank (plain tensors, copied: training goes on)."""
     options = StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True)
-    return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
+    return copy.deepcopy((get_model_state_dict(model, options=options),
+                          get_optimizer_state_dict(model, optimizer, options=options)))
 
 
 def _packed(*values):
@@ -77,6 +81,17 @@ def _unpacked(data):
     return torch.load(io.BytesIO(data), weights_only=True)
 
 
+def _continue(model, optimizer, rank, world_size):
+    """Steps 3 and 4 on a global batch of 8 rows per step, this rank's share of it (an own
+    generator: the global RNG's draws are compared). Returns the full weights after them."""
+    for step in (3, 4):
+        rows = torch.randn(8, 6, generator=torch.Generator().manual_seed(step)).chunk(world_size)[rank]
+        model(rows).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return _full(model, optimizer)[0]
+
+
 def _train_and_save(rank, world_size, folder):
     model, optimizer = _fsdp_toy(world_size, seed=0)
     for step in range(2):
@@ -88,7 +103,8 @@ def _train_and_save(rank, world_size, folder):
     manager.save(2)
     manager.close()
     weights, optim = _full(model, optimizer)
-    return _packed(weights, optim, torch.rand(4))
+    draw = torch.rand(4)
+    return _packed(weights, optim, draw, _continue(model, optimizer, rank, world_size))
 
 
 def _load(rank, world_size, folder):
@@ -97,7 +113,7 @@ def _load(rank, world_size, folder):
     step = CheckpointManager(folder, _states(model, optimizer, loader, rank), interval=1).load()
     draw = torch.rand(4)
     weights, optim = _full(model, optimizer)
-    return _packed(step, weights, optim, loader.position, draw)
+    return _packed(step, weights, optim, loader.position, draw, _continue(model, optimizer, rank, world_size))
 
 
 def _assert_same(expected, actual):
@@ -112,16 +128,17 @@ def _assert_same(expected, actual):
 def test_fsdp4_checkpoint_loads_under_fsdp2_and_single_process(tmp_path):
     folder = str(tmp_path / "ckpt")
     saved = [_unpacked(result) for result in run_on_ranks(_train_and_save, 4, folder)]
-    weights, optim, _ = saved[0]
+    weights, optim, _, uninterrupted = saved[0]
     assert optim["state.layers.1.0.weight.exp_avg"].abs().sum() > 0  # AdamW state exists
 
     for rank, result in enumerate(run_on_ranks(_load, 2, folder)):
-        step, loaded_weights, loaded_optim, position, draw = _unpacked(result)
+        step, loaded_weights, loaded_optim, position, draw, continued = _unpacked(result)
         assert step == 2
         _assert_same(weights, loaded_weights)
         _assert_same(optim, loaded_optim)
         assert position == 10 + rank  # this dp rank's data loader state
         assert torch.equal(draw, saved[rank][2])  # this rank's RNG continues where it was saved
+        torch.testing.assert_close(continued, uninterrupted, rtol=0, atol=1e-6)
 
     assert not dist.is_initialized()
     torch.manual_seed(1)
@@ -134,3 +151,4 @@ def test_fsdp4_checkpoint_loads_under_fsdp2_and_single_process(tmp_path):
     _assert_same(weights, loaded_weights)
     _assert_same(optim, loaded_optim)
     assert loader.position == 10
+    torch.testing.assert_close(_continue(model, optimizer, 0, 1), uninterrupted, rtol=0, atol=1e-6)

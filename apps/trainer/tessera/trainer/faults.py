@@ -19,8 +19,8 @@ from torch.distributed.tensor import DTensor
 
 
 class TrainingError(RuntimeError):
-    """The run cannot go on for a reason in its numbers (diverged, non-finite weights), not in
-    the code: the command line prints it as one line and exits 1."""
+    """The run cannot go on for a reason in its numbers or its peers (diverged, non-finite
+    weights, a stuck collective), not in the code: the command line prints one line, exit 1."""
 
 
 def weights_finite(params: Iterable[torch.Tensor], device: str) -> bool:

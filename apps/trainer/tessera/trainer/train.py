@@ -140,6 +140,15 @@ def _training_loader(plan: JobPlan, tokenizer, dp_rank: int, dp: int, peers):
     return Prefetcher(loader, depth, pin_memory=training.dataloader.pin_memory and plan.device == "cuda")
 
 
+def _user_batches(loader):
+    """The loader's batches; a fault of the data found only while reading it (a text shorter
+    than one sequence) is the user's input and reported as such."""
+    while True:
+        with user_input():
+            batch = next(loader)
+        yield batch
+
+
 def _optimizer(part: torch.nn.Module, config: JobConfig) -> torch.optim.Optimizer:
     opt = config.optimizer
     return torch.optim.AdamW(
@@ -228,6 +237,7 @@ def _train(plan: JobPlan, info) -> list[dict]:
         return {"step": step, "validation_loss": val_loss}
 
     history, skipped, step = [], 0, start_step
+    batches = _user_batches(loader)
     stop = StopSignals(config.job.stop_grace_seconds, device)
     gc.disable()  # collected every gc_freq steps instead, at the same point on every rank
     try:
@@ -236,7 +246,7 @@ def _train(plan: JobPlan, info) -> list[dict]:
             for step in range(start_step + 1, training.steps + 1):
                 if step % training.gc_freq == 0:
                     gc.collect(1)
-                result = train_step(loader)
+                result = train_step(batches)
                 if result.skipped:
                     skipped += 1
                     if skipped > training.max_skipped_steps:

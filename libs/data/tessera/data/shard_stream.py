@@ -27,6 +27,9 @@ STATE_KEYS = ("windows", "num_tokens")
 class ShardStream:
     def __init__(self, dataset: ShardDataset, window: int, infinite: bool, shuffle_seed: int | None,
                  shuffle_buffer: int):
+        if infinite and dataset.num_tokens < window:  # it would repeat within every sequence
+            raise ValueError(f"dataset {dataset.source} holds {dataset.num_tokens} tokens, fewer than one sequence "
+                             f"(seq_len + 1 = {window})")
         self._data = dataset
         self._window = window
         self._infinite = infinite

@@ -57,10 +57,15 @@ class TextStream:
         """The next window (returned only if `collect`); StopIteration at the end of finite data."""
         taken: list[int] = []
         n = self._window
+        epoch_in_window = self._doc_index == 0 and self._token_offset == 0  # an epoch began in this window
         while n > 0:
             if self._doc_index == len(self._dataset):
                 if not self._infinite:
                     raise StopIteration
+                if epoch_in_window and n < self._window:  # a whole epoch fit in one window: it would repeat in each
+                    name = getattr(self._dataset, "source", "dataset")
+                    raise ValueError(f"dataset {name} holds fewer tokens than one sequence (seq_len + 1 = {self._window})")
+                epoch_in_window = True
                 self._epoch += 1
                 self._doc_index = 0
                 self._block.clear()  # positions now name the new epoch's documents
