@@ -1,8 +1,9 @@
 """Checkpoints through the trainer on local gloo ranks: an FSDP 4 checkpoint (saved in the
 background) loads under FSDP 2, TP 2 and one process with every weight and optimizer value
 intact, and each resume then trains 2 more steps with the uninterrupted FSDP 4 run's losses and
-grad norms (fp32, 1e-5 relative: only the reduction order differs); its Hugging Face export loads
-under FSDP 2, and a seed checkpoint starts a 2-rank FSDP run from exactly its weights."""
+grad norms (fp32, 3e-7 relative: measured up to 1.2e-7, one rounding of a loss near 8; only the
+reduction order differs); its Hugging Face export loads under FSDP 2, and a seed checkpoint
+starts a 2-rank FSDP run from exactly its weights."""
 
 import shutil
 
@@ -115,8 +116,8 @@ def test_fsdp4_checkpoint_resumes_under_fsdp2_tp2_and_one_process(runs):
         assert_close(state["optimizer"], saved["optimizer"], rtol=0, atol=0, msg=lambda m: f"{layout} optimizer: {m}")
         assert [h["step"] for h in history] == [3, 4], layout
         for got, want in zip(history, uninterrupted[2:]):
-            assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), layout
-            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), layout
+            assert got["loss"] == pytest.approx(want["loss"], rel=3e-7), layout
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=3e-7), layout
 
 
 def test_hf_export_under_fsdp4_loads_back_under_fsdp2(runs):

@@ -1,6 +1,7 @@
 """Save under FSDP on 4 ranks, load under FSDP on 2 ranks and in one process without a group;
 each load then trains 2 steps like the uninterrupted 4-rank run (one global batch per step, split
-over the ranks): every weight within 1e-6 (fp32, only the reduction order differs)."""
+over the ranks): every weight within 1e-7 (fp32, only the reduction order differs; measured
+3e-8 under FSDP 2)."""
 
 import copy
 import io
@@ -138,7 +139,7 @@ def test_fsdp4_checkpoint_loads_under_fsdp2_and_single_process(tmp_path):
         _assert_same(optim, loaded_optim)
         assert position == 10 + rank  # this dp rank's data loader state
         assert torch.equal(draw, saved[rank][2])  # this rank's RNG continues where it was saved
-        torch.testing.assert_close(continued, uninterrupted, rtol=0, atol=1e-6)
+        torch.testing.assert_close(continued, uninterrupted, rtol=0, atol=1e-7)
 
     assert not dist.is_initialized()
     torch.manual_seed(1)
@@ -151,4 +152,4 @@ def test_fsdp4_checkpoint_loads_under_fsdp2_and_single_process(tmp_path):
     _assert_same(weights, loaded_weights)
     _assert_same(optim, loaded_optim)
     assert loader.position == 10
-    torch.testing.assert_close(_continue(model, optimizer, 0, 1), uninterrupted, rtol=0, atol=1e-6)
+    torch.testing.assert_close(_continue(model, optimizer, 0, 1), uninterrupted, rtol=0, atol=1e-7)
