@@ -1,10 +1,12 @@
 """The trainer under context parallel on local gloo ranks, against its single-process run on the
-same global batch: fp32 losses, grad norms and validation losses within 1e-5 relative. Several
-runs share one set of processes to keep the suite fast."""
+same global batch: fp32 losses, grad norms and validation losses within 1e-5 relative, parameters
+after the last step within 1e-5 absolute. Several runs share one set of processes to keep the
+suite fast."""
 
 import json
 
 import pytest
+from final_params import assert_params_close, final_params
 
 from tessera.mesh.testing import run_on_ranks
 from tessera.trainer.config import ConfigError, load_config
@@ -22,21 +24,34 @@ def _numbers(history):
     return [(h["loss"], h["grad_norm"]) if "loss" in h else h["validation_loss"] for h in history]
 
 
+def _run(argv):
+    """(numbers, parameters this rank holds after the last step)."""
+    with final_params() as params:
+        numbers = _numbers(train(load_config(argv)))
+    return numbers, params
+
+
 def _runs(rank, world_size, runs):
-    return {name: _numbers(train(load_config(argv))) for name, argv in runs.items()}
+    return {name: _run(argv) for name, argv in runs.items()}
 
 
 def _check(results_by_rank, reference):
-    for rank_results in results_by_rank:
-        for name, history in rank_results.items():
-            assert len(history) == len(reference), name
-            for got, want in zip(history, reference):
+    """Every rank reports the reference numbers; parameters joined over the ranks (pipeline
+    stages hold different ones) equal the reference's within 1e-5 absolute."""
+    ref_numbers, ref_params = reference
+    for name in results_by_rank[0]:
+        joined = {}
+        for rank_results in results_by_rank:
+            history, params = rank_results[name]
+            assert len(history) == len(ref_numbers), name
+            for got, want in zip(history, ref_numbers):
                 assert got == pytest.approx(want, rel=TOL), name
+            joined.update(params)
+        assert_params_close(joined, ref_params, 1e-5, name)
 
 
-def _reference(tmp_path, local_batch):
-    return _numbers(train(load_config([*BASE, "--training.local_batch_size", str(local_batch),
-                                       "--job.dump_folder", str(tmp_path / "single")])))
+def _reference(tmp_path, local_batch, *extra):
+    return _run([*BASE, *extra, "--training.local_batch_size", str(local_batch), "--job.dump_folder", str(tmp_path / "single")])
 
 
 def test_cp2_with_and_without_load_balancing_matches_one_process(tmp_path):
@@ -55,12 +70,10 @@ def test_block_causal_masks_under_cp2_and_tp2_match_one_process(tmp_path):
         for i in range(400)))
     block = ["--model.attn_mask_type", "block_causal", "--training.dataset_path", str(short_documents),
              "--validation.dataset_path", str(short_documents)]
-    reference = _numbers(train(load_config([*BASE, *block, "--training.local_batch_size", "2",
-                                            "--job.dump_folder", str(tmp_path / "single")])))
-    causal = _numbers(train(load_config([*BASE, *block[2:], "--training.local_batch_size", "2",
-                                         "--job.dump_folder", str(tmp_path / "causal")])))
+    reference = _reference(tmp_path, 2, *block)
+    causal = _reference(tmp_path / "causal", 2, *block[2:])[0]
     # the masks change the numbers by far more than the parity tolerance below
-    assert abs(reference[0][0] - causal[0][0]) > 10 * TOL * causal[0][0]
+    assert abs(reference[0][0][0] - causal[0][0]) > 10 * TOL * causal[0][0]
     runs = {
         "cp2": [*BASE, *block, *CP2, "--training.local_batch_size", "2", "--job.dump_folder", str(tmp_path / "cp2")],
         "tp2": [*BASE, *block, "--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",

@@ -8,11 +8,9 @@ import subprocess
 import sys
 
 import pytest
-
-from torch.distributed.tensor import DTensor
+from final_params import assert_params_close, final_params
 
 from tessera.mesh.testing import run_on_ranks
-from tessera.trainer.checkpointing import Checkpointer
 from tessera.trainer.config import load_config
 from tessera.trainer.train import train
 
@@ -22,20 +20,9 @@ BASE = ["--training.seq_len", "32", "--training.mixed_precision_param", "float32
 
 
 def _train_rank(rank, world_size, argv):
-    """Per logged step (loss, grad norm), and on rank 0 the full parameters after the last step,
-    gathered as the run closes its checkpointer (every rank does, so the gather can)."""
-    params, close = {}, Checkpointer.close
-
-    def gather_then_close(self):
-        for key, value in self.states["model"].state_dict().items():
-            params[key] = (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
-        close(self)
-
-    Checkpointer.close = gather_then_close
-    try:
+    """Per logged step (loss, grad norm), and on rank 0 the full parameters after the last step."""
+    with final_params() as params:
         history = [(h["loss"], h["grad_norm"]) for h in train(load_config(argv))]
-    finally:
-        Checkpointer.close = close
     return history, params if rank == 0 else None
 
 
@@ -66,10 +53,7 @@ def test_trainer_layout_matches_single_process(tmp_path, layout):
         for (loss, norm), (ref_loss, ref_norm) in zip(rank_history, reference):
             assert loss == pytest.approx(ref_loss, rel=1e-5)
             assert norm == pytest.approx(ref_norm, rel=1e-5)
-    params = per_rank[0][1]
-    assert params.keys() == reference_params.keys()
-    worst = max((params[key] - value).abs().max().item() for key, value in reference_params.items())
-    assert worst <= 1e-5, worst
+    assert_params_close(per_rank[0][1], reference_params, 1e-5, layout)
 
 
 def test_nproc_launch_runs_two_ranks(tmp_path):

@@ -1,6 +1,7 @@
 """The trainer under pipeline parallel on local gloo ranks, against its single-process run on the
 same global batch: fp32 losses, grad norms and validation losses within 1e-5 relative (fp32
-rounding: the stages sum the micro-batch losses in another order). Several runs share one set of
+rounding: the stages sum the micro-batch losses in another order), parameters after the last
+step within 1e-5 absolute. Several runs share one set of
 processes to keep the suite fast."""
 
 import re
@@ -9,6 +10,8 @@ import sys
 
 import pytest
 import torch
+
+from final_params import assert_params_close, final_params
 
 from tessera.ckpt import load_hf, read_dcp
 from tessera.mesh.testing import run_on_ranks
@@ -33,6 +36,28 @@ def _train_runs(rank, world_size, runs):
     return {name: _numbers(train(load_config(argv))) for name, argv in runs.items()}
 
 
+def _runs_with_params(rank, world_size, runs):
+    """Numbers per run and the parameters of the stages this rank holds after the last step."""
+    results = {}
+    for name, argv in runs.items():
+        with final_params() as params:
+            numbers = _numbers(train(load_config(argv)))
+        results[name] = (numbers, params)
+    return results
+
+
+def _check_runs(per_rank, reference, reference_params):
+    """Every rank reports the reference numbers; the stages' parameters, joined over the ranks,
+    equal the reference model's (1e-5 absolute, as test_distributed_train)."""
+    for name in per_rank[0]:
+        joined = {}
+        for rank_results in per_rank:
+            numbers, params = rank_results[name]
+            _assert_close(numbers, reference if "accumulation" not in name else reference[:-1], name)
+            joined.update(params)
+        assert_params_close(joined, reference_params, 1e-5, name)
+
+
 def _assert_close(history, reference, what):
     assert len(history) == len(reference), what
     for got, want in zip(history, reference):
@@ -40,9 +65,16 @@ def _assert_close(history, reference, what):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference_with_params(tmp_path_factory):
     dump = tmp_path_factory.mktemp("single")
-    return _numbers(train(load_config([*BASE, "--job.dump_folder", str(dump)])))
+    with final_params() as params:
+        numbers = _numbers(train(load_config([*BASE, "--job.dump_folder", str(dump)])))
+    return numbers, params
+
+
+@pytest.fixture(scope="module")
+def reference(reference_with_params):
+    return reference_with_params[0]
 
 
 SCHEDULES_AT_PP2 = {
@@ -58,17 +90,15 @@ SCHEDULES_AT_PP2 = {
 }
 
 
-def test_every_schedule_at_pp2_matches_one_process(tmp_path, reference):
+def test_every_schedule_at_pp2_matches_one_process(tmp_path, reference_with_params):
     runs = {}
     for name, extra in SCHEDULES_AT_PP2.items():
         runs[name] = [*BASE, *PP2, "--parallelism.pipeline_parallel_schedule", name.split()[0], *extra,
                       "--job.dump_folder", str(tmp_path / name.replace(" ", "_"))]
-    for rank_results in run_on_ranks(_train_runs, 2, runs):  # every rank reports the same numbers
-        for name, history in rank_results.items():
-            _assert_close(history, reference if "accumulation" not in name else reference[:-1], name)
+    _check_runs(run_on_ranks(_runs_with_params, 2, runs), *reference_with_params)
 
 
-def test_pp2_with_fsdp2_and_with_tp2_matches_one_process(tmp_path, reference):
+def test_pp2_with_fsdp2_and_with_tp2_matches_one_process(tmp_path, reference_with_params):
     # global batch 4 in both: dp 2 x 2 sequences, or dp 1 x 4 sequences split over tp
     runs = {
         f"pp2 fsdp2 {schedule}": [*BASE, "--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree",
@@ -80,17 +110,14 @@ def test_pp2_with_fsdp2_and_with_tp2_matches_one_process(tmp_path, reference):
     runs["pp2 tp2 Interleaved1F1B"] = [*BASE, *PP2, "--parallelism.tensor_parallel_degree", "2",
                                        "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
                                        "--job.dump_folder", str(tmp_path / "tp")]
-    for rank_results in run_on_ranks(_train_runs, 4, runs):
-        for name, history in rank_results.items():
-            _assert_close(history, reference, name)
+    _check_runs(run_on_ranks(_runs_with_params, 4, runs), *reference_with_params)
 
 
-def test_pp2_fsdp2_tp2_on_eight_ranks_matches_one_process(tmp_path, reference):
+def test_pp2_fsdp2_tp2_on_eight_ranks_matches_one_process(tmp_path, reference_with_params):
     argv = [*BASE, "--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
             "--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "2",
             "--job.dump_folder", str(tmp_path)]
-    for rank_results in run_on_ranks(_train_runs, 8, {"3d": argv}):
-        _assert_close(rank_results["3d"], reference, "pp2 x fsdp2 x tp2")
+    _check_runs(run_on_ranks(_runs_with_params, 8, {"pp2 x fsdp2 x tp2": argv}), *reference_with_params)
 
 
 CKPT = ["--checkpoint.enable", "true", "--checkpoint.interval", "2", "--validation.enable", "false"]

@@ -10,7 +10,7 @@ import functools
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts, noop_context_fn
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 AC_MODES = ("none", "full", "selective")
 
@@ -53,14 +53,16 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, option: str | in
         raise ValueError(f"activation checkpointing mode {mode!r} is not one of {AC_MODES}")
     if mode == "none":
         return
-    every_n, context_fn = 1, noop_context_fn
+    # A context_fn only for selective-op: torch.compile (2.13) fails on a checkpoint given any
+    # context_fn it cannot trace, the default noop one passed explicitly included.
+    every_n, contexts = 1, {}
     if mode == "selective" and option == "op":
-        context_fn = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
+        contexts = {"context_fn": functools.partial(create_selective_checkpoint_contexts, _save_matmuls)}
     elif mode == "selective":
         every_n = _every_n(option)
     for index, (name, block) in enumerate(model.layers.named_children()):
         if index % every_n == 0:
-            wrapped = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=context_fn)
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=False, **contexts)
             model.layers.register_module(name, wrapped)
 
 

@@ -1,0 +1,35 @@
+"""The trainer's parameters after its last step, captured for parity tests: as the run closes its
+checkpointer (every rank does, so the collective gathers can), each rank records the full
+tensors of the model state it holds; under pipeline parallel each rank holds other keys."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from tessera.trainer.checkpointing import Checkpointer
+
+
+@contextlib.contextmanager
+def final_params() -> Iterator[dict[str, torch.Tensor]]:
+    params, close = {}, Checkpointer.close
+
+    def gather_then_close(self):
+        for key, value in self.states["model"].state_dict().items():
+            params[key] = (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
+        close(self)
+
+    Checkpointer.close = gather_then_close
+    try:
+        yield params
+    finally:
+        Checkpointer.close = close
+
+
+def assert_params_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], atol: float, what: str) -> None:
+    assert got.keys() == want.keys(), what
+    worst = max((got[key] - value).abs().max().item() for key, value in want.items())
+    assert worst <= atol, f"{what}: parameters differ by up to {worst}"
