@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -172,13 +174,8 @@ class CheckpointManager:
         state_dict = self._model_export() if model_only else {name: state.state_dict() for name, state in self.states.items()}
         if self.async_mode == "disabled":
             try:
-                try:
+                with self._storage_errors_named():
                     save_state_dict(state_dict, tmp, self.process_group)
-                except Exception:
-                    error = self._storage_error()
-                    if error is None:
-                        raise
-                    raise error from None
                 self._finish_save(tmp, final, started)
             finally:  # a failure on rank 0 alone (publishing) must not leave the others waiting
                 self._barrier()
@@ -195,17 +192,24 @@ class CheckpointManager:
         self._pending = self._committer.submit(self._finish_async_save, upload, tmp, final, started)
 
     def _finish_async_save(self, upload: Future, tmp: Path, final: Path, started: float) -> None:
-        try:
+        with self._storage_errors_named():
             try:
                 upload.result()
             except CheckpointException as e:  # a BaseException: turn it into an ordinary error
                 raise_first_failure(e)
+        self._finish_save(tmp, final, started)
+
+    @contextlib.contextmanager
+    def _storage_errors_named(self) -> Iterator[None]:
+        """A failed write re-raised as the folder's own OS error when one explains it (a full
+        disk otherwise reads as the zip writer's "unexpected pos")."""
+        try:
+            yield
         except Exception:
             error = self._storage_error()
             if error is None:
                 raise
             raise error from None
-        self._finish_save(tmp, final, started)
 
     def _finish_save(self, tmp: Path, final: Path, started: float) -> None:
         """After DCP returns every rank's files and the metadata are written (it gathers all
