@@ -1,6 +1,6 @@
 import pytest
 
-from tessera.pp import check_split, even_split, stage_count, stage_ids
+from tessera.pp import check_split, check_stage_count, even_split, stage_count, stage_ids
 
 
 def test_even_split_weights_inputs_and_outputs_as_layers():
@@ -67,3 +67,11 @@ def test_explicit_split_is_checked(parts, message):
     with pytest.raises(ValueError, match=message):
         check_split(parts, 2)
     check_split([["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]], 2)
+
+
+def test_an_explicit_stage_count_is_checked_like_a_computed_one():
+    with pytest.raises(ValueError, match="the split names 3 stages, which does not divide by pipeline_parallel_degree 2"):
+        check_stage_count(3, 2, "1F1B", "the split names 3 stages")
+    with pytest.raises(ValueError, match="schedule ZBVZeroBubble runs exactly 2 stages per rank, this is 3"):
+        check_stage_count(6, 2, "ZBVZeroBubble", "the split names 6 stages")
+    check_stage_count(4, 2, "Interleaved1F1B", "the split names 4 stages")

@@ -206,16 +206,7 @@ def _pipeline(config: JobConfig, spec: ModelSpec, args, dims: ParallelDims) -> P
                                   last_stage_less_layers=par.pipeline_parallel_last_stage_less_layers, **names)
         else:
             pp.check_split(parts, n_layers, **names)
-            pp.stage_ids(0, dims.pp, len(parts), schedule)  # stages must divide over the pp ranks
-    per_rank = len(parts) // dims.pp
-    if pp.is_single_stage(schedule) and per_rank != 1:
-        raise ConfigError(f"parallelism.pipeline_parallel_schedule {schedule} runs one stage per rank; "
-                          f"{len(parts)} stages over {dims.pp} ranks is {per_rank}")
-    if not pp.is_single_stage(schedule) and per_rank < 2:
-        raise ConfigError(f"parallelism.pipeline_parallel_schedule {schedule} runs several stages per rank; "
-                          f"{len(parts)} stages over {dims.pp} ranks is {per_rank}")
-    if pp.is_v_shaped(schedule) and per_rank != 2:
-        raise ConfigError(f"parallelism.pipeline_parallel_schedule {schedule} runs exactly 2 stages per rank, not {per_rank}")
+            pp.check_stage_count(len(parts), dims.pp, schedule, f"the stage split names {len(parts)} stages")
     local, size = config.training.local_batch_size, par.pipeline_parallel_microbatch_size
     if local % size:
         raise ConfigError(f"parallelism.pipeline_parallel_microbatch_size {size} does not divide training.local_batch_size {local}")

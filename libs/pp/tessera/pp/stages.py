@@ -68,17 +68,23 @@ def stage_count(
     if layers_per_stage < 1:
         raise ValueError(f"pipeline_parallel_layers_per_stage {layers_per_stage} must be >= 1")
     stages = math.ceil((n_layers + first_stage_less_layers + last_stage_less_layers) / layers_per_stage)
-    what = f"pipeline_parallel_layers_per_stage {layers_per_stage} cuts {n_layers} layers into {stages} stages"
+    check_stage_count(stages, pp, schedule,
+                      f"pipeline_parallel_layers_per_stage {layers_per_stage} cuts {n_layers} layers into {stages} stages")
+    return stages
+
+
+def check_stage_count(stages: int, pp: int, schedule: str, what: str) -> None:
+    """The stages must divide over the pp ranks: one per rank for single-stage schedules, two or
+    more for looped ones, exactly two for V-shaped ones. `what` says where the count came from."""
     if stages % pp:
         raise ValueError(f"{what}, which does not divide by pipeline_parallel_degree {pp}")
     per_rank = stages // pp
-    if single and per_rank != 1:
+    if is_single_stage(schedule) and per_rank != 1:
         raise ValueError(f"{what}: schedule {schedule} runs one stage per rank, this is {per_rank} per rank")
-    if not single and per_rank < 2:
+    if not is_single_stage(schedule) and per_rank < 2:
         raise ValueError(f"{what}: schedule {schedule} runs several stages per rank, this is {per_rank}")
     if is_v_shaped(schedule) and per_rank != 2:
         raise ValueError(f"{what}: V-shaped schedule {schedule} runs exactly 2 stages per rank, this is {per_rank}")
-    return stages
 
 
 def even_split(
