@@ -8,3 +8,6 @@ def library_package_files():
         srcs = native.glob(["tessera/**"]) + ["pyproject.toml", "README.md"],
         visibility = ["//tests:__pkg__"],
     )
+
+    # the library's version, read by the trainer's --version
+    native.exports_files(["pyproject.toml"], visibility = ["//visibility:public"])

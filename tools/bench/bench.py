@@ -1,14 +1,21 @@
-"""Side-by-side CPU benchmark: Tessera's trainer against a bare PyTorch loop (the floor) on the
-same model, data and batch; Tessera under FSDP and TP on 2 local ranks; and one process with
-per-block compile, activation checkpointing (full, selective per-op) and float8 (torchao,
-emulated on CPU: a correctness path, slower than fp32 there).
+"""Side-by-side CPU benchmarks, every figure measured in this one run (see README.md):
 
-Each variant runs in its own process, so peak RSS is that variant's own. Prints tokens/s per
-rank, peak RSS per rank, and the ratios to the bare loop and to the plain trainer, all measured
-in this one run. Compile's warm-up step is left out of its rate (and printed).
+- variants (default): Tessera's trainer against a bare PyTorch loop (the floor) on the same
+  model, data and batch; Tessera under FSDP, TP and CP on 2 local ranks; one process with
+  per-block compile, activation checkpointing (full, selective per-op) and float8 (torchao,
+  emulated on CPU: a correctness path, slower than fp32 there). Each variant runs in its own
+  process (peak RSS is its own); `--repeats N` runs the list N times interleaved and reports
+  medians. Prints tokens/s per rank, peak RSS, the ratios to the bare loop and to the plain
+  trainer, and the framework's overhead over the bare loop. Compile's warm-up step is left out
+  of its rate (and printed).
+- `--peer`: Tessera against torchtitan 0.2.2 (peer.py), fp32 and bf16, 1 and 2 processes,
+  interleaved repeats, median tokens/s per rank and the ratio Tessera / torchtitan.
+- `--profile`: where one step goes (profile_split.py), Tessera's and (with the peer) torchtitan's.
 
-  bazel run //tools/bench -- [--steps 20] [--warmup 3] [--variants bare,tessera,fsdp2,...] [--section.key value ...]
+  bazel run //tools/bench -- [--steps 20] [--warmup 3] [--repeats 1] [--variants bare,tessera,...] [--section.key value ...]
   long sequences, cp 1 vs 2: --variants tessera,cp2 --training.seq_len 8192 --training.local_batch_size 1
+  bazel run //tools/bench -- --peer [--peer_root DIR] [--dtypes float32,bfloat16] [--nprocs 1,2] [--repeats 2] [--steps 30]
+  bazel run //tools/bench -- --profile [--peer_root DIR] [--dtypes float32,bfloat16]
 """
 
 from __future__ import annotations
@@ -17,9 +24,11 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 VARIANTS = {
     "bare": ("bare PyTorch loop", 1),
@@ -76,10 +85,11 @@ def measure_bare(overrides: list[str], steps: int, warmup: int) -> dict:
         load_dataset(dataset_source(t), text_field=t.dataset_text_field), tokenizer, t.seq_len, t.local_batch_size
     )
     o = config.optimizer
-    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
+                                  foreach=o.implementation == "foreach", fused=o.implementation == "fused")
     bf16 = t.mixed_precision_param == "bfloat16"
     rates = []
-    for _ in range(steps):
+    for step in range(1, steps + 1):
         start = time.perf_counter()
         inputs, labels = next(loader)
         with torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
@@ -88,7 +98,8 @@ def measure_bare(overrides: list[str], steps: int, warmup: int) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        loss.item()
+        if step % config.metrics.log_freq == 0:  # what the trainer reads at its log steps
+            loss.item()
         rates.append(t.local_batch_size * t.seq_len / (time.perf_counter() - start))
     return {"tps": _tokens_per_second(rates, warmup), "rss": _peak_rss_gib()}
 
@@ -116,23 +127,121 @@ def measure_tessera(overrides: list[str], steps: int, warmup: int, ranks: int) -
 def _child(variant: str, overrides: list[str], steps: int, warmup: int) -> dict:
     command = [sys.executable, __file__, "--measure", variant, "--steps", str(steps), "--warmup", str(warmup), *overrides]
     # a CPU benchmark: keep every variant (and the bare floor) off any visible GPU
-    proc = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    proc = subprocess.run(command, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"bench: variant {variant} failed:\n{proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _median(runs: list[dict]) -> dict:
+    """The run with the median rate (its RSS and warm-up come with it)."""
+    return sorted(runs, key=lambda r: r["tps"])[len(runs) // 2]
+
+
+def run_variants(known, overrides: list[str]) -> None:
+    variants = known.variants.split(",")
+    runs = {v: [] for v in variants}
+    for _ in range(known.repeats):  # interleaved: drift in the machine's load hits every variant alike
+        for v in variants:
+            runs[v].append(_child(v, overrides, known.steps, known.warmup))
+    results = {v: _median(r) for v, r in runs.items()}
+    floor, plain = results.get("bare"), results.get("tessera")
+    print(f"\n{'variant':34} {'ranks':>5} {'tokens/s/rank':>14} {'peak RSS/rank':>14} {'vs bare':>8} "
+          f"{'vs tessera':>10} {'RSS vs tessera':>15}")
+    for v, r in results.items():
+        name, ranks = VARIANTS[v]
+        vs_bare = f"{r['tps'] / floor['tps']:.2f}x" if floor else "-"
+        vs_plain = f"{r['tps'] / plain['tps']:.2f}x" if plain else "-"
+        rss = f"{r['rss'] / plain['rss']:.2f}x" if plain else "-"
+        print(f"{name:34} {ranks:>5} {r['tps']:>14,.1f} {r['rss']:>11.2f}GiB {vs_bare:>8} {vs_plain:>10} {rss:>15}")
+        if known.repeats > 1:
+            rates = ", ".join(f"{x['tps']:,.0f}" for x in runs[v])
+            print(f"{'':34}       runs: {rates}")
+        if r.get("warmup_s"):
+            print(f"{'':34}       compile warm-up (first step): {r['warmup_s']:.1f} s")
+    if floor and plain:
+        print(f"framework overhead vs the bare loop: {100 * (1 - plain['tps'] / floor['tps']):+.1f}% "
+              f"(medians of {known.repeats} interleaved runs)")
+    print(f"({known.steps} steps, first {known.warmup} untimed; overrides: {' '.join(overrides) or 'none'}; "
+          f"load average {os.getloadavg()[0]:.2f})")
+
+
+def _peer_or_exit(path: str | None, needed: bool):
+    from peer import SETUP_HINT, peer_root
+
+    root = peer_root(path)
+    if root is None and needed:
+        raise SystemExit(f"bench: {SETUP_HINT}")
+    if root is None:
+        print(f"bench: {SETUP_HINT}; Tessera only", flush=True)
+    return root
+
+
+def run_peer(known) -> None:
+    """Tessera vs torchtitan per (dtype, processes): A B, then B A, ... (drift hits both)."""
+    import tempfile
+
+    from peer import launch, parse
+
+    root = _peer_or_exit(known.peer_root, needed=True)
+    out = Path(tempfile.mkdtemp(prefix="bench-peer-"))
+    first = known.warmup + 1
+    print(f"{'dtype':9} {'procs':>5} {'torchtitan tok/s/rank':>22} {'tessera tok/s/rank':>19} {'ratio':>6}  runs (titan | tessera)")
+    for nproc in map(int, known.nprocs.split(",")):
+        for dtype in known.dtypes.split(","):
+            runs = {"torchtitan": [], "tessera": []}
+            for r in range(known.repeats):
+                for which in (("torchtitan", "tessera") if r % 2 == 0 else ("tessera", "torchtitan")):
+                    folder = out / f"{which}_{dtype}_np{nproc}_{r}"
+                    runs[which].append(parse(which, launch(which, root, dtype, nproc, known.steps, folder), first))
+            titan, tessera = (statistics.median(x["tps"] for x in runs[w]) for w in ("torchtitan", "tessera"))
+            cells = " | ".join(", ".join(f"{x['tps']:,.0f}" for x in runs[w]) for w in ("torchtitan", "tessera"))
+            print(f"{dtype:9} {nproc:>5} {titan:>22,.0f} {tessera:>19,.0f} {tessera / titan:>5.2f}x  {cells}  "
+                  f"(load {os.getloadavg()[0]:.2f})", flush=True)
+            if nproc == 1 and dtype == known.dtypes.split(",")[0]:
+                print(f"{'':16}parameters: torchtitan {runs['torchtitan'][0]['params']:,}, tessera "
+                      f"{runs['tessera'][0]['params']:,}", flush=True)
+    print(f"(median tokens/s per rank over steps {first}..{known.steps} of each run, median of {known.repeats} "
+          f"interleaved runs; logs in {out})")
+
+
+def run_profile(known, overrides: list[str]) -> None:
+    """One traced step per dtype: Tessera's split, and torchtitan's when the peer is there."""
+    import tempfile
+
+    from peer import launch, latest_trace, profiling_args
+    from profile_split import format_table, split
+
+    root = _peer_or_exit(known.peer_root, needed=False)
+    out = Path(tempfile.mkdtemp(prefix="bench-profile-"))
+    columns = {}
+    for dtype in known.dtypes.split(","):
+        for which in ("tessera", "torchtitan") if root else ("tessera",):
+            folder = out / f"{which}_{dtype}"
+            extra = [*profiling_args(which, known.steps), *(overrides if which == "tessera" else [])]
+            launch(which, root or Path(tempfile.mkdtemp()), dtype, 1, known.steps, folder, extra, regions=True)
+            columns[f"{which} {dtype}"] = split(latest_trace(folder / "dump"))
+    print(format_table(columns))
+    print(f"(step {known.steps} of each run, 1 process; load average {os.getloadavg()[0]:.2f}; traces in {out})")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3, help="first steps left out of the timing")
+    parser.add_argument("--repeats", type=int, default=1, help="interleaved runs of each variant (medians)")
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--peer", action="store_true", help="Tessera vs torchtitan 0.2.2 (needs PEER_ROOT)")
+    parser.add_argument("--profile", action="store_true", help="split one step by kind of work")
+    parser.add_argument("--peer_root", default=None, help="the torchtitan peer folder (default: $PEER_ROOT)")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--nprocs", default="1,2")
     parser.add_argument("--measure", choices=sorted(VARIANTS), help=argparse.SUPPRESS)
     known, overrides = parser.parse_known_args()
     if known.steps <= known.warmup:
         parser.error("--steps must exceed --warmup")
-    variants = known.variants.split(",")
-    unknown = [v for v in variants if v not in VARIANTS]
+    unknown = [v for v in known.variants.split(",") if v not in VARIANTS]
     if unknown:
         parser.error(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
 
@@ -144,20 +253,12 @@ def main() -> int:
             result = measure_tessera([*overrides, *layout], known.steps, known.warmup, VARIANTS[known.measure][1])
         print(json.dumps(result))
         return 0
-
-    results = {v: _child(v, overrides, known.steps, known.warmup) for v in variants}
-    floor, plain = results.get("bare"), results.get("tessera")
-    print(f"\n{'variant':34} {'ranks':>5} {'tokens/s/rank':>14} {'peak RSS/rank':>14} {'vs bare':>8} "
-          f"{'vs tessera':>10} {'RSS vs tessera':>15}")
-    for v, r in results.items():
-        name, ranks = VARIANTS[v]
-        vs_bare = f"{r['tps'] / floor['tps']:.2f}x" if floor else "-"
-        vs_plain = f"{r['tps'] / plain['tps']:.2f}x" if plain else "-"
-        rss = f"{r['rss'] / plain['rss']:.2f}x" if plain else "-"
-        print(f"{name:34} {ranks:>5} {r['tps']:>14,.1f} {r['rss']:>11.2f}GiB {vs_bare:>8} {vs_plain:>10} {rss:>15}")
-        if r.get("warmup_s"):
-            print(f"{'':34}       compile warm-up (first step): {r['warmup_s']:.1f} s")
-    print(f"({known.steps} steps, first {known.warmup} untimed; overrides: {' '.join(overrides) or 'none'})")
+    if known.peer:
+        run_peer(known)
+    elif known.profile:
+        run_profile(known, overrides)
+    else:
+        run_variants(known, overrides)
     return 0
 
 

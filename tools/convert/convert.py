@@ -1,19 +1,26 @@
 """convert: move checkpoints between DCP, Hugging Face safetensors and torch.save files.
 
-  convert dcp-to-hf --model llama3 --flavor debugmodel <dcp_dir> <out_dir>
-  convert hf-to-dcp --model llama3 --flavor debugmodel <hf_dir> <out_dcp_dir>
+  convert dcp-to-hf [--flavor 8B | --hf_config <folder or config.json>] <dcp_dir> <out_dir>
+  convert hf-to-dcp [--flavor 8B | --hf_config <folder or config.json>] <hf_dir> <out_dcp_dir>
   convert dcp-to-torch <dcp_dir> <out.pt>
 
-<dcp_dir> is one checkpoint, e.g. <checkpoint folder>/step-1000. The model weights live under
-the state name given by --state ("model", as the trainer saves them). Nothing is unpickled
-beyond what torch.load(weights_only=True) allows. An existing output is replaced only with
---force, and outputs appear whole (written under a hidden name, then renamed). Bad input: one
-line on stderr, exit 2.
+<dcp_dir> is one checkpoint, e.g. <checkpoint folder>/step-1000. The model's shape comes from,
+in order: the checkpoint's own record (model_args.json, which the trainer and hf-to-dcp write
+beside the weights: vocabulary and context length as trained), --hf_config (a Hugging Face
+config.json), --flavor of --model (default llama3); hf-to-dcp without either reads <hf_dir>'s
+config.json, and with --flavor checks that config.json against the flavor. dcp-to-hf writes
+config.json beside the safetensors, so transformers' from_pretrained opens the folder.
+
+The model weights live under the state name given by --state ("model", as the trainer saves
+them). Nothing is unpickled beyond what torch.load(weights_only=True) allows. An existing output
+is replaced only with --force, and outputs appear whole (written under a hidden name, then
+renamed). Bad input: one line on stderr, exit 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -23,16 +30,73 @@ from pathlib import Path
 import torch
 
 from tessera.ckpt import check_state_dict, dcp_to_torch_save, load_hf, read_dcp, save_hf, write_dcp
-from tessera.models import get_model_spec
+from tessera.models import ARGS_FILE, CONFIG_FILE, args_record, get_model_spec, read_args_record, read_hf_config
+from tessera.models.hf_config import config_file
+
+DEFAULT_MODEL = "llama3"
+_TOKEN_IDS = ("bos_token_id", "eos_token_id")
 
 
-def _spec_and_args(model: str, flavor: str):
-    spec = get_model_spec(model)
+def _hf_spec(name: str):
+    spec = get_model_spec(name)
+    if spec.hf_adapter is None or spec.hf_config is None:
+        raise ValueError(f"model {name} has no Hugging Face adapter")
+    return spec
+
+
+def _flavor(spec, flavor: str):
     if flavor not in spec.flavors:
-        raise ValueError(f"unknown flavor {flavor!r} of {model}; known: {sorted(spec.flavors)}")
-    if spec.hf_adapter is None:
-        raise ValueError(f"model {model} has no Hugging Face adapter")
-    return spec, spec.flavors[flavor]
+        raise ValueError(f"unknown flavor {flavor!r} of {spec.name}; known: {sorted(spec.flavors)}")
+    return spec.flavors[flavor]
+
+
+def _from_hf_config(spec, path: str | Path) -> tuple[object, dict, str]:
+    """(args, token ids, description) from a Hugging Face config.json (or the folder holding it)."""
+    file = config_file(path)
+    config = read_hf_config(file)
+    ids = {key: config[key] for key in _TOKEN_IDS if config.get(key) is not None}
+    return spec.hf_config.args_from_config(config, str(file)), ids, f"the model of {file}"
+
+
+def _from_flags(args: argparse.Namespace, beside: Path | None = None) -> tuple[object, object, dict, str]:
+    """(spec, model args, token ids, description) from --hf_config, else --flavor, else the
+    config.json ``beside`` the source (hf-to-dcp), which --flavor must agree with."""
+    spec = _hf_spec(args.model or DEFAULT_MODEL)
+    if args.hf_config:
+        return spec, *_from_hf_config(spec, args.hf_config)
+    if args.flavor:
+        model_args, what = _flavor(spec, args.flavor), f"{spec.name}/{args.flavor}"
+        if beside is not None and beside.is_file():
+            spec.hf_config.check_config(model_args, read_hf_config(beside), str(beside), what)
+        return spec, model_args, {}, what
+    if beside is not None and beside.is_file():
+        return spec, *_from_hf_config(spec, beside)
+    missing = beside.name if beside is not None else ARGS_FILE
+    raise ValueError(f"{args.src} has no {missing}: pass --flavor (and --model) or --hf_config")
+
+
+def _from_record(args: argparse.Namespace) -> tuple[object, object, dict, str] | None:
+    """(spec, model args, token ids, description) from the DCP checkpoint's model_args.json,
+    which flags, when given, must agree with."""
+    found = read_args_record(args.src)
+    if found is None:
+        return None
+    spec, model_args, record = found
+    source = Path(args.src) / ARGS_FILE
+    for flag, value in (("--model", spec.name), ("--flavor", record.get("flavor"))):
+        given = getattr(args, flag[2:])
+        if given and value is not None and given != value:
+            raise ValueError(f"{flag} {given} disagrees with {source}, which says {value}")
+    if args.hf_config:
+        raise ValueError(f"--hf_config: {source} already gives the model's shape")
+    ids = {key: record[key] for key in _TOKEN_IDS if record.get(key) is not None}
+    return _hf_spec(spec.name), model_args, ids, f"the model of {source}"
+
+
+def _floating_dtype(state_dict: dict) -> str:
+    """The name (as config.json's torch_dtype) of the weights' floating dtype."""
+    dtype = next((v.dtype for v in state_dict.values() if v.is_floating_point()), torch.float32)
+    return str(dtype).removeprefix("torch.")
 
 
 def _check_against_model(state_dict: dict, spec, args, source: str, what: str) -> None:
@@ -79,17 +143,20 @@ def _write_output(dst: str, force: bool, is_file: bool, write: Callable[[Path], 
 # Each command writes its output to `out` (a hidden name that _write_output publishes as args.dst).
 
 def dcp_to_hf(args: argparse.Namespace, out: Path) -> None:
-    spec, model_args = _spec_and_args(args.model, args.flavor)
+    spec, model_args, ids, what = _from_record(args) or _from_flags(args)
     state_dict = read_dcp(args.src, only=args.state)
-    _check_against_model(state_dict, spec, model_args, f"DCP checkpoint {args.src}", f"{args.model}/{args.flavor}")
+    _check_against_model(state_dict, spec, model_args, f"DCP checkpoint {args.src}", what)
     save_hf(spec.hf_adapter.to_hf(state_dict, model_args), out, max_shard_bytes=args.max_shard_bytes)
+    hf_config = spec.hf_config.config_from_args(model_args, dtype=_floating_dtype(state_dict), **ids)
+    (out / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
 
 
 def hf_to_dcp(args: argparse.Namespace, out: Path) -> None:
-    spec, model_args = _spec_and_args(args.model, args.flavor)
+    spec, model_args, ids, what = _from_flags(args, beside=Path(args.src) / CONFIG_FILE)
     state_dict = spec.hf_adapter.from_hf(load_hf(args.src), model_args)
-    _check_against_model(state_dict, spec, model_args, f"Hugging Face checkpoint {args.src}", f"{args.model}/{args.flavor}")
+    _check_against_model(state_dict, spec, model_args, f"Hugging Face checkpoint {args.src}", what)
     write_dcp({args.state: state_dict}, out)
+    (out / ARGS_FILE).write_bytes(args_record(spec, model_args, **({"flavor": args.flavor} if args.flavor else {}), **ids))
 
 
 def dcp_to_torch(args: argparse.Namespace, out: Path) -> None:
@@ -104,8 +171,9 @@ def _parser() -> argparse.ArgumentParser:
         ("hf-to-dcp", hf_to_dcp, "Hugging Face checkpoint folder", "output DCP checkpoint folder"),
     ):
         command = commands.add_parser(name)
-        command.add_argument("--model", required=True, help="registered model spec, e.g. llama3")
-        command.add_argument("--flavor", required=True, help="flavor of the model, e.g. debugmodel")
+        command.add_argument("--model", help=f"registered model spec (default {DEFAULT_MODEL})")
+        command.add_argument("--flavor", help="flavor of the model, e.g. 8B")
+        command.add_argument("--hf_config", help="a Hugging Face config.json, or the folder holding it: the model's shape")
         command.add_argument("--state", default="model", help="state name of the weights in the DCP checkpoint")
         command.add_argument("src", help=src)
         command.add_argument("dst", help=dst)

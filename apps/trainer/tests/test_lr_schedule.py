@@ -11,23 +11,44 @@ def factors(total, **kw):
     return [lr_factor(s, total_steps=total, **kw) for s in range(1, total + 1)]
 
 
-def test_warmup_then_linear_decay_to_zero():
-    assert factors(6) == pytest.approx([1 / 3, 2 / 3, 0.75, 0.5, 0.25, 0.0])
+def test_warmup_then_linear_decay_towards_zero():
+    # torchtitan 0.2's curve: warm-up s / 2; 4 decay steps aimed at a virtual step 7, so step 6
+    # keeps a quarter of the lr
+    assert factors(6) == pytest.approx([1 / 2, 1.0, 1.0, 0.75, 0.5, 0.25])
+
+
+def test_decay_ratio_is_a_fraction_of_all_steps():
+    # torchtitan's debug config over 100 steps: warm-up 2, decay_ratio 0.8 -> the last 80 steps
+    # decay (from step 22 on), not 0.8 of the 98 after warm-up
+    f = factors(100, decay_ratio=0.8)
+    assert f[1:21] == [1.0] * 20
+    assert f[21] == pytest.approx(1 - 1 / 80)
+    assert f[99] == pytest.approx(1 / 80)
 
 
 def test_wsd_keeps_a_plateau_before_decay():
-    # 2 warmup, 8 after; decay_ratio 0.25 -> 2 decay steps at the end, 6 stable ones
-    f = factors(10, decay_ratio=0.25, min_lr_factor=0.1)
-    assert f[2:8] == [1.0] * 6
-    assert f[8:] == pytest.approx([0.1 + 0.9 * 0.5, 0.1])
+    # 10 steps, 2 warm-up, decay_ratio 0.2 -> 2 decay steps (10 and the virtual 11), 7 stable ones
+    f = factors(10, decay_ratio=0.2, min_lr_factor=0.1)
+    assert f[2:9] == [1.0] * 7
+    assert f[9:] == pytest.approx([0.1 + 0.9 * 0.5])
+
+
+def test_schedule_shorter_than_training_stays_at_the_floor():
+    f = [lr_factor(s, total_steps=4, warmup_steps=2, decay_ratio=None, decay_type="linear", min_lr_factor=0.1)
+         for s in range(1, 8)]
+    assert f == pytest.approx([0.5, 1.0, 1.0, 0.55, 0.1, 0.1, 0.1])
+
+
+def test_warmup_longer_than_the_schedule_is_cut():
+    assert factors(3, warmup_steps=5) == pytest.approx([1 / 3, 2 / 3, 1.0])
 
 
 @pytest.mark.parametrize("decay_type, midpoint", [("cosine", 0.5), ("sqrt", 1 - math.sqrt(0.5)), ("linear", 0.5)])
 def test_decay_shapes(decay_type, midpoint):
     f = factors(6, warmup_steps=0, decay_type=decay_type)
-    # 6 decay steps: step 3 is halfway
-    assert f[2] == pytest.approx(midpoint)
-    assert f[-1] == pytest.approx(0.0)
+    # 6 decay steps aimed at step 7 (progress (s - 1) / 6): step 4 is halfway
+    assert f[0] == 1.0
+    assert f[3] == pytest.approx(midpoint)
 
 
 def test_scheduler_drives_optimizer_lr():

@@ -5,8 +5,9 @@ import json
 import pytest
 import torch
 from safetensors.torch import save_file
+from torch import nn
 
-from tessera.ckpt import load_hf, save_hf
+from tessera.ckpt import export_hf, load_hf, save_hf
 
 
 def _state_dict():
@@ -65,3 +66,19 @@ def test_errors(tmp_path):
         load_hf(tmp_path / "bad")
     with pytest.raises(ValueError, match="'x' is a int, not a tensor"):
         save_hf({"x": 3}, tmp_path / "bad2")
+
+
+def test_export_puts_extra_files_beside_the_weights(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2, bias=False)
+    tokenizer = tmp_path / "tokenizer.json"
+    tokenizer.write_text('{"model": {}}')
+    files = {"config.json": b'{"model_type": "llama"}', "tokenizer.json": tokenizer}
+    assert export_hf(model, tmp_path / "hf", lambda sd: {f"x.{k}": v for k, v in sd.items()}, extra_files=files)
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert (tmp_path / "hf" / "config.json").read_bytes() == b'{"model_type": "llama"}'
+    assert (tmp_path / "hf" / "tokenizer.json").read_text() == '{"model": {}}'
+    assert torch.equal(load_hf(tmp_path / "hf")["x.weight"], model.weight)
+    with pytest.raises(ValueError, match="extra checkpoint file name 'a/config.json' must be a plain file name"):
+        export_hf(model, tmp_path / "hf2", lambda sd: sd, extra_files={"a/config.json": b""})
+    assert not (tmp_path / "hf2").exists()

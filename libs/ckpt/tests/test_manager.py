@@ -146,6 +146,32 @@ def test_model_only_export_in_bfloat16(tmp_path):
     assert loader.value == 1
 
 
+@pytest.mark.parametrize("async_mode", ["disabled", "async"])
+def test_extra_files_go_into_every_checkpoint_folder(tmp_path, async_mode):
+    model, optimizer = _trained()
+    source = tmp_path / "tokenizer.model"
+    source.write_bytes(b"\x00ranks\n")
+    files = {"model_args.json": b'{"dim": 6}\n', "tokenizer.model": source}
+    manager = _manager(tmp_path / "ckpt", model, optimizer, last_save_model_only=True, async_mode=async_mode,
+                       extra_files=files)
+    manager.maybe_save(1)
+    manager.save(2, model_only=True)
+    manager.maybe_save(3, last_step=True)
+    manager.close()
+    for name in ("step-1", "step-2", "step-3", "step-3-model"):
+        folder = tmp_path / "ckpt" / name
+        assert (folder / "model_args.json").read_bytes() == b'{"dim": 6}\n', name
+        assert (folder / "tokenizer.model").read_bytes() == b"\x00ranks\n", name
+    fresh_model, fresh_opt = _trained(seed=1)
+    assert _manager(tmp_path / "ckpt", fresh_model, fresh_opt).load() == 3  # DCP ignores the extra files
+    assert torch.equal(fresh_model.head.weight, model.head.weight)
+    for bad in (".metadata", "sub/file", ""):
+        with pytest.raises(ValueError, match=f"extra checkpoint file name {bad!r} must be a plain file name"):
+            _manager(tmp_path, model, optimizer, extra_files={bad: b""})
+    with pytest.raises(ValueError, match="extra checkpoint file 'x': str is neither bytes nor a path"):
+        _manager(tmp_path, model, optimizer, extra_files={"x": "text"})
+
+
 def test_pipeline_parts_merge_and_reshard_into_one_module(tmp_path):
     model, _ = _trained()
     stage0, stage1 = Toy(), Toy()

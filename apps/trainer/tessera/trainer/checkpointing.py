@@ -1,9 +1,10 @@
 """The run's checkpoints ([checkpoint] keys) over tessera.ckpt: what a checkpoint holds,
 resuming, initial weights from a DCP or Hugging Face folder, seed checkpoints and the final
-Hugging Face export."""
+Hugging Face export (with config.json and the tokenizer's files, see hf_assets)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -15,6 +16,8 @@ from tessera.ckpt import (
 )
 from tessera.trainer.config import JobConfig
 from tessera.trainer.faults import TrainingError, weights_finite
+from tessera.trainer.hf_assets import export_files, initial_load_folder
+from tessera.trainer.plan import tokenizer_source
 
 
 class TrainState:
@@ -43,11 +46,14 @@ class Checkpointer:
     """
 
     def __init__(self, config: JobConfig, spec, args, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
-                 scheduler, dataloader, rank: int, pp_group=None) -> None:
+                 scheduler, dataloader, rank: int, pp_group=None, tokenizer=None) -> None:
         """parts: the model, or this rank's pipeline stages (one optimizer each); pp_group: the
-        pipeline's process group, which a Hugging Face export gathers the stages over."""
+        pipeline's process group, which a Hugging Face export gathers the stages over; tokenizer:
+        the run's, whose bos/eos ids an export's config.json states."""
         self.config = config.checkpoint
         self.spec, self.args, self.parts, self.rank, self.pp_group = spec, args, parts, rank, pp_group
+        self.initial = initial_load_folder(config)
+        dcp_files, self.hf_files = export_files(config, spec, args, tokenizer, tokenizer_source(config))
         self.folder = Path(config.job.dump_folder) / self.config.folder
         self.train_state = TrainState(f"{config.model.name}/{config.model.flavor}")
         # train_state first: loading applies states in this order, so a wrong model fails first
@@ -67,6 +73,7 @@ class Checkpointer:
                 self.folder, self.states, interval=self.config.interval, async_mode=self.config.async_mode,
                 keep_latest_k=self.config.keep_latest_k, exclude_from_loading=self.config.exclude_from_loading,
                 last_save_model_only=self.config.last_save_model_only, export_dtype=self.config.export_dtype,
+                extra_files=dcp_files,
             )
             self.manager.check_writable()
 
@@ -76,7 +83,8 @@ class Checkpointer:
 
     def restore(self) -> int:
         """Loads checkpoint.load_step (-1: the newest) from the run's folder or, when that has
-        none, checkpoint.initial_load_path. Returns the number of steps already trained."""
+        none, checkpoint.initial_load_path (for initial_load_in_hf without one: model.hf_assets_path).
+        Returns the number of steps already trained."""
         if self.config.enable and self.config.load_step == -1:
             full, passed = self.manager.resume_step()
             if passed:
@@ -85,13 +93,13 @@ class Checkpointer:
         loaded = self.manager.load(self.config.load_step) if self.config.enable else None
         if loaded is not None:
             self._say(f"loaded {self.folder / f'step-{loaded}'}; training continues after step {self.train_state.step}")
-        elif self.config.initial_load_path:
-            self._load_initial(Path(self.config.initial_load_path))
+        elif self.initial is not None:
+            self._load_initial(*self.initial)
         return self.train_state.step
 
-    def _load_initial(self, path: Path) -> None:
+    def _load_initial(self, key: str, path: Path) -> None:
         if not path.is_dir():
-            raise FileNotFoundError(f"checkpoint.initial_load_path {path} does not exist or is not a folder")
+            raise FileNotFoundError(f"{key} {path} does not exist or is not a folder")
         if self.config.initial_load_in_hf:
             # tensor by tensor into the (possibly sharded) model: no rank holds the whole model;
             # a pipeline stage reads only its own tensors, checked against the whole model's names
@@ -121,20 +129,34 @@ class Checkpointer:
         self._say(f"seed checkpoint written to {seed}")
 
     def after_step(self, step: int, last_step: bool) -> None:
+        """Saves when due (every interval, the last step, step 1 with enable_first_step_checkpoint);
+        never with load_only."""
         self.train_state.step = step
-        if self.manager is None:
+        if self.manager is None or self.config.load_only:
             return
-        if self.manager.due(step, last_step):
+        first = step == 1 and self.config.enable_first_step_checkpoint and not self.manager.due(step, last_step)
+        if first or self.manager.due(step, last_step):
             self._check_finite(step)
-        self.manager.maybe_save(step, last_step=last_step)
+            started = time.perf_counter()
+            self.manager.save(step)
+            self._say_saved(step, time.perf_counter() - started)
+        if last_step and self.config.last_save_model_only:
+            self.manager.export_model(step)
         if last_step and self.config.last_save_in_hf:
             self._export_hf(step)
+
+    def _say_saved(self, step: int, blocking_s: float) -> None:
+        where = self.folder / f"step-{step}"
+        if self.config.async_mode == "disabled":
+            self._say(f"saved {where} in {blocking_s:.2f} s")
+        else:
+            self._say(f"step {step} staged in {blocking_s:.2f} s (training blocked that long); {where} is written in the background")
 
     def save_now(self, step: int) -> bool:
         """A full checkpoint of ``step`` outside the interval (a stop signal); False when
         checkpointing is off."""
         self.train_state.step = step
-        if self.manager is None or not self.config.enable:
+        if self.manager is None or not self.config.enable or self.config.load_only:
             return False
         self._check_finite(step)
         self.manager.save(step)
@@ -149,11 +171,12 @@ class Checkpointer:
 
     def _export_hf(self, step: int) -> None:
         """The model as Hugging Face safetensors in ``step-<N>-hf``, cast to export_dtype, one
-        tensor gathered at a time; written under a ``.step-*`` tmp name (removed by the next
-        save if this one crashes)."""
+        tensor gathered at a time, with config.json and the tokenizer's files beside; written
+        under a ``.step-*`` tmp name (removed by the next save if this one crashes)."""
         final = self.folder / f"step-{step}-hf"
         exported = export_hf(self.parts, final, lambda state_dict: self.spec.hf_adapter.to_hf(state_dict, self.args),
-                             dtype=EXPORT_DTYPES[self.config.export_dtype], pp_group=self.pp_group)
+                             dtype=EXPORT_DTYPES[self.config.export_dtype], pp_group=self.pp_group,
+                             extra_files=self.hf_files)
         self._say(f"Hugging Face export written to {final}" if exported else f"{final} already exists; not exporting again")
 
     def close(self) -> None:

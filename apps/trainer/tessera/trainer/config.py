@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import importlib
 import math
 import os
 import sys
@@ -21,7 +22,9 @@ from tessera.data import parse_mixture
 from tessera.fsdp import MIXED_PRECISION_DTYPES, RESHARD_POLICIES
 from tessera.models import AC_MODES
 from tessera.trainer import float8_converter  # registers the float8 and MX converters
+from tessera.trainer.config_keys import REFUSED
 from tessera.trainer.converters import registered_converters
+from tessera.trainer.faults import FAULT_KINDS
 from tessera.trainer.lr_schedule import DECAY_TYPES
 
 
@@ -48,7 +51,10 @@ class Job:
     config_file: str = ""
     dump_folder: str = "./outputs"
     description: str = "Tessera training job"
-    print_args: bool = False
+    print_config: bool = False
+    print_args: bool = False  # torchtitan 0.1's name of print_config
+    save_config_file: str | None = None  # under dump_folder: the merged config as JSON
+    custom_config_module: str = ""
     # After SIGTERM/SIGUSR1 the ranks finish the step and save; past this many seconds they exit anyway.
     stop_grace_seconds: int = 120
 
@@ -57,8 +63,10 @@ class Job:
 class Model:
     name: str = "llama3"
     flavor: str = "debugmodel"
-    tokenizer_path: str = ""  # "" = the offline default BPE shipped with tessera.data
+    tokenizer_path: str = ""  # "" = model.hf_assets_path's tokenizer, else the offline default BPE of tessera.data
+    hf_assets_path: str = ""  # a Hugging Face model folder: tokenizer.json (+ tokenizer_config.json), config.json, weights
     converters: list[str] = dataclasses.field(default_factory=list)
+    print_after_conversion: bool = False
     attn_mask_type: str = "causal"  # "block_causal": attention stays within each packed document
 
 
@@ -71,12 +79,14 @@ class Optimizer:
     eps: float = 1e-8
     weight_decay: float = 0.1
     implementation: str = "foreach"  # foreach | fused | for-loop
+    early_step_in_backward: bool = False
 
 
 @dataclasses.dataclass
 class LRScheduler:
     warmup_steps: int = 10
-    decay_ratio: float | None = None  # None: decay over every step after warmup
+    total_steps: int | None = None  # the schedule's length; None: training.steps
+    decay_ratio: float | None = None  # the last this fraction of all steps decays; None: every step after warmup
     decay_type: str = "linear"  # linear | sqrt | cosine
     min_lr_factor: float = 0.0
 
@@ -90,6 +100,7 @@ class DataLoader:
     num_workers: int = 1  # torchtitan defaults to 0; prefetching keeps the step from waiting
     prefetch_factor: int | None = None  # None: 2 when num_workers > 0
     pin_memory: bool = False
+    persistent_workers: bool = False  # the thread lives for the whole run either way
 
 
 @dataclasses.dataclass
@@ -113,8 +124,10 @@ class Training:
     # emulated, measured 20x slower here. GPU configs set "bfloat16".
     mixed_precision_param: str = "float32"
     mixed_precision_reduce: str = "float32"
+    dtype: str = "float32"  # the parameters' own dtype: "bfloat16" keeps weights, grads and optimizer state in bf16
     enable_cpu_offload: bool = False
     gc_freq: int = 50
+    gc_debug: bool = False  # collect every step, reporting what the collector found
     # Optimizer steps skipped for a non-finite gradient norm before the run stops (exit 1).
     max_skipped_steps: int = 3
 
@@ -138,6 +151,10 @@ class Parallelism:
     pipeline_parallel_first_stage_less_layers: int = 1  # the embedding weighs as this many blocks
     pipeline_parallel_last_stage_less_layers: int = 1  # norm + output weigh as this many blocks
     module_fqns_per_model_part: list[list[str]] | None = None  # explicit stages: module names each
+    pipeline_parallel_expert_parallel_overlap: bool = True
+    expert_parallel_degree: int = 1
+    expert_tensor_parallel_degree: int = 1
+    expert_parallel_comm_backend: str = "standard"
 
 
 @dataclasses.dataclass
@@ -156,18 +173,30 @@ class Checkpoint:
     initial_load_in_hf: bool = False
     last_save_in_hf: bool = False
     create_seed_checkpoint: bool = False
+    enable_first_step_checkpoint: bool = False
+    load_only: bool = False  # load at start, never save
+    initial_load_in_hf_quantized: bool = False
+    enable_ft_dataloader_checkpoints: bool = True
 
 
 @dataclasses.dataclass
 class ActivationCheckpoint:
     mode: str = "none"  # none | full | selective
     selective_ac_option: str = "op"  # "op" (save matmuls) or an int N (checkpoint every N-th block)
+    preserve_rng_state: bool = True
+    early_stop: bool = False
+    determinism_check: str = "default"
+    debug: bool = False
+    memory_budget: float = 0.5
+    visualize_memory_budget_pareto: bool = False
+    per_op_sac_force_recompute_mm_shapes_by_fqns: list[str] = dataclasses.field(default_factory=lambda: ["moe.router.gate"])
 
 
 @dataclasses.dataclass
 class Compile:
     enable: bool = False
     components: list[str] = dataclasses.field(default_factory=lambda: ["model", "loss"])
+    backend: str = "inductor"
 
 
 @dataclasses.dataclass
@@ -185,6 +214,7 @@ class MX:
 
     recipe_name: str = "mxfp8_rceil"
     filter_fqns: list[str] = dataclasses.field(default_factory=lambda: ["output"])
+    mxfp8_dim1_cast_kernel_choice: str = "triton"
 
 
 @dataclasses.dataclass
@@ -194,8 +224,28 @@ class QuantizedLinear:
 
 
 @dataclasses.dataclass
+class GroupedMMFloat8:
+    fqns: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class GroupedMMMX:
+    recipe_name: str = "mxfp8"
+    fqns: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class QuantizedGroupedMM:
+    """[quantize.grouped_mm.*]: low-precision expert GEMMs of MoE models."""
+
+    float8: GroupedMMFloat8 = dataclasses.field(default_factory=GroupedMMFloat8)
+    mx: GroupedMMMX = dataclasses.field(default_factory=GroupedMMMX)
+
+
+@dataclasses.dataclass
 class Quantize:
     linear: QuantizedLinear = dataclasses.field(default_factory=QuantizedLinear)
+    grouped_mm: QuantizedGroupedMM = dataclasses.field(default_factory=QuantizedGroupedMM)
 
 
 @dataclasses.dataclass
@@ -204,7 +254,9 @@ class Metrics:
     enable_tensorboard: bool = False
     save_tb_folder: str = "tb"
     disable_color_printing: bool = False
-    rank_0_only: bool = True
+    rank_0_only: bool = True  # torchtitan 0.1's key; false = save_for_all_ranks
+    save_for_all_ranks: bool = False  # every rank logs and writes its own TensorBoard events
+    enable_wandb: bool = False
     # MFU: count attention's QK^T and scores @ V at half the full-sequence FLOPs, as a causal mask
     # leaves half the score matrix to compute (flash kernels skip it); false is PaLM's and
     # torchtitan's convention (mask ignored), so MFU figures compare with theirs
@@ -218,12 +270,43 @@ class Profiling:
     profile_freq: int = 10
     enable_memory_snapshot: bool = False
     save_memory_snapshot_folder: str = "memory_snapshot"
+    profiler_active: int = 1  # steps traced each cycle
+    profiler_warmup: int = 3  # steps before them, run under the profiler but not recorded
 
 
 @dataclasses.dataclass
 class Comm:
     init_timeout_seconds: int = 300
     train_timeout_seconds: int = 100  # the training's collectives after the first step (torchtitan's key)
+    trace_buf_size: int = 20000  # NCCL flight recorder entries per rank, dumped when a collective times out
+    save_traces_folder: str = "comm_traces"  # under job.dump_folder
+    save_traces_file_prefix: str = "rank_"
+    mode: str = "default"
+
+
+@dataclasses.dataclass
+class MemoryEstimation:
+    enable: bool = False
+    disable_fake_mode: bool = False
+
+
+@dataclasses.dataclass
+class FaultTolerance:
+    enable: bool = False
+    process_group: str = "gloo"
+    process_group_timeout_ms: int = 10000
+    replica_id: int = 0
+    group_size: int = 0
+    min_replica_size: int = 1
+    semi_sync_method: str | None = None
+
+
+@dataclasses.dataclass
+class ValidationDataLoader:
+    num_workers: int = 0
+    prefetch_factor: int | None = None
+    pin_memory: bool = False
+    persistent_workers: bool = False
 
 
 @dataclasses.dataclass
@@ -233,6 +316,9 @@ class Validation:
     dataset_path: str = ""
     freq: int = 500
     steps: int = 10  # batches per validation; -1 = the whole dataset once
+    local_batch_size: int | None = None  # None: training.local_batch_size
+    seq_len: int | None = None  # None: training.seq_len
+    dataloader: ValidationDataLoader = dataclasses.field(default_factory=ValidationDataLoader)
 
 
 @dataclasses.dataclass
@@ -245,12 +331,22 @@ class Experimental:
     pipeline_parallel_schedule_csv: str = ""
     pipeline_parallel_microbatches: int | None = None  # micro-batches per local batch
     pipeline_parallel_split_points: list[str] = dataclasses.field(default_factory=list)  # first module of stages 1..
+    custom_import: str = ""  # a module imported first: it may register model specs and converters
+    custom_args_module: str = ""
 
 
 @dataclasses.dataclass
 class Debug:
     seed: int = 0
     deterministic: bool = False
+    deterministic_warn_only: bool = False  # with deterministic: a nondeterministic op warns instead of failing
+    moe_force_load_balance: bool = False
+    # An injected fault, to test recovery (Tessera's keys; 0 = off): before step fault_at_step,
+    # rank fault_rank crashes (exits at once, as if killed) or stalls (stops answering for twice
+    # comm.train_timeout_seconds); on a launcher's first attempt only, so an elastic restart runs clean.
+    fault_at_step: int = 0
+    fault_rank: int = 0
+    fault_kind: str = "crash"  # crash | stall
 
 
 @dataclasses.dataclass
@@ -269,6 +365,8 @@ class JobConfig:
     metrics: Metrics = dataclasses.field(default_factory=Metrics)
     profiling: Profiling = dataclasses.field(default_factory=Profiling)
     comm: Comm = dataclasses.field(default_factory=Comm)
+    memory_estimation: MemoryEstimation = dataclasses.field(default_factory=MemoryEstimation)
+    fault_tolerance: FaultTolerance = dataclasses.field(default_factory=FaultTolerance)
     validation: Validation = dataclasses.field(default_factory=Validation)
     experimental: Experimental = dataclasses.field(default_factory=Experimental)
     debug: Debug = dataclasses.field(default_factory=Debug)
@@ -278,6 +376,7 @@ class JobConfig:
 # parsing so a typo is caught before any work.
 CHOICES = {
     ("optimizer", "name"): ("AdamW",),
+    ("debug", "fault_kind"): FAULT_KINDS,
     ("optimizer", "implementation"): ("foreach", "fused", "for-loop"),
     ("lr_scheduler", "decay_type"): DECAY_TYPES,
     ("training", "mixed_precision_param"): tuple(MIXED_PRECISION_DTYPES),
@@ -289,6 +388,9 @@ CHOICES = {
     ("model", "attn_mask_type"): ("causal", "block_causal"),
     ("parallelism", "context_parallel_rotate_method"): ("allgather",),
     ("parallelism", "context_parallel_load_balancer"): ("headtail", None),
+    ("training", "dtype"): ("float32", "bfloat16"),
+    ("activation_checkpoint", "determinism_check"): ("default", "none"),
+    ("quantize", "linear.mx.mxfp8_dim1_cast_kernel_choice"): ("triton", "cuda", "torch"),
 }
 
 # Keys holding paths a user types: relative ones resolve against the user's directory.
@@ -296,6 +398,7 @@ PATH_KEYS = (
     ("job", "config_file"),
     ("job", "dump_folder"),
     ("model", "tokenizer_path"),
+    ("model", "hf_assets_path"),
     ("training", "dataset_path"),
     ("validation", "dataset_path"),
     ("checkpoint", "initial_load_path"),
@@ -488,8 +591,23 @@ def load_config(argv: list[str]) -> JobConfig:
         for path, _, weight in [entry.rpartition("=")]
     ]
     _read_experimental(config)
+    _custom_import(config.experimental.custom_import)
     validate(config)
     return config
+
+
+def _custom_import(module: str) -> None:
+    """experimental.custom_import: a module of the user's (found from where they stand, too)
+    imported before anything is checked, so the model specs and converters it registers count."""
+    if not module:
+        return
+    where = str(user_directory())
+    if where not in sys.path:
+        sys.path.append(where)
+    try:
+        importlib.import_module(module)
+    except ImportError as e:
+        raise ConfigError(f"config key experimental.custom_import: cannot import {module!r} ({e})") from None
 
 
 def _read_experimental(config: JobConfig) -> None:
@@ -518,8 +636,13 @@ def _read_experimental(config: JobConfig) -> None:
 
 def validate(config: JobConfig) -> None:
     """Value checks that types alone do not catch."""
+    for dotted, reason in REFUSED.items():
+        if get_key(config, dotted) != get_key(JobConfig(), dotted):
+            raise ConfigError(f"config key {dotted} = {get_key(config, dotted)!r}: {reason}")
+    if config.activation_checkpoint.mode == "memory_budget":
+        raise ConfigError(f"config key activation_checkpoint.mode = 'memory_budget': {REFUSED['activation_checkpoint.memory_budget']}")
     for (section, key), allowed in CHOICES.items():
-        value = getattr(getattr(config, section), key)
+        value = get_key(config, f"{section}.{key}")
         if value not in allowed:
             raise ConfigError(f"config key {section}.{key}: {value!r} is not one of {list(allowed)}")
     positive = [
@@ -528,14 +651,17 @@ def validate(config: JobConfig) -> None:
         ("profiling", "profile_freq"), ("training", "gc_freq"), ("comm", "init_timeout_seconds"),
         ("job", "stop_grace_seconds"), ("comm", "train_timeout_seconds"),
         ("parallelism", "pipeline_parallel_degree"), ("parallelism", "pipeline_parallel_microbatch_size"),
-        ("parallelism", "context_parallel_degree"),
+        ("parallelism", "context_parallel_degree"), ("profiling", "profiler_active"),
+        ("lr_scheduler", "total_steps"), ("validation", "local_batch_size"), ("validation", "seq_len"),
     ]
     for section, key in positive:
         value = getattr(getattr(config, section), key)
-        if value < 1:
+        if value is not None and value < 1:
             raise ConfigError(f"config key {section}.{key}: {value} must be >= 1")
     non_negative = [("lr_scheduler", "warmup_steps"), ("optimizer", "lr"), ("optimizer", "eps"),
-                    ("optimizer", "weight_decay"), ("checkpoint", "keep_latest_k"), ("training", "max_skipped_steps")]
+                    ("optimizer", "weight_decay"), ("checkpoint", "keep_latest_k"), ("training", "max_skipped_steps"),
+                    ("debug", "fault_at_step"), ("debug", "fault_rank"), ("profiling", "profiler_warmup"),
+                    ("comm", "trace_buf_size")]
     for section, key in non_negative:
         if getattr(getattr(config, section), key) < 0:
             raise ConfigError(f"config key {section}.{key}: must be >= 0")
@@ -555,11 +681,16 @@ def validate(config: JobConfig) -> None:
         raise ConfigError("config key training.dataset_mixture replaces training.dataset and dataset_path; set one of them")
     if config.training.shuffle_buffer < 1:
         raise ConfigError(f"config key training.shuffle_buffer: {config.training.shuffle_buffer} must be >= 1")
-    loader = config.training.dataloader
-    if loader.num_workers < 0:
-        raise ConfigError(f"config key training.dataloader.num_workers: {loader.num_workers} must be >= 0")
-    if loader.prefetch_factor is not None and (loader.prefetch_factor < 1 or loader.num_workers == 0):
-        raise ConfigError("config key training.dataloader.prefetch_factor: must be >= 1, and needs num_workers > 0")
+    for section in ("training", "validation"):
+        loader = getattr(config, section).dataloader
+        if loader.num_workers < 0:
+            raise ConfigError(f"config key {section}.dataloader.num_workers: {loader.num_workers} must be >= 0")
+        if loader.prefetch_factor is not None and (loader.prefetch_factor < 1 or loader.num_workers == 0):
+            raise ConfigError(f"config key {section}.dataloader.prefetch_factor: must be >= 1, and needs num_workers > 0")
+    prof = config.profiling
+    if prof.enable_profiling and prof.profiler_warmup + prof.profiler_active > prof.profile_freq:
+        raise ConfigError(f"config keys profiling.profiler_warmup {prof.profiler_warmup} + profiler_active "
+                          f"{prof.profiler_active} exceed profile_freq {prof.profile_freq}: each trace's steps must fit in one period")
     if config.training.max_norm <= 0:
         raise ConfigError(f"config key training.max_norm: {config.training.max_norm} must be > 0")
     if config.validation.steps < 1 and config.validation.steps != -1:
@@ -574,6 +705,14 @@ def validate(config: JobConfig) -> None:
         section = float8_converter.section_of(config, path)
         if section != type(section)() and name not in config.model.converters:
             raise ConfigError(f"config section [{'.'.join(path)}] is set but model.converters does not list {name!r}")
+
+
+def get_key(config: JobConfig, dotted: str) -> typing.Any:
+    """The value of "section.key" or "section.table.key"."""
+    value = config
+    for name in dotted.split("."):
+        value = getattr(value, name)
+    return value
 
 
 def to_dict(config: JobConfig) -> dict:

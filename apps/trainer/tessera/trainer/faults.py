@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterable
 
 import torch
@@ -46,17 +47,58 @@ def tighten_timeouts(seconds: int, meshes) -> None:
 
 
 # gloo's words for a collective that timed out here, or whose peer gave up (timed out or failed)
-_STALLS = {"Timed out waiting": "timed out", "Connection closed by peer": "lost a peer rank (it failed or timed out)"}
+_LOST_PEER = "lost a peer rank (it failed or timed out)"
+_STALLS = {"Timed out waiting": "timed out", "Connection closed by peer": _LOST_PEER,
+           "Connection reset by peer": _LOST_PEER}
+
+
+def _operation(error: BaseException) -> str:
+    """The collective an error came from: the innermost torch.distributed API call in its
+    traceback (all_reduce, all_gather_into_tensor, ...), else the innermost torch.distributed
+    function (an async collective waited on elsewhere, e.g. by FSDP)."""
+    frames = [(tb.tb_frame.f_code.co_filename, tb.tb_frame.f_code.co_name) for tb in _tracebacks(error)]
+    for suffix in (os.path.join("distributed", "distributed_c10d.py"), f"{os.sep}distributed{os.sep}"):
+        names = [name for path, name in frames if suffix in path and not name.startswith("_") and name != "wrapper"]
+        if names:
+            return names[-1]
+    return "a collective"
+
+
+def _tracebacks(error: BaseException):
+    tb = error.__traceback__
+    while tb is not None:
+        yield tb
+        tb = tb.tb_next
 
 
 def stalled_collective(error: RuntimeError, rank: int, step: int, seconds: int) -> TrainingError | None:
-    """The one-line error for a collective that comm.train_timeout_seconds ended, else None."""
+    """The one-line error, naming the rank and the operation, for a collective that
+    comm.train_timeout_seconds ended or whose peer is gone; else None."""
     first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
     for words, what in _STALLS.items():
         if words in first_line:
-            return TrainingError(f"rank {rank}, step {step}: a collective {what} (comm.train_timeout_seconds = "
+            return TrainingError(f"rank {rank}, step {step}: {_operation(error)} {what} (comm.train_timeout_seconds = "
                                  f"{seconds}): {first_line.split('] ', 1)[-1]}")
     return None
+
+
+FAULT_KINDS = ("crash", "stall")
+
+
+def inject_fault(debug, rank: int, step: int, train_timeout_s: int) -> None:
+    """The [debug] fault switch, called before each step: on rank debug.fault_rank before step
+    debug.fault_at_step, "crash" exits at once (no cleanup, no checkpoint: a killed process) and
+    "stall" stops answering for twice comm.train_timeout_seconds, so the peers' collectives
+    time out. Only a launcher's first attempt (torchrun's TORCHELASTIC_RESTART_COUNT 0 or unset)
+    is faulted: an elastic restart must run clean to show the resume."""
+    if (step != debug.fault_at_step or rank != debug.fault_rank
+            or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"):
+        return
+    what = {"crash": "crashes", "stall": "stalls"}[debug.fault_kind]
+    print(f"debug: injected fault: rank {rank} {what} before step {step} (debug.fault_at_step)", file=sys.stderr, flush=True)
+    if debug.fault_kind == "crash":
+        os._exit(1)
+    time.sleep(2 * train_timeout_s)
 
 
 _PR_SET_PDEATHSIG = 1

@@ -14,19 +14,23 @@ def lr_factor(
     step: int, *, warmup_steps: int, total_steps: int, decay_ratio: float | None,
     decay_type: str, min_lr_factor: float,
 ) -> float:
-    """Multiplier of the base lr for optimizer step `step` (1-based: the first update is step 1).
+    """Multiplier of the base lr for optimizer step `step` (1-based: the first update is step 1),
+    with torchtitan 0.2's meaning of each setting, so a config gives the same curve in both.
 
-    Warmup rises linearly to 1 over warmup_steps; decay covers the last decay_ratio of the steps
-    after warmup (None: all of them, i.e. no stable phase) and falls from 1 to min_lr_factor.
+    Warm-up: step s <= warmup_steps uses s / warmup_steps. Decay covers the last
+    round(decay_ratio * total_steps) steps (None: every step after warm-up) and runs towards
+    min_lr_factor as if there were one step more, so the last step's lr is not the floor; steps
+    in between keep the full lr. Warm-up and decay are cut to fit total_steps; steps past
+    total_steps (training longer than the schedule) stay at the floor.
     """
-    if step <= warmup_steps:
-        return step / (warmup_steps + 1)  # never 0: a zero first lr would waste a step
-    after_warmup = total_steps - warmup_steps
-    decay_steps = after_warmup if decay_ratio is None else round(after_warmup * decay_ratio)
-    decay_start = total_steps - decay_steps
-    if step <= decay_start or decay_steps == 0:
+    warmup = min(warmup_steps, total_steps)
+    decay = total_steps - warmup if decay_ratio is None else min(round(total_steps * decay_ratio), total_steps - warmup)
+    if step <= warmup:
+        return step / warmup
+    decay_start = total_steps + 1 - decay  # the last step at the full lr
+    if step <= decay_start:
         return 1.0
-    progress = min((step - decay_start) / decay_steps, 1.0)
+    progress = min((step - decay_start) / decay, 1.0)
     if decay_type == "linear":
         remaining = 1.0 - progress
     elif decay_type == "sqrt":

@@ -1,4 +1,5 @@
-"""Command line: `trainer [--nproc N] [--check [--check_world_size N]] [--job.config_file F] [--section.key value ...]`.
+"""Command line: `trainer [--nproc N] [--check [--check_world_size N]] [--job.config_file F] [--section.key value ...]`,
+`trainer --help [SECTION]`, `trainer --version`.
 
 Bad input ends with one line on stderr naming the culprit and exit status 2; a bug keeps its
 traceback. `--nproc N` starts N local worker processes through torch's own launcher (torchrun's
@@ -62,6 +63,14 @@ def _launch_local(nproc: int, argv: list[str], grace_s: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
+        if argv and argv[0] in ("--help", "-h", "--version"):
+            from tessera.trainer import cli_info
+
+            if argv[0] == "--version":
+                print(cli_info.version_text())
+            else:
+                print(cli_info.help_text(argv[1] if len(argv) > 1 else None))
+            return 0
         nproc, argv = _take_option(argv, "--nproc")
         nproc = _positive_int("--nproc", nproc)
         check, argv = _take_option(argv, "--check", takes_value=False)

@@ -15,12 +15,15 @@ names are the whole model's, so checkpoints load under any layout.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from tessera import cp, fsdp, pp, tp
+from tessera.fsdp import MIXED_PRECISION_DTYPES
 from tessera.mesh import Meshes
 from tessera.models import apply_activation_checkpointing, apply_compile
 from tessera.trainer.plan import JobPlan
@@ -30,16 +33,22 @@ from tessera.trainer.step import LossFn
 def build_model(plan: JobPlan) -> nn.Module:
     """On CPU the full model is built and initialised before sharding, so every layout starts
     from the single-process weights (DTensor has no cross-rank RNG on CPU). On GPU it is built on
-    the meta device and initialised after sharding, so no rank ever holds the whole model."""
-    if plan.device == "cpu":
-        return plan.spec.build(plan.model_args)
-    with torch.device("meta"):
-        return plan.spec.build(plan.model_args)
+    the meta device and initialised after sharding, so no rank ever holds the whole model.
+    Parameters are created in training.dtype (buffers such as RoPE tables pick their own)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(MIXED_PRECISION_DTYPES[plan.config.training.dtype])
+    try:
+        with torch.device("meta") if plan.device != "cpu" else contextlib.nullcontext():
+            return plan.spec.build(plan.model_args)
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def convert(model: nn.Module, plan: JobPlan) -> None:
     for converter in plan.converters:
         converter.convert(model)
+    if plan.config.model.print_after_conversion and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(model, flush=True)
 
 
 def parallelize(model: nn.Module, plan: JobPlan, meshes: Meshes | None) -> nn.Module:
@@ -54,11 +63,14 @@ def parallelize(model: nn.Module, plan: JobPlan, meshes: Meshes | None) -> nn.Mo
         cp.apply_cp(model, meshes.cp.get_group(), load_balance=config.parallelism.context_parallel_load_balancer is not None)
     ac = config.activation_checkpoint
     if ac.mode != "none":
-        apply_activation_checkpointing(model, ac.mode, ac.selective_ac_option)
+        apply_activation_checkpointing(
+            model, ac.mode, ac.selective_ac_option, preserve_rng_state=ac.preserve_rng_state, early_stop=ac.early_stop,
+            determinism_check=ac.determinism_check, debug=ac.debug,
+        )
     if config.compile.enable and "model" in config.compile.components:
         if config.parallelism.enable_async_tensor_parallel:  # the plan checked CUDA, TP and compile
             tp.enable_async_tp(meshes.tp, plan.device, compile_enabled=True)
-        apply_compile(model)
+        apply_compile(model, backend=config.compile.backend)
         if dims.tp_enabled:
             _copy_first_block_input(model)
     if dims.fsdp_enabled:

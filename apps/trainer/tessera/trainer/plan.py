@@ -20,8 +20,9 @@ from tessera.data import load_tokenizer
 from tessera.fsdp import MIXED_PRECISION_DTYPES
 from tessera.mesh import MeshLayout, ParallelDims, device_type, mesh_layout, resolve_parallel_dims
 from tessera.models import ModelSpec, get_model_spec
-from tessera.trainer.config import ConfigError, JobConfig, user_input
+from tessera.trainer.config import ConfigError, JobConfig, user_directory, user_input
 from tessera.trainer.converters import ModelConverter, build_converters
+from tessera.trainer.hf_assets import check_hf_weights, flavor_args, initial_load_folder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,13 +88,33 @@ class JobPlan:
         return tuple(hook for converter in self.converters for hook in converter.post_optimizer_hooks)
 
 
+# torchtitan's dataset names whose data is a folder of its checkout, read where the user stands.
+LOCAL_DATASETS = {"c4_test": "tests/assets/c4_test", "c4_validation": "tests/assets/c4_validation"}
+HUB_DATASETS = {"c4": "allenai/c4", "c4_validation": "allenai/c4 (validation split)"}
+
+
 def dataset_source(section) -> str | None:
-    """The path a [training] or [validation] section reads, or None for the embedded corpus."""
+    """The path a [training] or [validation] section reads, or None for the embedded corpus:
+    dataset_path, else the dataset's name ("default", a torchtitan name, or a path)."""
     if section.dataset_path:
         return section.dataset_path
-    if section.dataset != "default":
-        raise ConfigError(f"dataset {section.dataset!r} is not built in: use 'default' or set dataset_path to a file or folder")
-    return None
+    name = section.dataset
+    if name == "default":
+        return None
+    local = user_directory() / LOCAL_DATASETS.get(name, name)
+    if local.exists():
+        return str(local)
+    if name in HUB_DATASETS:
+        raise ConfigError(f"dataset {name!r} is {HUB_DATASETS[name]} on the Hugging Face hub, which Tessera does not "
+                          f"download: fetch it and set dataset_path to its JSON-lines files or folder")
+    where = f" (looked for {local})" if name in LOCAL_DATASETS else ""
+    raise ConfigError(f"dataset {name!r} not found{where}: use 'default', c4_test, or a file or folder path")
+
+
+def tokenizer_source(config: JobConfig) -> str | None:
+    """What the run tokenises with: model.tokenizer_path, else the Hugging Face folder's
+    tokenizer, else (None) the embedded BPE."""
+    return config.model.tokenizer_path or config.model.hf_assets_path or None
 
 
 def make_plan(config: JobConfig, world_size: int, device: str | None = None, *, check_only: bool = False) -> JobPlan:
@@ -119,6 +140,7 @@ def make_plan(config: JobConfig, world_size: int, device: str | None = None, *, 
     _check_layout(config, dims, device)
     _check_checkpoint(config, spec, world_size)
     _check_paths(config, notes if check_only else None)
+    check_hf_weights(config, spec, args)
     param_dtype = MIXED_PRECISION_DTYPES[training.mixed_precision_param]
     return JobPlan(
         config=config, world_size=world_size, device=device, dims=dims, meshes=mesh_layout(dims), spec=spec,
@@ -137,7 +159,7 @@ def _vocab_size(config: JobConfig, spec: ModelSpec, notes: list[str] | None) -> 
     """The tokenizer decides the vocabulary. Check-only plans fall back to the flavor's size."""
     try:
         with user_input():
-            return load_tokenizer(config.model.tokenizer_path or None).vocab_size
+            return load_tokenizer(tokenizer_source(config)).vocab_size
     except (ConfigError, OSError) as e:
         flavor = spec.flavors.get(config.model.flavor)
         if notes is None or flavor is None:
@@ -147,16 +169,22 @@ def _vocab_size(config: JobConfig, spec: ModelSpec, notes: list[str] | None) -> 
 
 
 def _model_args(config: JobConfig, spec: ModelSpec, vocab_size: int):
-    flavors = spec.flavors
-    if config.model.flavor not in flavors:
-        raise ConfigError(f"model.flavor {config.model.flavor!r} is not a flavor of {spec.name}; choose from {sorted(flavors)}")
     # The run decides how many positions RoPE needs, up to the flavor's context length (its
     # RoPE scaling and training were made for that many).
-    flavor = flavors[config.model.flavor]
-    if config.training.seq_len > flavor.max_seq_len:
-        raise ConfigError(f"training.seq_len {config.training.seq_len} exceeds the context length of "
-                          f"{spec.name}/{config.model.flavor} ({flavor.max_seq_len})")
-    return dataclasses.replace(flavor, vocab_size=vocab_size, max_seq_len=config.training.seq_len)
+    flavor = flavor_args(config, spec)
+    for key, seq_len in (("training.seq_len", config.training.seq_len), ("validation.seq_len", validation_shape(config)[1])):
+        if seq_len > flavor.max_seq_len:
+            raise ConfigError(f"{key} {seq_len} exceeds the context length of {spec.name}/{config.model.flavor} ({flavor.max_seq_len})")
+    longest = max(config.training.seq_len, validation_shape(config)[1])
+    return dataclasses.replace(flavor, vocab_size=vocab_size, max_seq_len=longest)
+
+
+def validation_shape(config: JobConfig) -> tuple[int, int]:
+    """(local batch size, seq_len) of validation batches: validation's keys, else training's."""
+    section, training = config.validation, config.training
+    if not section.enable:
+        return training.local_batch_size, training.seq_len
+    return section.local_batch_size or training.local_batch_size, section.seq_len or training.seq_len
 
 
 def _flops_per_token(config: JobConfig, spec: ModelSpec, args) -> float:
@@ -255,11 +283,16 @@ def _check_tensor_parallel(config: JobConfig, spec: ModelSpec, args, dims: Paral
         raise ConfigError(f"model {spec.name!r}: tp_plan roles {unknown} have no tensor-parallel style; known: {sorted(styles)}")
     if dims.tp_enabled:
         with user_input():  # sequence parallel splits every sequence across the tp ranks, too
-            tp.check_tp_degree(dims.tp, {**spec.tp_divisible(args), "seq_len": config.training.seq_len})
+            tp.check_tp_degree(dims.tp, {**spec.tp_divisible(args), "seq_len": config.training.seq_len,
+                                         "validation.seq_len": validation_shape(config)[1]})
 
 
 def _check_layout(config: JobConfig, dims: ParallelDims, device: str) -> None:
     """Combinations the trainer cannot run."""
+    training = config.training
+    if (dims.cp_enabled or dims.pp_enabled) and validation_shape(config) != (training.local_batch_size, training.seq_len):
+        raise ConfigError("validation.local_batch_size / validation.seq_len other than training's are not supported with "
+                          "context or pipeline parallel yet (their shards and micro-batches follow the training shape)")
     if dims.cp_enabled:
         with user_input():
             cp.check_seq_len(config.training.seq_len, dims.cp, config.parallelism.context_parallel_load_balancer is not None)
@@ -288,8 +321,9 @@ def _check_checkpoint(config: JobConfig, spec: ModelSpec, world_size: int) -> No
         raise ConfigError("checkpoint.load_step needs checkpoint.enable = true")
     if not ckpt.enable and ckpt.last_save_in_hf:
         raise ConfigError("checkpoint.last_save_in_hf needs checkpoint.enable = true")
-    if ckpt.initial_load_in_hf and not ckpt.initial_load_path:
-        raise ConfigError("checkpoint.initial_load_in_hf needs checkpoint.initial_load_path (a Hugging Face folder)")
+    if ckpt.initial_load_in_hf and initial_load_folder(config) is None:
+        raise ConfigError("checkpoint.initial_load_in_hf reads a Hugging Face folder: set model.hf_assets_path "
+                          "(or checkpoint.initial_load_path)")
     if ckpt.initial_load_in_hf and not ckpt.initial_load_model_only:
         raise ConfigError("checkpoint.initial_load_in_hf loads model weights only: set initial_load_model_only = true")
     if (ckpt.initial_load_in_hf or ckpt.last_save_in_hf) and spec.hf_adapter is None:
@@ -304,9 +338,9 @@ def _check_paths(config: JobConfig, notes: list[str] | None) -> None:
                       ("validation.dataset_path", config.validation.dataset_path if config.validation.enable else "")):
         if path and not Path(path).exists():
             problems.append(f"{key} {path} does not exist")
-    initial = config.checkpoint.initial_load_path
-    if initial and not Path(initial).is_dir():
-        problems.append(f"checkpoint.initial_load_path {initial} does not exist or is not a folder")
+    initial = initial_load_folder(config)
+    if initial is not None and not initial[1].is_dir():
+        problems.append(f"{initial[0]} {initial[1]} does not exist or is not a folder")
     dump = Path(config.job.dump_folder)
     if dump.exists() and not dump.is_dir():
         problems.append(f"job.dump_folder {dump} is not a folder")

@@ -46,7 +46,7 @@ def build_loss(plan: JobPlan) -> LossFn:
     8.2 on the debug model), silently."""
     compile_ = plan.config.compile
     compiled = compile_.enable and "loss" in compile_.components and not plan.loss_parallel
-    return torch.compile(cross_entropy) if compiled else cross_entropy
+    return torch.compile(cross_entropy, backend=compile_.backend) if compiled else cross_entropy
 
 
 def plain_value(loss: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 from tessera.ckpt.dcp_io import METADATA_FILE
@@ -97,3 +98,25 @@ def check_writable(folder: Path, size: int) -> None:
         for path in made:  # innermost first
             if path.is_dir():
                 path.rmdir()
+
+
+ExtraFiles = Mapping[str, bytes | os.PathLike]  # file name -> its content, or a file to copy
+
+
+def check_extra_files(files: ExtraFiles) -> None:
+    """Names of files to put beside a checkpoint's own: plain names, not hidden ones (DCP's
+    ``.metadata``, tmp folders)."""
+    for name, content in files.items():
+        if not name or Path(name).name != name or name.startswith("."):
+            raise ValueError(f"extra checkpoint file name {name!r} must be a plain file name not starting with '.'")
+        if not isinstance(content, (bytes, os.PathLike)):
+            raise ValueError(f"extra checkpoint file {name!r}: {type(content).__name__} is neither bytes nor a path")
+
+
+def write_extra_files(folder: Path, files: ExtraFiles) -> None:
+    """Writes ``files`` into ``folder`` (bytes as given, paths copied), before it is published."""
+    for name, content in files.items():
+        if isinstance(content, bytes):
+            (folder / name).write_bytes(content)
+        else:
+            shutil.copyfile(content, folder / name)

@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from tessera.ckpt.folders import publish
+from tessera.ckpt.folders import ExtraFiles, check_extra_files, publish, write_extra_files
 from tessera.ckpt.formats import check_state_dict
 
 SINGLE_FILE = "model.safetensors"
@@ -295,7 +295,8 @@ def _stage_metas(model_state: dict[str, torch.Tensor], pp_group) -> tuple[dict[s
 
 
 def export_hf(model: nn.Module | Sequence[nn.Module], folder: str | os.PathLike, to_hf: Convert, *,
-              dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 10**9, pp_group=None) -> bool:
+              dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 10**9, pp_group=None,
+              extra_files: ExtraFiles | None = None) -> bool:
     """Writes ``model`` (plain or DTensor parameters) as a Hugging Face folder, cast to ``dtype``
     (default: as the model holds it). Collective. Under pipeline parallel pass this rank's stages
     (modules whose parameter names are the whole model's) and the pipeline's process group: the
@@ -305,7 +306,10 @@ def export_hf(model: nn.Module | Sequence[nn.Module], folder: str | os.PathLike,
     tensor at a time: rank 0 holds at most one file's tensors (on the CPU), the others one tensor.
     Written to ``.<name>.tmp`` next to ``folder`` and renamed when complete, so ``folder`` is
     whole or absent. Returns False, writing nothing, when ``folder`` already exists.
+    ``extra_files`` (name -> bytes, or a path to copy) go in beside the weights: ``config.json``
+    and tokenizer files, which ``transformers``' ``from_pretrained`` needs to open the folder.
     """
+    check_extra_files(extra_files or {})
     final = Path(folder)
     if _writer_decides(final.exists()):
         return False
@@ -325,6 +329,7 @@ def export_hf(model: nn.Module | Sequence[nn.Module], folder: str | os.PathLike,
         if writer:
             shutil.rmtree(tmp, ignore_errors=True)
             _write_files(tmp, plan, sum(sizes.values()), tensors)
+            write_extra_files(tmp, extra_files or {})
             publish(tmp, final)
     finally:
         for _ in tensors:  # the other ranks gather here; a writer that failed keeps pace with them

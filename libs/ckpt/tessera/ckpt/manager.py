@@ -22,7 +22,8 @@ from tessera.ckpt.dcp_io import (
     METADATA_FILE, check_storage_files, load_into, raise_first_failure, read_metadata, save_state_dict,
 )
 from tessera.ckpt.folders import (
-    check_writable, complete_steps, discard, export_folder, is_complete, publish, remove_stale_tmp, remove_step, step_folder,
+    ExtraFiles, check_extra_files, check_writable, complete_steps, discard, export_folder, is_complete, publish,
+    remove_stale_tmp, remove_step, step_folder, write_extra_files,
 )
 from tessera.ckpt.states import ModelState, RankLocalState, Stateful
 
@@ -40,6 +41,10 @@ class CheckpointManager:
     ``{"model": ModelState(parts), "optimizer": OptimizerState(parts, optims),
     "dataloader": RankLocalState(loader, f"dp_rank_{r}"), "rng": rng_state(rank),
     "train": <object holding the step counter>}``.
+
+    ``extra_files`` (name -> bytes, or a path to copy) go into every checkpoint folder written,
+    beside DCP's files, before it is published: e.g. a record of the model's args, so a
+    conversion tool needs no flags to rebuild the model.
     """
 
     def __init__(
@@ -54,6 +59,7 @@ class CheckpointManager:
         last_save_model_only: bool = False,
         export_dtype: str = "float32",
         process_group: dist.ProcessGroup | None = None,
+        extra_files: ExtraFiles | None = None,
     ) -> None:
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
             raise ValueError(f"checkpoint interval must be a positive integer, got {interval!r}")
@@ -69,6 +75,7 @@ class CheckpointManager:
         unknown = sorted(set(exclude_from_loading) - set(states))
         if unknown:
             raise ValueError(f"exclude_from_loading names unknown state {unknown[0]!r}; states: {sorted(states)}")
+        check_extra_files(extra_files or {})
         self._model_names = [name for name, state in states.items() if isinstance(state, ModelState)]
         if last_save_model_only and not self._model_names:
             raise ValueError("last_save_model_only needs a ModelState among the checkpoint states")
@@ -82,6 +89,7 @@ class CheckpointManager:
         self.last_save_model_only = last_save_model_only
         self.export_dtype = export_dtype
         self.process_group = process_group
+        self.extra_files = dict(extra_files or {})
 
         self._distributed = dist.is_available() and dist.is_initialized()
         self._rank = dist.get_rank(process_group) if self._distributed else 0
@@ -216,6 +224,7 @@ class CheckpointManager:
         write results before the coordinator writes .metadata), so rank 0 publishes alone."""
         if self._rank != 0:
             return
+        write_extra_files(tmp, self.extra_files)
         publish(tmp, final)
         logger.info("checkpoint saved to %s in %.2fs", final, time.perf_counter() - started)
         if self.keep_latest_k:

@@ -2,6 +2,7 @@
 sharded, exactly resumable (and prefetched) batches."""
 
 from tessera.data.datasets import TextDataset, iter_documents, load_dataset
+from tessera.data.held_out import HELD_OUT_FRACTION, split_held_out
 from tessera.data.loader import PackedLoader, build_dataloader
 from tessera.data.mixture import parse_mixture
 from tessera.data.peers import Peers, distributed_peers
@@ -18,6 +19,7 @@ from tessera.data.tokenizer import (
 )
 
 __all__ = [
+    "HELD_OUT_FRACTION",
     "LLAMA3_SPECIAL_TOKENS",
     "LLAMA3_SPLIT_PATTERN",
     "PackedLoader",
@@ -35,5 +37,6 @@ __all__ = [
     "parse_mixture",
     "pretokenize",
     "read_ranks",
+    "split_held_out",
     "write_ranks",
 ]

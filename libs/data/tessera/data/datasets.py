@@ -3,8 +3,10 @@
 Sources accepted by `load_dataset`:
 - None or "default": the embedded Python standard-library corpus (no download).
 - a `.txt` or `.md` file: one document per block of lines; blank lines separate blocks.
-- a folder: every `.txt` / `.md` file below it (recursive, sorted by relative path) is one document.
-- a `.jsonl` or `.jsonl.gz` file: one JSON object per line, the document in `text_field`.
+- a folder: every `.txt` / `.md` file below it (recursive, sorted by relative path) is one
+  document, and every JSON-lines file below it adds its documents.
+- a `.jsonl`, `.jsonl.gz` or `.json` file: one JSON object per line, the document in `text_field`
+  (`.json` as Hugging Face's `datasets` reads it, e.g. torchtitan's `tests/assets/c4_test/data.json`).
 - a folder of token shards written by `tools/pretokenize` (see `tessera.data.shards`).
 """
 
@@ -22,6 +24,7 @@ from typing import IO, Iterator
 from tessera.data.shards import ShardDataset, is_shard_folder, open_shards
 
 _TEXT_SUFFIXES = (".txt", ".md")
+_JSON_LINES_SUFFIXES = (".jsonl", ".jsonl.gz", ".json")
 _DEFAULT_NAMES = (None, "default")
 _DEFAULT_ASSET = "stdlib_corpus.jsonl.gz"
 
@@ -63,12 +66,12 @@ def source_files(source: str | os.PathLike | None) -> list[Path]:
         raise FileNotFoundError(f"dataset path not found: {path}")
     if path.is_dir():
         return sorted(
-            (p for p in path.rglob("*") if p.is_file() and p.suffix in _TEXT_SUFFIXES),
+            (p for p in path.rglob("*") if p.is_file() and (p.suffix in _TEXT_SUFFIXES or _is_json_lines(p))),
             key=lambda p: p.relative_to(path).as_posix(),
         )
-    if not path.name.endswith((".jsonl", ".jsonl.gz")) and path.suffix not in _TEXT_SUFFIXES:
+    if not _is_json_lines(path) and path.suffix not in _TEXT_SUFFIXES:
         raise ValueError(
-            f"unsupported dataset file {path}: expected .txt, .md, .jsonl, .jsonl.gz or a folder"
+            f"unsupported dataset file {path}: expected .txt, .md, .jsonl, .jsonl.gz, .json or a folder"
         )
     return [path]
 
@@ -77,16 +80,20 @@ def iter_documents(source: str | os.PathLike | None, text_field: str = "text") -
     """The documents of `source` one at a time (blank ones skipped), without holding them all."""
     folder = source not in _DEFAULT_NAMES and Path(source).is_dir()
     for path in source_files(source):
-        if folder:
-            text = _read_text(path)
-            if text.strip():
-                yield text
-        elif path.name.endswith((".jsonl", ".jsonl.gz")):
+        if _is_json_lines(path):
             field = "text" if source in _DEFAULT_NAMES else text_field
             with open(path, "rb") as f:
                 yield from _read_jsonl(f, str(path), path.name.endswith(".gz"), field)
+        elif folder:
+            text = _read_text(path)
+            if text.strip():
+                yield text
         else:
             yield from _split_blocks(_read_text(path))
+
+
+def _is_json_lines(path: Path) -> bool:
+    return path.name.endswith(_JSON_LINES_SUFFIXES)
 
 
 def _non_empty(dataset: TextDataset) -> TextDataset:

@@ -82,8 +82,8 @@ class ShardStream:
         order, ends = self._shards_in(epoch)
         i = int(np.searchsorted(ends, offset, side="right"))
         shard = int(order[i])
-        offset -= int(ends[i - 1]) if i else 0
         offsets = self._data.shards[shard].offsets
+        offset += int(offsets[0]) - (int(ends[i - 1]) if i else 0)  # the file position
         doc = int(np.searchsorted(offsets, offset, side="right")) - 1
         if self._seed is None:
             return shard, offset, int(offsets[doc + 1])

@@ -14,6 +14,7 @@ rank's resident memory does not grow with the data it streams (the page cache ho
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -37,7 +38,9 @@ def token_dtype(vocab_size: int) -> np.dtype:
 class Shard:
     tokens_path: Path
     file: BinaryIO  # unbuffered; read with os.pread, so concurrent readers need no seek
-    offsets: np.ndarray  # memory-mapped int64 [documents + 1]
+    # memory-mapped int64 [documents + 1]: file positions of the document starts, then the end;
+    # offsets[0] is 0 except in a part of a shard (`documents_between`)
+    offsets: np.ndarray
     num_tokens: int
 
     @property
@@ -76,6 +79,19 @@ class ShardDataset:
                 return self.read(i, start, stop - start)
             index -= s.num_documents
         raise IndexError("document index out of range")
+
+
+def documents_between(dataset: ShardDataset, start: int, stop: int, source: str) -> ShardDataset:
+    """Documents [start, stop) of `dataset` (counting across shards in order) as a dataset of
+    their own named `source`, sharing the open files and offset maps (views, nothing copied)."""
+    shards, first = [], 0
+    for shard in dataset.shards:
+        lo, hi = max(start - first, 0), min(stop - first, shard.num_documents)
+        if lo < hi:
+            offsets = shard.offsets[lo : hi + 1]
+            shards.append(dataclasses.replace(shard, offsets=offsets, num_tokens=int(offsets[-1] - offsets[0])))
+        first += shard.num_documents
+    return dataclasses.replace(dataset, source=source, shards=tuple(shards), num_tokens=sum(s.num_tokens for s in shards))
 
 
 def is_shard_folder(path: str | os.PathLike) -> bool:

@@ -96,7 +96,7 @@ class TextStream:
         if state["num_documents"] != len(self._dataset):
             raise ValueError(
                 f"loader state is for a dataset of {state['num_documents']} documents, "
-                f"this one has {len(self._dataset)}"
+                f"{getattr(self._dataset, 'source', 'this one')} has {len(self._dataset)}"
             )
         if state["doc_index"] > len(self._dataset):
             raise ValueError(f"loader state doc_index {state['doc_index']} is past the dataset end")

@@ -1,4 +1,5 @@
-"""Llama 3 style tokenizer: byte-level BPE ranks from a `tokenizer.model` file, run by tiktoken.
+"""Byte-level BPE tokenizers run by tiktoken: Llama 3 `tokenizer.model` files and Hugging Face
+`tokenizer.json` files (converted by `hf_tokenizer`).
 
 A `tokenizer.model` file holds one line per mergeable token, "base64(token bytes) rank", with
 ranks 0..n-1. Llama 3's 256 special tokens follow the BPE ranks (ids n..n+255).
@@ -9,12 +10,17 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import json
 import os
 import re
+import unicodedata
 from importlib import resources
 from typing import Iterable, Iterator
 
+import regex
 import tiktoken
+
+from tessera.data.hf_tokenizer import read_hf_tokenizer
 
 # Llama 3's pre-tokenisation: contractions, letter runs with one leading non-letter, numbers of at
 # most three digits, punctuation runs, newlines, and whitespace.
@@ -53,33 +59,65 @@ _NON_SPACE_RUNS = re.compile(r"\S+")
 
 
 class Tokenizer:
-    """BPE ranks + Llama 3 split pattern + Llama 3 special tokens (ids after the ranks)."""
+    """Byte-level BPE run by tiktoken: ranks (token bytes -> id), split pattern(s), special tokens.
 
-    def __init__(self, ranks: dict[bytes, int], name: str = "tessera"):
+    `Tokenizer(ranks)` is the Llama 3 layout (Llama 3 split pattern, Llama 3's 256 special tokens
+    after the ranks); the keywords describe any other (see `hf_tokenizer`): ids need not be
+    contiguous, specials can sit anywhere, `patterns` split in turn (HF's Isolated split: matches
+    and the text between them are pieces), `dropped_bytes` are removed from each piece.
+    """
+
+    def __init__(
+        self,
+        ranks: dict[bytes, int],
+        name: str = "tessera",
+        *,
+        patterns: tuple[str, ...] = (LLAMA3_SPLIT_PATTERN,),
+        special_tokens: dict[str, int] | None = None,
+        bos_id: int | None = None,
+        eos_id: int | None = None,
+        nfc: bool = False,
+        dropped_bytes: bytes = b"",
+        decode_only: dict[int, bytes] | None = None,
+    ):
         n = len(ranks)
         self.name = name
-        # Identity of the token ids (ranks in order + specials), so token shards can refuse a
-        # tokenizer other than the one that made them, whatever its file is called.
-        digest = hashlib.sha256(LLAMA3_SPLIT_PATTERN.encode())
-        for token, _ in sorted(ranks.items(), key=lambda item: item[1]):
-            digest.update(len(token).to_bytes(4, "little") + token)
-        self.fingerprint = digest.hexdigest()[:16]
-        self.special_tokens = {tok: n + i for i, tok in enumerate(LLAMA3_SPECIAL_TOKENS)}
+        self.ranks = ranks
+        self.patterns = tuple(patterns)
+        if special_tokens is None:
+            special_tokens = {tok: n + i for i, tok in enumerate(LLAMA3_SPECIAL_TOKENS)}
+        self.special_tokens = special_tokens
+        self.bos_id = special_tokens["<|begin_of_text|>"] if bos_id is None else bos_id
+        self.eos_id = special_tokens["<|end_of_text|>"] if eos_id is None else eos_id
+        self._nfc = nfc
+        self._dropped = dropped_bytes
+        # Identity of the token ids, so token shards can refuse a tokenizer other than the one
+        # that made them, whatever its file is called.
+        self.fingerprint = _fingerprint(ranks, self.patterns, special_tokens, self.bos_id, self.eos_id, nfc)
+        self._id_bytes = _decode_table(ranks, special_tokens, decode_only or {})
+        self.vocab_size = len(self._id_bytes)
+        # One total split pattern and every byte a rank: tiktoken splits and merges in one call.
+        # Otherwise pieces are split here and each piece's bytes go to tiktoken's BPE alone.
+        self._whole = len(self.patterns) == 1 and not dropped_bytes
+        pattern = self.patterns[0] if self.patterns == (LLAMA3_SPLIT_PATTERN,) else _with_gaps(self.patterns[0])
         self._encoding = tiktoken.Encoding(
-            name,
-            pat_str=LLAMA3_SPLIT_PATTERN,
-            mergeable_ranks=ranks,
-            special_tokens=self.special_tokens,
+            name, pat_str=pattern if self._whole else ".", mergeable_ranks=ranks, special_tokens={}
         )
-        self.vocab_size = n + len(self.special_tokens)
-        self.bos_id = self.special_tokens["<|begin_of_text|>"]
-        self.eos_id = self.special_tokens["<|end_of_text|>"]
+        self._splits = [regex.compile(p) for p in self.patterns]
 
     def encode(self, text: str, bos: bool, eos: bool) -> list[int]:
         """Token ids of `text`; special-token strings inside `text` are encoded as plain text."""
         ids = [self.bos_id] if bos else []
-        for piece in _bounded_pieces(text):
-            ids.extend(self._encoding.encode_ordinary(piece))
+        if self._nfc:
+            text = unicodedata.normalize("NFC", text)
+        for chunk in _bounded_pieces(text):
+            if self._whole:
+                ids.extend(self._encoding.encode_ordinary(chunk))
+                continue
+            for piece in _split(chunk, self._splits):
+                data = piece.encode("utf-8").translate(None, self._dropped)
+                if data:  # tiktoken's BPE of one piece (private API, no public equivalent)
+                    ids.extend(self._encoding._encode_single_piece(data))
         if eos:
             ids.append(self.eos_id)
         return ids
@@ -87,19 +125,90 @@ class Tokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         """Text of `ids` (a list or a tensor); invalid UTF-8 becomes U+FFFD."""
         ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size or self._id_bytes[i] is None]
         if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        return self._encoding.decode(ids)
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size}) or has no token")
+        return b"".join(self._id_bytes[i] for i in ids).decode("utf-8", errors="replace")
+
+
+def _fingerprint(ranks, patterns, special_tokens, bos_id, eos_id, nfc) -> str:
+    """16 hex digits of sha256 over the ranks in order (the Llama 3 tokenizer's value, kept since
+    token shards record it), plus the layout when it is not Llama 3's for that many ranks."""
+    ordered = sorted(ranks.items(), key=lambda item: item[1])
+    digest = hashlib.sha256(LLAMA3_SPLIT_PATTERN.encode())
+    for token, _ in ordered:
+        digest.update(len(token).to_bytes(4, "little") + token)
+    layout = _layout(patterns, [i for _, i in ordered], special_tokens, bos_id, eos_id, nfc)
+    n = len(ranks)
+    llama3 = {tok: n + i for i, tok in enumerate(LLAMA3_SPECIAL_TOKENS)}
+    if layout != _layout((LLAMA3_SPLIT_PATTERN,), list(range(n)), llama3, n, n + 1, False):
+        digest.update(json.dumps(layout).encode())
+    return digest.hexdigest()[:16]
+
+
+def _layout(patterns, ids, special_tokens, bos_id, eos_id, nfc) -> dict:
+    specials = sorted((i, tok) for tok, i in special_tokens.items())
+    return {"patterns": list(patterns), "ids": ids, "specials": specials, "bos": bos_id, "eos": eos_id, "nfc": nfc}
+
+
+def _decode_table(ranks, special_tokens, decode_only) -> list[bytes | None]:
+    """id -> bytes for every id up to the highest; None for ids without a token."""
+    table: list[bytes | None] = [None] * (1 + max([*ranks.values(), *special_tokens.values(), *decode_only]))
+    for i, data in decode_only.items():
+        table[i] = data
+    for data, i in ranks.items():
+        table[i] = data
+    for tok, i in special_tokens.items():
+        table[i] = tok.encode("utf-8")
+    return table
+
+
+def _with_gaps(pattern: str) -> str:
+    """`pattern` plus a last alternative for a run of text it does not match: HF keeps such runs
+    as pieces, tiktoken would skip them (none exist for the usual, total, patterns)."""
+    return f"(?:{pattern})|(?:(?!(?:{pattern}))(?s:.))+"
+
+
+def _split(text: str, patterns: list) -> list[str]:
+    """HF's Isolated split by each pattern in turn: matches and the text between them."""
+    pieces = [text]
+    for pattern in patterns:
+        pieces = [p for piece in pieces for p in _isolated(piece, pattern)]
+    return pieces
+
+
+def _isolated(text: str, pattern) -> Iterator[str]:
+    start = 0
+    for match in pattern.finditer(text):
+        if match.start() > start:
+            yield text[start : match.start()]
+        if match.end() > match.start():
+            yield match.group()
+        start = match.end()
+    if start < len(text):
+        yield text[start:]
 
 
 def load_tokenizer(path: str | os.PathLike | None = None) -> Tokenizer:
-    """Tokenizer from a Llama 3 `tokenizer.model` file; None gives the bundled offline default."""
+    """Tokenizer from a Llama 3 `tokenizer.model` file, a Hugging Face `tokenizer.json`, or a
+    folder holding either (tokenizer.json preferred); None gives the bundled offline default."""
     if path is None:
         asset = resources.files("tessera.data").joinpath("assets", "tokenizer.model")
         ranks = _parse_ranks(asset.read_text(encoding="ascii"), str(asset))
         return Tokenizer(ranks, "tessera-default")
-    return Tokenizer(read_ranks(path), os.path.basename(os.fspath(path)))
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        found = [os.path.join(path, n) for n in ("tokenizer.json", "tokenizer.model") if os.path.isfile(os.path.join(path, n))]
+        if not found:
+            raise ValueError(f"{path}: folder holds no tokenizer.json or tokenizer.model")
+        path = found[0]
+    if not path.endswith(".json"):
+        return Tokenizer(read_ranks(path), os.path.basename(path))
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"tokenizer file not found: {path}")
+    hf = read_hf_tokenizer(path)
+    return Tokenizer(hf.ranks, hf.name, patterns=hf.patterns, special_tokens=hf.special_tokens, bos_id=hf.bos_id,
+                     eos_id=hf.eos_id, nfc=hf.nfc, dropped_bytes=hf.dropped_bytes, decode_only=hf.decode_only)
 
 
 def read_ranks(path: str | os.PathLike) -> dict[bytes, int]:

@@ -3,11 +3,15 @@
 
 from tessera.models.attention import CausalSDPA
 from tessera.models.blocks import AC_MODES, apply_activation_checkpointing, apply_compile
+from tessera.models.hf_config import CONFIG_FILE, read_hf_config
 from tessera.models.spec import (
+    ARGS_FILE,
     ModelSpec,
+    args_record,
     get_model_spec,
     list_model_specs,
     num_params,
+    read_args_record,
     register_model_spec,
 )
 from tessera.models.llama import llama2_spec, llama3_spec
@@ -17,12 +21,17 @@ register_model_spec(llama3_spec)
 
 __all__ = [
     "AC_MODES",
+    "ARGS_FILE",
+    "CONFIG_FILE",
     "CausalSDPA",
     "ModelSpec",
     "apply_activation_checkpointing",
     "apply_compile",
+    "args_record",
     "get_model_spec",
     "list_model_specs",
     "num_params",
+    "read_args_record",
+    "read_hf_config",
     "register_model_spec",
 ]

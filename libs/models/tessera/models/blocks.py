@@ -13,6 +13,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 AC_MODES = ("none", "full", "selective")
+_CHECKPOINT_DEFAULTS = {"early_stop": True, "determinism_check": "default", "debug": False}
 
 # Outputs kept by selective AC: recomputing matmuls dominates backward cost, the rest is cheap.
 _SAVED_OPS = {
@@ -36,7 +37,10 @@ def _every_n(option: str | int) -> int:
     raise ValueError(f"selective activation checkpointing option {option!r} is not 'op' or a positive int")
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str, option: str | int = "op") -> None:
+def apply_activation_checkpointing(
+    model: nn.Module, mode: str, option: str | int = "op", *, preserve_rng_state: bool = False,
+    early_stop: bool = True, determinism_check: str = "default", debug: bool = False,
+) -> None:
     """Wrap blocks of ``model.layers`` so backward recomputes their activations instead of
     keeping them, trading compute for memory.
 
@@ -47,7 +51,10 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, option: str | in
     in ``model.layers`` order) and leaves the others alone. ``option`` only matters for
     "selective". ValueError naming the culprit for an unknown mode or option.
 
-    RNG state is not saved: the blocks have no dropout, and saving it costs every forward.
+    The keywords are torch.utils.checkpoint's: RNG state matters only to blocks with dropout
+    (saving it costs every forward); early_stop ends a recomputation once it has produced what
+    backward needs; determinism_check "default" compares the recomputed tensors' metadata;
+    debug records the recomputed ops for a mismatch report.
     """
     if mode not in AC_MODES:
         raise ValueError(f"activation checkpointing mode {mode!r} is not one of {AC_MODES}")
@@ -55,20 +62,23 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, option: str | in
         return
     # A context_fn only for selective-op: torch.compile (2.13) fails on a checkpoint given any
     # context_fn it cannot trace, the default noop one passed explicitly included.
-    every_n, contexts = 1, {}
+    # torch's defaults are left implicit, like context_fn below, so torch.compile sees the plain call
+    contexts = {key: value for key, value in (("early_stop", early_stop), ("determinism_check", determinism_check),
+                                              ("debug", debug)) if value != _CHECKPOINT_DEFAULTS[key]}
+    every_n = 1
     if mode == "selective" and option == "op":
-        contexts = {"context_fn": functools.partial(create_selective_checkpoint_contexts, _save_matmuls)}
+        contexts["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
     elif mode == "selective":
         every_n = _every_n(option)
     for index, (name, block) in enumerate(model.layers.named_children()):
         if index % every_n == 0:
-            wrapped = checkpoint_wrapper(block, preserve_rng_state=False, **contexts)
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=preserve_rng_state, **contexts)
             model.layers.register_module(name, wrapped)
 
 
-def apply_compile(model: nn.Module) -> None:
+def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
     """Compile each block of ``model.layers`` on its own (``fullgraph=True``): the blocks are
     identical, so one graph is compiled and reused for all, and hooks that FSDP puts around each
     block (all-gather before, reshard after) stay outside the compiled regions."""
     for name, block in model.layers.named_children():
-        model.layers.register_module(name, torch.compile(block, fullgraph=True))
+        model.layers.register_module(name, torch.compile(block, fullgraph=True, backend=backend))

@@ -1,8 +1,13 @@
 """Registry of model specs: what the trainer and the parallelism libraries need to know
 about a model family, so a custom model plugs in by registering its own spec."""
 
+import dataclasses
+import json
+import os
+import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from torch import nn
@@ -27,6 +32,10 @@ class ModelSpec:
     tp_divisible: args -> {quantity name: value} that a tensor-parallel degree must divide.
     hf_adapter: object with ``to_hf(state_dict, args)`` and ``from_hf(state_dict, args)``
         converting state dicts to and from Hugging Face names, or None.
+    hf_config: object turning a Hugging Face ``config.json`` dict into args and back, or None:
+        ``args_from_config(config, source)``, ``config_from_args(args, *, dtype=None,
+        bos_token_id=None, eos_token_id=None)``, and ``check_config(args, config, source, target)``
+        raising a ValueError that names the first field where they differ.
     """
 
     name: str
@@ -36,6 +45,7 @@ class ModelSpec:
     tp_plan: Mapping[str, str]
     tp_divisible: Callable[[Any], dict[str, int]]
     hf_adapter: Any = None
+    hf_config: Any = None
 
 
 _REGISTRY: dict[str, ModelSpec] = {}
@@ -68,3 +78,48 @@ def num_params(model: nn.Module, exclude_embedding: bool = False) -> int:
             if isinstance(module, nn.Embedding):
                 params.pop(id(module.weight), None)
     return sum(params.values())
+
+
+ARGS_FILE = "model_args.json"
+
+
+def args_record(spec: ModelSpec, args, **extra) -> bytes:
+    """``model_args.json`` for weights saved beside it: the spec's name, the args (nested
+    dataclasses as objects) and ``extra`` JSON-able values (flavor, token ids), so a tool can
+    rebuild the model without being told its shape."""
+    return (json.dumps({"model": spec.name, "args": dataclasses.asdict(args), **extra}, indent=2) + "\n").encode()
+
+
+def read_args_record(folder: str | os.PathLike) -> tuple[ModelSpec, Any, dict] | None:
+    """(spec, args, the whole record) from ``<folder>/model_args.json``, or None when the folder
+    has none. A malformed record or an unregistered model is a ValueError naming the file."""
+    path = Path(folder) / ARGS_FILE
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+        spec = get_model_spec(record["model"])
+        return spec, _dataclass_from_dict(type(next(iter(spec.flavors.values()))), record["args"]), record
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{path} is not a model args record: {e!r}") from None
+    except ValueError as e:  # an unregistered model, args the model refuses
+        raise ValueError(f"{path}: {e}") from None
+
+
+def _dataclass_from_dict(cls: type, data: dict) -> Any:
+    """``cls(**data)`` with nested dataclass fields rebuilt from their dicts."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{data!r} is not an object of {cls.__name__} fields")
+    hints = typing.get_type_hints(cls)
+    known = {field.name for field in dataclasses.fields(cls) if field.init}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"{unknown[0]!r} is not a field of {cls.__name__}")
+    values = {}
+    for name, value in data.items():
+        nested = [t for t in typing.get_args(hints[name]) or (hints[name],) if dataclasses.is_dataclass(t)]
+        values[name] = _dataclass_from_dict(nested[0], value) if nested and value is not None else value
+    try:
+        return cls(**values)
+    except TypeError as e:
+        raise ValueError(str(e)) from None

@@ -32,6 +32,7 @@ class ModelArgs:
     vocab_size: int = 32000
     multiple_of: int = 256  # SwiGLU hidden size is rounded up to a multiple of this
     ffn_dim_multiplier: float | None = None
+    ffn_dim: int | None = None  # SwiGLU hidden size as given (HF's intermediate_size); None: derived
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
@@ -58,8 +59,11 @@ class ModelArgs:
 
     @property
     def ffn_hidden_dim(self) -> int:
-        """SwiGLU hidden size: 2/3 of 4*dim (keeps the FLOPs of a 4*dim MLP with three
-        matrices), times ``ffn_dim_multiplier``, rounded up to ``multiple_of``."""
+        """SwiGLU hidden size: ``ffn_dim`` when set (a Hugging Face config states it outright),
+        else 2/3 of 4*dim (keeps the FLOPs of a 4*dim MLP with three matrices), times
+        ``ffn_dim_multiplier``, rounded up to ``multiple_of``."""
+        if self.ffn_dim is not None:
+            return self.ffn_dim
         hidden = int(2 * (4 * self.dim) / 3)
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)

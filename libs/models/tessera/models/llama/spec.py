@@ -1,6 +1,6 @@
 """Model specs of the Llama 2 and Llama 3.x families."""
 
-from tessera.models.llama import hf_adapter
+from tessera.models.llama import hf_adapter, hf_config
 from tessera.models.llama.args import ModelArgs
 from tessera.models.llama.flavors import llama2_flavors, llama3_flavors
 from tessera.models.llama.model import Transformer
@@ -63,6 +63,7 @@ def _llama_spec(name: str, flavors: dict[str, ModelArgs]) -> ModelSpec:
         tp_plan=TP_PLAN,
         tp_divisible=tp_divisible,
         hf_adapter=hf_adapter,
+        hf_config=hf_config,
     )
 
 

@@ -1,0 +1,109 @@
+"""What `--help` and `--version` print: the config keys with defaults and meanings, and the
+versions a bug report needs (trainer, each library, torch, git commit)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import importlib.util
+import os
+import subprocess
+import typing
+from pathlib import Path
+
+import tomli
+
+from tessera.trainer.config import ConfigError, JobConfig, get_key
+from tessera.trainer.config_keys import HELP, OLDER_TORCHTITAN_KEYS, REFUSED, TESSERA_KEYS
+
+TRAINER_VERSION = "0.9.0"
+LIBRARIES = ("mesh", "models", "data", "fsdp", "tp", "pp", "cp", "ckpt", "float8")
+
+USAGE = """usage: trainer [--nproc N] [--check [--check_world_size N]] [--job.config_file F] [--section.key VALUE ...]
+       trainer --help [SECTION]    the config keys (of one section), their defaults and meanings
+       trainer --version           versions of the trainer, its libraries, torch, and the git commit"""
+
+
+def config_keys() -> list[str]:
+    """Every "section.key" (nested tables dotted), in declaration order."""
+
+    def walk(cls: type, prefix: str) -> typing.Iterator[str]:
+        hints = typing.get_type_hints(cls)
+        for field in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(hints[field.name]):
+                yield from walk(hints[field.name], f"{prefix}{field.name}.")
+            else:
+                yield f"{prefix}{field.name}"
+
+    return list(walk(JobConfig, ""))
+
+
+def _default(key: str) -> str:
+    value = get_key(JobConfig(), key)
+    return "unset" if value is None else repr(value)
+
+
+def help_text(section: str | None = None) -> str:
+    """The keys of every section, or of `section` (ConfigError naming an unknown one)."""
+    keys = config_keys()
+    sections = list(dict.fromkeys(key.split(".")[0] for key in keys))
+    if section is not None:
+        if section not in sections:
+            raise ConfigError(f"--help {section}: no such config section; sections: {', '.join(sections)}")
+        sections = [section]
+    lines = [USAGE, ""]
+    for name in sections:
+        lines.append(f"[{name}]")
+        for key in (k for k in keys if k.split(".")[0] == name):
+            line = f"  --{key} (default {_default(key)}): {HELP[key]}"
+            if key in REFUSED:
+                line += f" [only the default: {REFUSED[key]}]"
+            lines.append(line)
+        lines.append("")
+    return "\n".join(lines).rstrip()
+
+
+def key_table() -> str:
+    """The README's table of every key: where its name comes from and what Tessera does with it."""
+    rows = ["| key | default | status |", "| --- | --- | --- |"]
+    for key in config_keys():
+        origin = "Tessera" if key in TESSERA_KEYS else "torchtitan 0.1 name" if key in OLDER_TORCHTITAN_KEYS else ""
+        status = f"refused unless default: {REFUSED[key]}" if key in REFUSED else "works"
+        if origin:
+            status = f"{status} ({origin})"
+        rows.append(f"| `{key}` | `{_default(key)}` | {status.replace('|', '/')} |")
+    return "\n".join(rows)
+
+
+def _library_version(name: str) -> str:
+    """From the pyproject.toml beside the imported code (a checkout, Bazel's runfiles), else
+    from the installed distribution (pip install ./libs/<name>)."""
+    spec = importlib.util.find_spec(f"tessera.{name}")  # found, not imported: torchao's import is slow and noisy
+    if spec is None:
+        return "missing"
+    pyproject = Path(next(iter(spec.submodule_search_locations))).parents[1] / "pyproject.toml"
+    if pyproject.is_file():
+        with open(pyproject, "rb") as f:
+            return tomli.load(f)["project"]["version"]
+    try:
+        return importlib.metadata.version(f"tessera-{name}")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _git_commit() -> str:
+    """The commit of the checkout the trainer runs from (Bazel names it; else the cwd's)."""
+    where = os.environ.get("BUILD_WORKSPACE_DIRECTORY") or os.getcwd()
+    try:
+        out = subprocess.run(["git", "-C", where, "describe", "--always", "--dirty"], capture_output=True, text=True,
+                             timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 else "unknown"
+
+
+def version_text() -> str:
+    import torch
+
+    libraries = " ".join(f"{name} {_library_version(name)}" for name in LIBRARIES)
+    return f"tessera trainer {TRAINER_VERSION} | libraries: {libraries} | torch {torch.__version__} | git {_git_commit()}"

@@ -1,0 +1,107 @@
+"""Hugging Face model folders (model.hf_assets_path) in the trainer: the architecture from its
+config.json (model.flavor = "from_hf_config"), initial weights from its safetensors, and what an
+export writes beside the weights so that transformers opens it.
+
+Only the job plan and the checkpointer use these; the folder's tokenizer is tessera.data's concern.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from tessera.ckpt.hf import INDEX_FILE, SINGLE_FILE
+from tessera.models import ARGS_FILE, CONFIG_FILE, ModelSpec, args_record, read_hf_config
+from tessera.trainer.config import ConfigError, JobConfig, user_input
+
+# The flavor name that takes the architecture from <model.hf_assets_path>/config.json.
+FROM_HF_CONFIG = "from_hf_config"
+# A Hugging Face tokenizer's files, copied beside an export when the run's tokenizer has them.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+
+
+def flavor_args(config: JobConfig, spec: ModelSpec):
+    """The architecture named by model.flavor, before the run's vocabulary and seq_len: a flavor
+    of the spec, or with "from_hf_config" the one model.hf_assets_path's config.json describes."""
+    flavor = config.model.flavor
+    if flavor != FROM_HF_CONFIG:
+        if flavor not in spec.flavors:
+            hint = f", or {FROM_HF_CONFIG!r} with model.hf_assets_path" if spec.hf_config is not None else ""
+            raise ConfigError(f"model.flavor {flavor!r} is not a flavor of {spec.name}; choose from {sorted(spec.flavors)}{hint}")
+        return spec.flavors[flavor]
+    if spec.hf_config is None:
+        raise ConfigError(f"model.flavor {FROM_HF_CONFIG!r}: model {spec.name} cannot be built from a Hugging Face config.json")
+    if not config.model.hf_assets_path:
+        raise ConfigError(f"model.flavor {FROM_HF_CONFIG!r} needs model.hf_assets_path, a Hugging Face model folder with {CONFIG_FILE}")
+    file = Path(config.model.hf_assets_path) / CONFIG_FILE
+    with user_input():
+        return spec.hf_config.args_from_config(read_hf_config(file), str(file))
+
+
+def initial_load_folder(config: JobConfig) -> tuple[str, Path] | None:
+    """(config key, folder) of the initial weights: checkpoint.initial_load_path, or for
+    initial_load_in_hf without one, model.hf_assets_path; None when neither applies."""
+    ckpt = config.checkpoint
+    if ckpt.initial_load_path:
+        return "checkpoint.initial_load_path", Path(ckpt.initial_load_path)
+    if ckpt.initial_load_in_hf and config.model.hf_assets_path:
+        return "model.hf_assets_path", Path(config.model.hf_assets_path)
+    return None
+
+
+def check_hf_weights(config: JobConfig, spec: ModelSpec, args) -> None:
+    """A Hugging Face folder the run loads holds safetensors, and its config.json (when it has
+    one) describes the run's model, vocabulary from the tokenizer included: a mismatch names
+    the first differing field before any worker starts. A missing folder is _check_paths' job."""
+    initial = initial_load_folder(config)
+    if not config.checkpoint.initial_load_in_hf or initial is None or not initial[1].is_dir():
+        return
+    key, folder = initial
+    if not (folder / SINGLE_FILE).is_file() and not (folder / INDEX_FILE).is_file():
+        raise ConfigError(f"{key} {folder} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
+    if spec.hf_config is None or not (folder / CONFIG_FILE).is_file():
+        return
+    target = f"{spec.name}/{config.model.flavor} (vocabulary from the tokenizer)"
+    with user_input():
+        spec.hf_config.check_config(args, read_hf_config(folder), str(folder / CONFIG_FILE), target)
+
+
+def _token_ids(config: JobConfig, tokenizer) -> dict:
+    """bos/eos ids for config.json: model.hf_assets_path's config.json's (eos may be a list),
+    else the tokenizer's."""
+    assets = Path(config.model.hf_assets_path) / CONFIG_FILE if config.model.hf_assets_path else None
+    if assets is not None and assets.is_file():
+        with user_input():
+            found = read_hf_config(assets)
+        ids = {key: found.get(key) for key in ("bos_token_id", "eos_token_id")}
+    else:
+        ids = {"bos_token_id": getattr(tokenizer, "bos_id", None), "eos_token_id": getattr(tokenizer, "eos_id", None)}
+    return {key: value for key, value in ids.items() if value is not None}
+
+
+def _tokenizer_files(source: str | None) -> dict[str, Path]:
+    """The tokenizer's own files: a folder's Hugging Face tokenizer files, or the one file."""
+    if not source:
+        return {}
+    path = Path(source)
+    if path.is_file():
+        return {path.name: path}
+    return {name: path / name for name in TOKENIZER_FILES if (path / name).is_file()}
+
+
+def export_files(config: JobConfig, spec: ModelSpec, args, tokenizer, tokenizer_source: str | None) -> tuple[dict, dict]:
+    """(files beside every DCP checkpoint, files beside a Hugging Face export).
+
+    DCP checkpoints get ``model_args.json``, the args record from which tools/convert rebuilds
+    the model (vocabulary included). Hugging Face exports get ``config.json`` and the tokenizer's
+    files, so ``transformers.AutoModelForCausalLM.from_pretrained`` opens the folder. Both state
+    the architecture's context length (the flavor's or config.json's), not the run's seq_len.
+    """
+    architecture = dataclasses.replace(args, max_seq_len=flavor_args(config, spec).max_seq_len)
+    ids = _token_ids(config, tokenizer)
+    dcp = {ARGS_FILE: args_record(spec, architecture, flavor=config.model.flavor, **ids)}
+    if spec.hf_config is None:
+        return dcp, {}
+    hf_config = spec.hf_config.config_from_args(architecture, dtype=config.checkpoint.export_dtype, **ids)
+    return dcp, {CONFIG_FILE: (json.dumps(hf_config, indent=2) + "\n").encode(), **_tokenizer_files(tokenizer_source)}

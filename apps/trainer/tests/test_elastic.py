@@ -1,0 +1,55 @@
+"""Elastic restart (issue 13): under `torchrun --max-restarts`, a rank that dies (the [debug]
+fault switch) restarts the job, which resumes from its newest checkpoint by itself and
+continues exactly as an uninterrupted run (same losses, same final weights)."""
+
+import os
+import re
+import subprocess
+import sys
+
+import torch
+
+from tessera.ckpt import read_dcp
+
+STEPS = 6
+ARGS = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--metrics.log_freq", "1",
+        "--metrics.disable_color_printing", "true", "--lr_scheduler.warmup_steps", "2", "--training.steps", str(STEPS),
+        "--checkpoint.enable", "true", "--checkpoint.interval", "2", "--parallelism.data_parallel_shard_degree", "2"]
+# torchrun shares its rendezvous store with the ranks; a restart then meets the failed
+# attempt's entries (pytorch#135712) unless each attempt gets a store of its own.
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+
+
+def torchrun(dump, max_restarts, *extra):
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+            "--max-restarts", str(max_restarts), "-m", "tessera.trainer.main", *ARGS, "--job.dump_folder", str(dump), *extra]
+    return subprocess.run(argv, env=ENV, capture_output=True, text=True, timeout=600)
+
+
+def logged_steps(stdout):
+    """(step, the logged loss and grad norm) in order, restarts included."""
+    return re.findall(r"^step +(\d+)/\d+ +(loss +\S+ +grad_norm +\S+)", stdout, re.M)
+
+
+def test_a_dead_rank_restarts_the_job_which_resumes_exactly(tmp_path):
+    faulty = torchrun(tmp_path / "faulty", 1, "--debug.fault_at_step", "4", "--debug.fault_rank", "1")
+    assert faulty.returncode == 0, faulty.stderr[-3000:]
+    assert "debug: injected fault: rank 1 crashes before step 4 (debug.fault_at_step)" in faulty.stderr
+    assert f"checkpoint: loaded {tmp_path / 'faulty' / 'checkpoint' / 'step-2'}; training continues after step 2" in faulty.stdout
+    reference = torchrun(tmp_path / "reference", 0)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    expected = dict(logged_steps(reference.stdout))
+    steps = logged_steps(faulty.stdout)
+    # the first attempt trained steps 1-3 and died before 4; the restart retrained 3, then 4-6
+    assert [int(step) for step, _ in steps] == [1, 2, 3, 3, 4, 5, 6]
+    assert all(values == expected[step] for step, values in steps)
+    final = [read_dcp(dump / "checkpoint" / f"step-{STEPS}", only="model") for dump in (tmp_path / "faulty", tmp_path / "reference")]
+    assert final[0].keys() == final[1].keys()
+    assert all(torch.equal(final[0][key], final[1][key]) for key in final[0])
+
+
+def test_without_restarts_the_injected_fault_fails_the_job(tmp_path):
+    run = torchrun(tmp_path, 0, "--debug.fault_at_step", "2", "--debug.fault_rank", "0", "--training.steps", "3")
+    assert run.returncode != 0
+    assert "debug: injected fault: rank 0 crashes before step 2 (debug.fault_at_step)" in run.stderr
+    assert not re.search(r"^step +2/", run.stdout, re.M)

@@ -1,0 +1,121 @@
+"""A Hugging Face model folder (model.hf_assets_path) through the trainer in one process: the
+architecture from its config.json (model.flavor = "from_hf_config"), the weights from its
+safetensors with no checkpoint.initial_load_path, the export's config.json and tokenizer files,
+the args record beside DCP checkpoints, and the plan's one-line refusals."""
+
+import json
+from importlib import resources
+from pathlib import Path
+
+import pytest
+import torch
+
+from tessera.ckpt import load_hf, save_hf
+from tessera.data import load_tokenizer
+from tessera.models import get_model_spec, read_args_record
+from tessera.trainer.config import load_config
+from tessera.trainer.main import main
+from tessera.trainer.train import train
+
+torch.set_num_threads(1)
+
+SMALL = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--training.mixed_precision_param", "float32",
+         "--metrics.log_freq", "1", "--metrics.disable_color_printing", "true"]
+# The bundled tokenizer named as a file: the tiny folder has no tokenizer of its own.
+TOKENIZER = Path(str(resources.files("tessera.data").joinpath("assets", "tokenizer.model")))
+
+
+def tiny_hf_folder(folder: Path, **change) -> tuple[dict, dict]:
+    """A Llama folder as transformers 5 writes it (config.json with rope_parameters, one
+    model.safetensors) of a seed-3 model; returns its config and Tessera-named weights."""
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "vocab_size": load_tokenizer().vocab_size,
+        "tie_word_embeddings": False, "bos_token_id": 5, "eos_token_id": [6, 7], "dtype": "float32",
+        "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        **change,
+    }
+    spec = get_model_spec("llama3")
+    args = spec.hf_config.args_from_config(config)
+    torch.manual_seed(3)  # not the trainer's seed: its own initial weights differ
+    weights = spec.build(args).state_dict()
+    save_hf(spec.hf_adapter.to_hf(weights, args), folder)
+    (folder / "config.json").write_text(json.dumps(config))
+    return config, weights
+
+
+def hf_run(dump: Path, hf: Path, *extra: str) -> list[dict]:
+    return train(load_config([*SMALL, "--job.dump_folder", str(dump), "--model.hf_assets_path", str(hf),
+                              "--model.tokenizer_path", str(TOKENIZER), "--checkpoint.initial_load_in_hf", "true", *extra]))
+
+
+def test_architecture_and_weights_come_from_the_folder_and_the_export_describes_them(tmp_path):
+    config, weights = tiny_hf_folder(tmp_path / "hf")
+    spec = get_model_spec("llama3")
+    args = spec.hf_config.args_from_config(config)
+    # lr 0: the one step leaves the weights as loaded, so the export must hold the folder's weights
+    hf_run(tmp_path / "run", tmp_path / "hf", "--model.flavor", "from_hf_config", "--training.steps", "1",
+           "--optimizer.lr", "0", "--checkpoint.enable", "true", "--checkpoint.last_save_in_hf", "true")
+    folder = tmp_path / "run" / "checkpoint"
+    export = folder / "step-1-hf"
+    exported = load_hf(export)
+    expected = spec.hf_adapter.to_hf(weights, args)
+    assert exported.keys() == expected.keys()
+    for key, value in expected.items():
+        assert exported[key].dtype == torch.float32 and torch.equal(exported[key], value), key
+
+    written = json.loads((export / "config.json").read_text())
+    assert spec.hf_config.args_from_config(written) == args  # context 256 (not seq_len 32), intermediate_size 96
+    assert (written["architectures"], written["torch_dtype"]) == (["LlamaForCausalLM"], "float32")
+    assert (written["bos_token_id"], written["eos_token_id"]) == (5, [6, 7])  # the folder's, eos list included
+    assert (export / "tokenizer.model").read_bytes() == TOKENIZER.read_bytes()
+
+    for step_dir in ("step-1", "step-1-model"):  # the full checkpoint and the final model-only export
+        found_spec, found_args, record = read_args_record(folder / step_dir)
+        assert (found_spec.name, found_args, record["flavor"]) == ("llama3", args, "from_hf_config")
+
+
+def test_named_flavor_loads_a_folder_of_its_shape(tmp_path):
+    spec = get_model_spec("llama3")
+    debug = spec.flavors["debugmodel"]
+    change = {"hidden_size": debug.dim, "num_hidden_layers": debug.n_layers, "num_attention_heads": debug.n_heads,
+              "num_key_value_heads": debug.n_heads, "head_dim": debug.head_dim, "intermediate_size": debug.ffn_hidden_dim,
+              "rope_parameters": {"rope_type": "default", "rope_theta": debug.rope_theta}}
+    config, weights = tiny_hf_folder(tmp_path / "hf", **change)
+    history = hf_run(tmp_path / "run", tmp_path / "hf", "--training.steps", "1", "--optimizer.lr", "0",
+                     "--checkpoint.enable", "true", "--checkpoint.interval", "1")
+    from tessera.ckpt import read_dcp
+
+    saved = read_dcp(tmp_path / "run" / "checkpoint" / "step-1", only="model")
+    assert saved.keys() == weights.keys() and all(torch.equal(saved[k], v) for k, v in weights.items())
+    assert history[0]["step"] == 1
+
+
+@pytest.mark.parametrize("flavor, change, message", [
+    ("debugmodel", {}, "{hf}/config.json: hidden_size is 64 but llama3/debugmodel (vocabulary from the tokenizer) has dim 256"),
+    ("from_hf_config", {"vocab_size": 4096},
+     "{hf}/config.json: vocab_size is 4096 but llama3/from_hf_config (vocabulary from the tokenizer) has vocab_size 2048"),
+    ("from_hf_config", {"attention_bias": True}, "{hf}/config.json: attention_bias True is not supported, only False"),
+    ("from_hf_config", "no weights", "model.hf_assets_path {hf} holds neither model.safetensors nor model.safetensors.index.json"),
+])
+def test_the_plan_refuses_a_folder_that_does_not_fit_in_one_line(tmp_path, capsys, flavor, change, message):
+    hf = tmp_path / "hf"
+    tiny_hf_folder(hf, **(change if isinstance(change, dict) else {}))
+    if change == "no weights":
+        (hf / "model.safetensors").unlink()
+    argv = [*SMALL, "--job.dump_folder", str(tmp_path / "run"), "--model.hf_assets_path", str(hf), "--model.flavor",
+            flavor, "--model.tokenizer_path", str(TOKENIZER), "--checkpoint.initial_load_in_hf", "true"]
+    assert main([*argv, "--nproc", "2"]) == 2  # refused before any worker starts
+    assert capsys.readouterr().err.strip() == f"error: {message.format(hf=hf)}"
+    assert not (tmp_path / "run").exists()
+
+
+def test_from_hf_config_needs_the_folder(tmp_path, capsys):
+    assert main([*SMALL, "--job.dump_folder", str(tmp_path), "--model.flavor", "from_hf_config", "--check"]) == 2
+    assert capsys.readouterr().err.strip() == ("error: model.flavor 'from_hf_config' needs model.hf_assets_path, a Hugging "
+                                              "Face model folder with config.json")
+    assert main([*SMALL, "--job.dump_folder", str(tmp_path), "--model.flavor", "from_hf_config", "--model.hf_assets_path",
+                 str(tmp_path), "--model.tokenizer_path", str(TOKENIZER), "--check"]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {tmp_path}/config.json does not exist"

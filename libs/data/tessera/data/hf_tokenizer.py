@@ -1,0 +1,314 @@
+"""Hugging Face `tokenizer.json` (byte-level BPE, as Llama 3, Qwen2/3, DeepSeek-V3 ship) read as
+tiktoken ranks, split patterns and special tokens.
+
+HF's BPE merges, within a pre-tokenized word, the adjacent pair of earliest merge (leftmost on
+ties); tiktoken merges the adjacent pair whose concatenation has the lowest rank, and emits ranks
+as ids. With rank = id the two agree exactly when, as checked here:
+- every token kept as a rank is *reachable*: HF's BPE on the token's own bytes yields that one
+  token. The last merge of that run is the token's *canonical* merge. Inside any word, HF's parts
+  over a span evolve as HF's run on that span alone, so a pair of parts whose concatenation is
+  a kept token is always its canonical pair: both sides see the same candidate pairs, and a
+  token HF never builds is not offered to tiktoken;
+- ids rise with canonical merge order, so both pick the same pair (ties: the same pair, leftmost).
+Unreachable vocab tokens stay decodable but are not ranks. With `ignore_merges` HF emits a whole
+word found in the vocab directly, as tiktoken does for a rank; an unreachable token is then kept
+as a rank when HF's run on its bytes ends in 3+ parts (no pair of parts ever concatenates to
+it) and none of its bytes is dropped, otherwise the file is refused. Byte-level characters missing from the vocab are dropped by
+HF (no unk token): their bytes are reported in `dropped_bytes` and removed per word by the caller.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+
+import regex
+
+# The split HF's ByteLevel pre-tokenizer applies when use_regex is true (GPT-2's pattern).
+GPT2_SPLIT_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+
+# Tokens tokenizer_config.json may name, in the order HF's add_special_tokens sees them.
+_CONFIG_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token", "sep_token", "cls_token", "mask_token")
+_BOS_LIKE = re.compile(r"begin.of.(text|sentence)|startoftext|^<s>$|^<bos>$", re.IGNORECASE)
+_EOS_LIKE = re.compile(r"end.of.(text|sentence)|endoftext|^</s>$|^<eos>$", re.IGNORECASE)
+
+
+def byte_level_chars() -> list[str]:
+    """GPT-2's byte-level alphabet: the character HF writes for each byte 0..255. Printable
+    Latin-1 bytes stand for themselves; the other 68 take U+0100 onwards, in byte order."""
+    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    shifted = iter(range(0x100, 0x200))
+    return [chr(b) if b in printable else chr(next(shifted)) for b in range(256)]
+
+
+# str.translate table: alphabet character -> its byte; other Latin-1 characters -> U+0100, so
+# that encoding the result as Latin-1 fails exactly for keys that are not byte-level text.
+_TO_BYTES = {ord(c): b for b, c in enumerate(byte_level_chars())}
+_TO_BYTES.update({c: 0x100 for c in range(0x100) if c not in _TO_BYTES})
+
+
+@dataclass(frozen=True)
+class HFTokenizer:
+    """What `Tokenizer` needs from a tokenizer.json (+ tokenizer_config.json, config.json)."""
+
+    name: str
+    ranks: dict[bytes, int]  # tokens the BPE can emit -> id (tiktoken's mergeable ranks)
+    patterns: tuple[str, ...]  # split regexes, applied in turn, each piece split by the next
+    special_tokens: dict[str, int]
+    bos_id: int
+    eos_id: int
+    nfc: bool  # NFC normalizer
+    dropped_bytes: bytes  # bytes without a token: HF drops them
+    decode_only: dict[int, bytes]  # other ids (unreachable vocab tokens): decoded, never emitted
+
+
+def read_hf_tokenizer(path: str | os.PathLike) -> HFTokenizer:
+    """Convert `path` (a tokenizer.json); errors are one ValueError line naming the file."""
+    path = os.fspath(path)
+    doc = _read_json(path)
+    model = doc.get("model")
+    if not isinstance(model, dict):
+        raise ValueError(f"{path}: no 'model' object; not a Hugging Face tokenizer.json")
+    _check_model(model, path)
+    nfc = _is_nfc(doc.get("normalizer"), path)
+    patterns = _split_patterns(doc.get("pre_tokenizer"), path)
+
+    vocab, merges = _vocab_and_merges(model, path)
+    token_bytes = {key: _key_bytes(key) for key in vocab}
+    singles = {token_bytes[key][0]: i for key, i in vocab.items() if len(key) == 1 and token_bytes[key]}
+    dropped = bytes(b for b in range(256) if b not in singles)
+    if dropped and model.get("unk_token"):
+        raise ValueError(f"{path}: bytes without a token and an unk_token: unknown-token mapping is not supported")
+
+    ranks = {bytes([b]): i for b, i in singles.items()}
+    decode_only = {}
+    canonical = []  # (canonical merge index, id) of reachable tokens
+    for key, i in vocab.items():
+        data = token_bytes[key]
+        if data is None:  # not byte-level text: HF's decoder falls back to the UTF-8 of such keys
+            decode_only[i] = key.encode("utf-8")
+            continue
+        if len(key) == 1:
+            continue
+        symbols = [singles[b] for b in data if b in singles]
+        parts, last = _bpe(symbols, merges)
+        if parts == [i]:
+            ranks[data] = i
+            canonical.append((last, i))
+        elif not model.get("ignore_merges"):
+            decode_only[i] = data
+        elif len(parts) >= 3 and len(symbols) == len(data):
+            ranks[data] = i  # see the module docstring: no pair of parts concatenates to it
+        else:
+            raise ValueError(
+                f"{path}: token {key!r} (id {i}) is not built by the merges, but ignore_merges emits it "
+                "for a whole word; tiktoken cannot reproduce that"
+            )
+    _check_order(canonical, vocab, path)
+
+    special_tokens = {t["content"]: t["id"] for t in _added_tokens(doc, path)}
+    folder = os.path.dirname(os.path.abspath(path))
+    config_path = os.path.join(folder, "tokenizer_config.json")
+    config = _read_json(config_path, optional=True)
+    named = _resolve_config_tokens(config, config_path, special_tokens, vocab)
+    bos_id, eos_id = _bos_eos(path, folder, config, special_tokens, named, ranks, decode_only)
+    name = f"{os.path.basename(folder)}/{os.path.basename(path)}"
+    return HFTokenizer(name, ranks, patterns, special_tokens, bos_id, eos_id, nfc, dropped, decode_only)
+
+
+def _read_json(path: str, optional: bool = False) -> dict:
+    if optional and not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not UTF-8 text") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: expected a JSON object at the top level")
+    return doc
+
+
+def _check_model(model: dict, path: str) -> None:
+    if model.get("type") != "BPE":
+        raise ValueError(f"{path}: model type {model.get('type')!r} is not supported (byte-level BPE only)")
+    if model.get("byte_fallback"):
+        raise ValueError(f"{path}: model.byte_fallback is set: a SentencePiece-style BPE, not byte-level (unsupported)")
+    for key in ("dropout", "continuing_subword_prefix", "end_of_word_suffix"):
+        if model.get(key):
+            raise ValueError(f"{path}: model.{key} = {model[key]!r} is not supported")
+
+
+def _is_nfc(normalizer, path: str) -> bool:
+    """True for NFC, False for none; anything else changes text in ways tiktoken does not."""
+    steps = [normalizer] if normalizer is not None else []
+    while any(s.get("type") == "Sequence" for s in steps):
+        steps = [n for s in steps for n in (s.get("normalizers", []) if s.get("type") == "Sequence" else [s])]
+    unsupported = [s.get("type") for s in steps if s.get("type") != "NFC"]
+    if unsupported:
+        raise ValueError(f"{path}: normalizer {unsupported[0]!r} is not supported (only none or NFC)")
+    return bool(steps)
+
+
+def _split_patterns(pre_tokenizer, path: str) -> tuple[str, ...]:
+    """The split regexes of ByteLevel / Split(Isolated) / Sequence pre-tokenizers, in order."""
+    steps = [pre_tokenizer] if pre_tokenizer is not None else []
+    while any(s.get("type") == "Sequence" for s in steps):
+        steps = [p for s in steps for p in (s.get("pretokenizers", []) if s.get("type") == "Sequence" else [s])]
+    if not steps or steps[-1].get("type") != "ByteLevel":
+        raise ValueError(f"{path}: pre_tokenizer must end with ByteLevel (byte-level BPE only)")
+    patterns = []
+    for step in steps:
+        kind = step.get("type")
+        if kind == "ByteLevel":
+            if step is not steps[-1]:
+                raise ValueError(f"{path}: pre_tokenizer has a step after ByteLevel; not supported")
+            if step.get("add_prefix_space"):
+                raise ValueError(f"{path}: pre_tokenizer ByteLevel add_prefix_space=true is not supported")
+            if step.get("use_regex", True):
+                patterns.append(GPT2_SPLIT_PATTERN)
+        elif kind == "Split":
+            patterns.append(_split_regex(step, path))
+        else:
+            raise ValueError(f"{path}: pre_tokenizer {kind!r} is not supported (ByteLevel, Split, Sequence)")
+    if not patterns:
+        raise ValueError(f"{path}: pre_tokenizer has no split regex (whole text as one word); not supported")
+    return tuple(patterns)
+
+
+def _split_regex(step: dict, path: str) -> str:
+    if step.get("behavior") != "Isolated" or step.get("invert"):
+        how = f"behavior {step.get('behavior')!r}" + (", invert" if step.get("invert") else "")
+        raise ValueError(f"{path}: pre_tokenizer Split with {how} is not supported (Isolated only)")
+    pattern = step.get("pattern") or {}
+    text = pattern["Regex"] if "Regex" in pattern else regex.escape(pattern.get("String", ""))
+    if not text:
+        raise ValueError(f"{path}: pre_tokenizer Split without a pattern")
+    try:
+        regex.compile(text)
+    except regex.error as e:
+        raise ValueError(f"{path}: pre_tokenizer Split regex {text[:60]!r} does not compile ({e})") from None
+    return text
+
+
+def _vocab_and_merges(model: dict, path: str) -> tuple[dict[str, int], dict[tuple[int, int], tuple[int, int]]]:
+    """The vocab and HF's merge table: (left id, right id) -> (merge index, id of the result);
+    a pair listed twice keeps its last index, as in HF."""
+    vocab = model.get("vocab")
+    if not isinstance(vocab, dict) or not all(isinstance(i, int) and i >= 0 for i in vocab.values()):
+        raise ValueError(f"{path}: model.vocab must map tokens to non-negative ids")
+    merges = {}
+    for index, merge in enumerate(model.get("merges") or []):
+        pair = merge.split(" ") if isinstance(merge, str) else merge
+        if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(p, str) for p in pair)):
+            raise ValueError(f"{path}: merge #{index} {merge!r} is not a pair of tokens")
+        ids = [vocab.get(pair[0]), vocab.get(pair[1]), vocab.get(pair[0] + pair[1])]
+        if None in ids:
+            raise ValueError(f"{path}: merge #{index} {merge!r} uses or makes a token not in model.vocab")
+        merges[ids[0], ids[1]] = (index, ids[2])
+    return vocab, merges
+
+
+def _key_bytes(key: str) -> bytes | None:
+    """The bytes a byte-level vocab key stands for; None if it is not byte-level text."""
+    try:
+        return key.translate(_TO_BYTES).encode("latin-1")
+    except UnicodeEncodeError:
+        return None
+
+
+def _bpe(symbols: list[int], merges: dict) -> tuple[list[int], int]:
+    """HF's BPE on one word: merge the adjacent pair of earliest merge, leftmost on ties, until
+    none applies. Returns the parts and the index of the last merge (-1: none)."""
+    last = -1
+    while len(symbols) > 1:
+        best = None
+        for pos in range(len(symbols) - 1):
+            merge = merges.get((symbols[pos], symbols[pos + 1]))
+            if merge is not None and (best is None or merge[0] < best[0][0]):
+                best = (merge, pos)
+        if best is None:
+            break
+        (last, new_id), pos = best
+        symbols[pos : pos + 2] = [new_id]
+    return symbols, last
+
+
+def _check_order(canonical: list[tuple[int, int]], vocab: dict[str, int], path: str) -> None:
+    """tiktoken ranks are the ids, so ids must rise with canonical merge order."""
+    canonical.sort()
+    for (merge_a, id_a), (merge_b, id_b) in zip(canonical, canonical[1:]):
+        if id_b <= id_a:
+            names = {i: k for k, i in vocab.items() if i in (id_a, id_b)}
+            raise ValueError(
+                f"{path}: token ids do not follow merge order (merge #{merge_a} makes {names[id_a]!r} = id {id_a}, "
+                f"the later merge #{merge_b} makes {names[id_b]!r} = id {id_b}); tiktoken ranks cannot express this"
+            )
+
+
+def _added_tokens(doc: dict, path: str) -> list[dict]:
+    tokens = doc.get("added_tokens") or []
+    for t in tokens:
+        if not (isinstance(t, dict) and isinstance(t.get("content"), str) and isinstance(t.get("id"), int)):
+            raise ValueError(f"{path}: added_tokens entry {str(t)[:60]!r} lacks a string content or an integer id")
+    return tokens
+
+
+def _config_token(config: dict, key: str, origin: str) -> str | None:
+    """A token named by tokenizer_config.json: a string or an AddedToken dict ({"content": ...})."""
+    value = config.get(key)
+    if isinstance(value, dict):
+        value = value.get("content")
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"{origin}: {key} must be a string or an object with a 'content' string")
+    return value
+
+
+def _resolve_config_tokens(config: dict, origin: str, special_tokens: dict[str, int], vocab: dict[str, int]) -> dict[str, int]:
+    """Tokens tokenizer_config.json names (standard keys, then added_tokens_decoder) become special
+    tokens, as HF's add_special_tokens (used by transformers and torchtitan) makes them: an existing
+    added token or vocab entry keeps its id, a new one takes the id after the highest. The explicit
+    ids of added_tokens_decoder are not used: tokenizer.json decides ids, as in a fast tokenizer."""
+    names = [_config_token(config, key, origin) for key in _CONFIG_TOKEN_KEYS]
+    decoder = config.get("added_tokens_decoder") or {}
+    names += [t.get("content") for t in decoder.values() if isinstance(t, dict)]
+    for content in names:
+        if not isinstance(content, str) or content in special_tokens:
+            continue
+        if content in vocab:
+            special_tokens[content] = vocab[content]
+        else:
+            taken = [*vocab.values(), *special_tokens.values()]
+            special_tokens[content] = max(taken) + 1
+    return {key: special_tokens[n] for key, n in zip(_CONFIG_TOKEN_KEYS[:2], names[:2]) if n is not None}
+
+
+def _bos_eos(path: str, folder: str, config: dict, special_tokens: dict[str, int], named: dict[str, int],
+             ranks: dict[bytes, int], decode_only: dict[int, bytes]) -> tuple[int, int]:
+    """BOS and EOS: tokenizer_config.json's bos_token / eos_token, else config.json's bos_token_id /
+    eos_token_id (first of a list), else the first special token (by id) that reads like
+    begin / end of text; without any BOS the EOS serves as both (GPT-2 and Qwen do so)."""
+    model_config_path = os.path.join(folder, "config.json")
+    model_config = _read_json(model_config_path, optional=True)
+    known = {*special_tokens.values(), *ranks.values(), *decode_only}
+    found = {}
+    for role, like in (("bos", _BOS_LIKE), ("eos", _EOS_LIKE)):
+        token_id = named.get(f"{role}_token")
+        if token_id is None:
+            token_id = model_config.get(f"{role}_token_id")
+            token_id = token_id[0] if isinstance(token_id, list) and token_id else token_id
+            if token_id is not None and (not isinstance(token_id, int) or token_id not in known):
+                raise ValueError(f"{model_config_path}: {role}_token_id {token_id!r} is not a token of {path}")
+        if token_id is None:
+            token_id = next((i for t, i in sorted(special_tokens.items(), key=lambda x: x[1]) if like.search(t)), None)
+        found[role] = token_id
+    if found["eos"] is None:
+        raise ValueError(
+            f"{path}: no end-of-text token (tokenizer_config.json eos_token, config.json eos_token_id, "
+            "or a special token like <|end_of_text|>)"
+        )
+    return (found["bos"] if found["bos"] is not None else found["eos"]), found["eos"]

@@ -1,0 +1,132 @@
+"""The decoder shell of the DeepSeek-V3 and Qwen3 models: token embedding, ``layers``, final norm,
+output projection, and the RoPE table indexed by explicit positions.
+
+It keeps the conventions of ``tessera.models.llama.Transformer`` (see the package README): module
+names ``tok_embeddings``, ``layers`` (``nn.ModuleDict`` keyed "0".."n-1"), ``norm``, ``output``;
+pipeline stages may set the first and last three to None and delete layers; positions are indexed
+once at entry, where the tokens are the whole sequence this rank holds, and every block gets those
+rows whole as the keyword ``rope`` (with ``document_ids`` for block-causal attention).
+"""
+
+import torch
+from torch import nn
+
+from tessera.models.llama.model import FeedForward
+from tessera.models.moe import MoE
+
+BASE_INIT_STD = 0.02
+
+
+def depth_init_std(layer_id: int, n_layers: int, depth_init: bool = True) -> float:
+    """Init std of the projections writing into the residual stream, scaled down with depth
+    (the layer index, or n_layers without depth_init) so the residual's variance stays bounded."""
+    return BASE_INIT_STD / (2 * (layer_id + 1 if depth_init else n_layers)) ** 0.5
+
+
+class TransformerBlock(nn.Module):
+    """h = x + attention(attention_norm(x)); out = h + ffn(ffn_norm(h)), where the ffn is the
+    submodule ``feed_forward`` (a dense SwiGLU) or ``moe`` (``tessera.models.moe.MoE``); the
+    other one is None. ``attention`` takes ``(x, *, rope, document_ids)`` and offers
+    ``init_weights(init_std)``."""
+
+    def __init__(self, dim: int, norm_eps: float, attention: nn.Module, ffn: FeedForward | MoE, init_std: float):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(dim, eps=norm_eps)
+        self.attention = attention
+        self.ffn_norm = nn.RMSNorm(dim, eps=norm_eps)
+        self.feed_forward = ffn if isinstance(ffn, FeedForward) else None
+        self.moe = ffn if isinstance(ffn, MoE) else None
+        self.weight_init_std = init_std
+
+    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attention.init_weights(self.weight_init_std)
+        if self.moe is not None:
+            self.moe.init_weights(self.weight_init_std, buffer_device)
+        else:
+            self.feed_forward.init_weights(self.weight_init_std)
+
+    def forward(self, x: torch.Tensor, *, rope: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope=rope, document_ids=document_ids)
+        ffn = self.feed_forward if self.moe is None else self.moe
+        return h + ffn(self.ffn_norm(h))
+
+
+class Decoder(nn.Module):
+    """tokens [B, T] (long) -> logits [B, T, vocab_size] in the parameter dtype.
+
+    A family subclasses it, passing its blocks, and says how its RoPE table is made
+    (``rope_table``); blocks take ``(h, *, rope, document_ids)`` and offer
+    ``init_weights(buffer_device)``. Construction initialises the weights; after building on the
+    meta device call ``to_empty(device=...)`` then ``init_weights()``.
+    """
+
+    def __init__(self, args, blocks: list[nn.Module], *, tie_embeddings: bool = False):
+        super().__init__()
+        self.args = args
+        self.tie_embeddings = tie_embeddings
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): block for i, block in enumerate(blocks)})
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self._tie_output()
+        # Not persistent: derived from args, so checkpoints need not carry it.
+        self.register_buffer("rope", self.rope_table(), persistent=False)
+        self.init_weights()
+
+    def rope_table(self) -> torch.Tensor:
+        """[max_seq_len, rotary dim] cos|sin table (``tessera.models.rotary.rope_table``)."""
+        raise NotImplementedError
+
+    def _tie_output(self) -> None:
+        if self.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
+            self.output.weight = self.tok_embeddings.weight
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        # to_empty()/to() may give the two tied modules separate new Parameters: tie them again.
+        self._tie_output()
+        # Module.to(dtype) casts buffers too; cos/sin of large angles need float32.
+        if self.rope.dtype != torch.float32:
+            with torch.device(self.rope.device):
+                self.rope = self.rope_table()
+        return self
+
+    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
+        """Recompute the RoPE table and reset the blocks' buffers (on ``buffer_device``, default:
+        where the table is) and initialise every parameter this module (or stage) still holds.
+
+        Embedding: normal, std 1. Output: std dim**-0.5 cut at 3 std (with tied embeddings the
+        shared weight gets this init). Norms: ones. Blocks: their own ``init_weights``.
+        """
+        buffer_device = buffer_device or self.rope.device
+        with torch.device(buffer_device):
+            self.rope = self.rope_table()
+        if self.tok_embeddings is not None:
+            nn.init.normal_(self.tok_embeddings.weight)
+        for layer in self.layers.values():
+            layer.init_weights(buffer_device)
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if self.output is not None:
+            std = self.args.dim**-0.5
+            nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [B, T] -> logits [B, T, vocab]. A stage without ``tok_embeddings`` takes hidden
+        states [B, T, dim]; without ``norm``/``output`` it returns hidden states.
+
+        positions: position ids (long, [T] or [B, T], each < ``max_seq_len``), default 0..T-1.
+        document_ids: [B, T], the document of each token when a window packs several; attention
+        then stays within a document. None: plain causal attention.
+        """
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=self.rope.device)
+        rope = self.rope[positions]
+        for layer in self.layers.values():
+            h = layer(h, rope=rope, document_ids=document_ids)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h

@@ -1,0 +1,56 @@
+"""What a training loop calls on a model's MoE layers: the auxiliary-loss-free bias update (a
+post-optimizer hook), the aux-loss scale, and expert-load readings for metrics."""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tessera.models.moe.layer import MoE
+
+
+def moe_layers(model: nn.Module) -> dict[str, MoE]:
+    """The MoE layers of ``model`` (or of a pipeline stage) by module path."""
+    return {name: module for name, module in model.named_modules() if isinstance(module, MoE)}
+
+
+def expert_load(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Slots routed to each expert since the last bias update, per MoE layer ([E] long, this
+    rank's tokens only)."""
+    return {name: layer.tokens_per_expert.clone() for name, layer in moe_layers(model).items()}
+
+
+def load_imbalance(counts: torch.Tensor) -> torch.Tensor:
+    """max / mean of per-expert loads: 1 when balanced, E when one expert takes every slot."""
+    counts = counts.float()
+    return counts.max() / counts.mean()
+
+
+@torch.no_grad()
+def update_expert_bias(model: nn.Module, group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
+    """Auxiliary-loss-free load balancing (DeepSeek-V3 section 2.1.2; Wang et al. 2024): per MoE
+    layer, ``expert_bias += rate * sign(mean load - load)``, so overloaded experts get chosen
+    less; then the counts restart from zero. Call it after every optimizer step, on every rank
+    (a post-optimizer hook ``hook(model)``: ``functools.partial(update_expert_bias, group=...)``).
+
+    group: the ranks whose tokens count together (every rank that routes different tokens: the
+    data-parallel and context-parallel ranks); their counts are summed with one all-reduce so
+    every rank applies the same update. Returns the loads used, per layer ([E] long), for metrics.
+    """
+    layers = moe_layers(model)
+    if not layers:
+        return {}
+    loads = torch.stack([layer.tokens_per_expert for layer in layers.values()])
+    if group is not None:
+        dist.all_reduce(loads, group=group)
+    for load, layer in zip(loads, layers.values()):
+        load = load.float()
+        layer.expert_bias += layer.args.bias_update_rate * torch.sign(load.mean() - load)
+        layer.tokens_per_expert.zero_()
+    return dict(zip(layers, loads))
+
+
+def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
+    """The factor the trainer multiplies the training loss by before backward (1 / micro-batches
+    per step): the sequence-wise balance loss's gradient gets the same (see ``aux_loss``)."""
+    for layer in moe_layers(model).values():
+        layer.aux_loss_scale = scale

@@ -1,0 +1,93 @@
+"""The mixture-of-experts feed-forward layer: route, dispatch, run the experts, combine.
+
+    y_t = shared_experts(x_t) + sum_k w_{t,k} * expert_{e_{t,k}}(x_t)
+
+Dispatch sorts the (token, k) slots by expert (a stable argsort, no loop over tokens), hands the
+experts submodule the gathered rows and the number per expert, and puts the results back in slot
+order with an index copy; each token's k results are then summed with their weights.
+``experts`` is a seam: expert parallelism replaces or wraps it with a module of the same
+signature that exchanges rows between ranks (see ``tessera.models.moe.experts``).
+"""
+
+import torch
+from torch import nn
+
+from tessera.models.llama.model import FeedForward
+from tessera.models.moe.args import MoEArgs
+from tessera.models.moe.aux_loss import attach_aux_loss, sequence_balance_loss
+from tessera.models.moe.experts import GroupedExperts
+from tessera.models.moe.router import TopKRouter
+
+
+def expert_counts(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Slots routed to each expert, [n_experts] long (a fixed-size scatter: no device sync)."""
+    flat = experts.flatten()
+    return torch.zeros(n_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
+def combine(routed: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """routed [N * K, dim] in expert order (row j is slot ``order[j]`` = token * K + k) ->
+    [N, dim], each token's K rows summed with its weights [N, K]."""
+    n_tokens, top_k = weights.shape
+    by_slot = torch.zeros_like(routed).index_copy(0, order, routed).view(n_tokens, top_k, -1)
+    return torch.bmm(weights.unsqueeze(1).to(routed.dtype), by_slot).squeeze(1)
+
+
+class MoE(nn.Module):
+    """x [B, T, dim] -> [B, T, dim]. Submodules ``router`` (``gate``), ``experts``
+    (``GroupedExperts``), ``shared_experts`` (a SwiGLU, or None).
+
+    Buffers: ``expert_bias`` [E] float32 (persistent; added to the scores to choose experts,
+    updated by ``tessera.models.moe.update_expert_bias``), ``tokens_per_expert`` [E] long (slots
+    routed since the last update; every forward adds to it, so an activation-checkpoint
+    recomputation counts twice, which the sign-based update does not notice), ``aux_loss`` (the
+    last sequence-wise balance loss, times alpha, for logging).
+    """
+
+    def __init__(self, dim: int, args: MoEArgs):
+        super().__init__()
+        self.args = args
+        self.router = TopKRouter(dim, args)
+        self.experts = GroupedExperts(dim, args.hidden_dim, args.n_experts)
+        shared = args.n_shared_experts * args.hidden_dim
+        self.shared_experts = FeedForward(dim, shared) if shared else None
+        self.aux_loss_scale = 1.0  # the trainer's loss scale (set_aux_loss_scale)
+        self.register_buffer("expert_bias", torch.zeros(args.n_experts, dtype=torch.float32))
+        self.register_buffer("tokens_per_expert", torch.zeros(args.n_experts, dtype=torch.long), persistent=False)
+        self.register_buffer("aux_loss", torch.zeros((), dtype=torch.float32), persistent=False)
+
+    def init_weights(self, init_std: float, buffer_device: torch.device | str | None = None) -> None:
+        self.router.init_weights(init_std)
+        self.experts.init_weights(init_std)
+        if self.shared_experts is not None:
+            self.shared_experts.init_weights(init_std)
+        with torch.device(buffer_device or self.expert_bias.device):
+            self.expert_bias = torch.zeros(self.args.n_experts, dtype=torch.float32)
+            self.tokens_per_expert = torch.zeros(self.args.n_experts, dtype=torch.long)
+            self.aux_loss = torch.zeros((), dtype=torch.float32)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        # Module.to(dtype) casts buffers too; steps of 1e-3 on the bias need float32.
+        if self.expert_bias.dtype != torch.float32:
+            self.expert_bias = self.expert_bias.float()
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bs, seq_len, dim = x.shape
+        tokens = x.reshape(-1, dim)
+        weights, experts, scores = self.router(tokens, self.expert_bias)
+        counts = expert_counts(experts, self.args.n_experts)
+        with torch.no_grad():
+            self.tokens_per_expert += counts
+        order = torch.argsort(experts.flatten(), stable=True)
+        routed = self.experts(tokens[order // self.args.top_k], counts)
+        out = combine(routed, order, weights)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(tokens)
+        out = out.view(bs, seq_len, dim)
+        if self.args.aux_loss_alpha and torch.is_grad_enabled():
+            loss = self.args.aux_loss_alpha * sequence_balance_loss(scores.view(bs, seq_len, -1), experts.view(bs, seq_len, -1))
+            self.aux_loss.copy_(loss.detach())
+            out = attach_aux_loss(out, loss, self.aux_loss_scale)
+        return out
