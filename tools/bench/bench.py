@@ -48,7 +48,7 @@ LAYOUT_ARGS = {
     "compile": ["--compile.enable", "true"],
     "ac_full": ["--activation_checkpoint.mode", "full"],
     "ac_op": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
-    "float8": ["--model.converters", "float8"],
+    "float8": ["--model.converters", "float8", "--float8.filter_fqns", "output"],
 }
 
 

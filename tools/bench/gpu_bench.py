@@ -27,7 +27,7 @@ COMMON = ["--training.mixed_precision_param", "bfloat16", "--training.seq_len", 
 ONE_B = ["--model.flavor", "1B", "--training.local_batch_size", "4"]
 EIGHT_B = ["--model.flavor", "8B", "--training.local_batch_size", "1", "--activation_checkpoint.mode", "full"]
 COMPILE = ["--compile.enable", "true"]
-FLOAT8 = ["--model.converters", "float8"]
+FLOAT8 = ["--model.converters", "float8", "--float8.filter_fqns", "output"]
 VARIANTS = {
     "1B bf16": ONE_B,
     "1B bf16 + compile": [*ONE_B, *COMPILE],

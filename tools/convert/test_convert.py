@@ -1,5 +1,8 @@
-"""tools/convert: DCP -> Hugging Face -> DCP is the identity on a tiny Llama; errors exit 2."""
+"""tools/convert: DCP -> Hugging Face -> DCP is the identity on a tiny Llama; the model's shape
+comes from the checkpoint's args record or a config.json; errors exit 2."""
 
+import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -9,7 +12,7 @@ import torch
 
 import convert
 from tessera.ckpt import CheckpointManager, ModelState, OptimizerState, load_hf, read_dcp
-from tessera.models import get_model_spec
+from tessera.models import ARGS_FILE, args_record, get_model_spec, read_args_record
 
 
 def _trained_checkpoint(folder):
@@ -106,3 +109,50 @@ def test_output_path_errors_are_one_line(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == f"convert: error: output {missing}: its folder {missing.parent} does not exist"
     assert _run("hf-to-dcp", "--model", "llama3", "--flavor", "debugmodel", tmp_path, step_dir / ".metadata") == 2
     assert "is a file; this conversion writes a folder" in capsys.readouterr().err
+
+
+def test_the_checkpoint_record_and_config_json_give_the_shape_without_flags(tmp_path, capsys):
+    """A model trained with a 40-token vocabulary converts with no flags: the DCP checkpoint's
+    model_args.json (as the trainer writes it) says so, and the config.json written beside the
+    safetensors carries it on to hf-to-dcp."""
+    spec = get_model_spec("llama3")
+    args = dataclasses.replace(spec.flavors["1B"], dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=40,
+                               ffn_dim_multiplier=None, ffn_dim=96)
+    torch.manual_seed(0)
+    model = spec.build(args)
+    record = args_record(spec, args, flavor="1B", bos_token_id=1, eos_token_id=[2, 3])
+    CheckpointManager(tmp_path / "ckpt", {"model": ModelState([model])}, interval=1, extra_files={ARGS_FILE: record}).save(1)
+    step_dir = tmp_path / "ckpt" / "step-1"
+
+    assert _run("dcp-to-hf", step_dir, tmp_path / "hf") == 0
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert spec.hf_config.args_from_config(config) == args
+    assert (config["vocab_size"], config["torch_dtype"], config["eos_token_id"]) == (40, "float32", [2, 3])
+    assert config["tie_word_embeddings"] and "lm_head.weight" not in load_hf(tmp_path / "hf")  # 1B ties them
+
+    assert _run("hf-to-dcp", tmp_path / "hf", tmp_path / "back") == 0  # shape from the folder's config.json
+    back = read_dcp(tmp_path / "back", only="model")
+    for key, value in model.state_dict().items():
+        assert torch.equal(back[key], value), key
+    assert read_args_record(tmp_path / "back")[1] == args
+
+    (tmp_path / "alone").mkdir()
+    (tmp_path / "alone" / "config.json").write_text(json.dumps(config))
+    assert _run("dcp-to-hf", "--force", "--flavor", "1B", step_dir, tmp_path / "hf") == 0  # agrees with the record
+    for argv, message in [
+        (("dcp-to-hf", "--flavor", "8B", step_dir, tmp_path / "o"), f"--flavor 8B disagrees with {step_dir / ARGS_FILE}, which says 1B"),
+        (("dcp-to-hf", "--model", "llama2", step_dir, tmp_path / "o"), "--model llama2 disagrees with"),
+        (("dcp-to-hf", "--hf_config", tmp_path / "alone", step_dir, tmp_path / "o"), "--hf_config: " + str(step_dir / ARGS_FILE)),
+        (("hf-to-dcp", "--flavor", "1B", tmp_path / "hf", tmp_path / "o"),
+         f"{tmp_path / 'hf' / 'config.json'}: hidden_size is 64 but llama3/1B has dim 2048"),
+        (("hf-to-dcp", tmp_path / "ckpt", tmp_path / "o"), f"{tmp_path / 'ckpt'} has no config.json: pass --flavor"),
+    ]:
+        assert _run(*argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("convert: error: " + message) and "\n" not in err, err
+
+    (step_dir / ARGS_FILE).unlink()  # a checkpoint without a record: flags or a config.json
+    assert _run("dcp-to-hf", step_dir, tmp_path / "o") == 2
+    assert capsys.readouterr().err.strip() == f"convert: error: {step_dir} has no {ARGS_FILE}: pass --flavor (and --model) or --hf_config"
+    assert _run("dcp-to-hf", "--hf_config", tmp_path / "alone" / "config.json", step_dir, tmp_path / "again") == 0
+    assert load_hf(tmp_path / "again").keys() == load_hf(tmp_path / "hf").keys()

@@ -127,7 +127,7 @@ def _groups(d: dict[str, Path], cuda: bool, ranks: int) -> list[tuple[list[dict]
     if cuda:
         single += [("snapshot", "train", a("snapshot", *seed, "--profiling.enable_memory_snapshot", "true",
                                            "--profiling.profile_freq", "2")),
-                   ("float8", "train", a("float8", *seed, "--model.converters", "float8", fp32=False))]
+                   ("float8", "train", a("float8", *seed, "--model.converters", "float8", "--float8.filter_fqns", "output", fp32=False))]
     layouts = [("init", "init_stats", a("init", *layout, dp=ranks)),
                ("async", "train", a("async", *resume, "--checkpoint.async_mode", "async_with_pinned_mem",
                                     "--checkpoint.last_save_model_only", "false", dp=ranks)),

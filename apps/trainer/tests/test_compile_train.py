@@ -20,11 +20,11 @@ LAYOUTS = {
         "pp2": ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]},
     4: {"fsdp2_tp2": ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"],
         # everything at once: selective AC, FSDP over 4 ranks, float8 (emulated here) with its all-gather
-        "ac_fsdp4_float8": ["--activation_checkpoint.mode", "selective", "--model.converters", "float8",
+        "ac_fsdp4_float8": ["--activation_checkpoint.mode", "selective", "--model.converters", "float8", "--float8.filter_fqns", "output",
                             "--float8.enable_fsdp_float8_all_gather", "true",
                             "--float8.precompute_float8_dynamic_scale_for_fsdp", "true"],
         # and HSDP with full AC
-        "ac_hsdp2x2_float8": ["--activation_checkpoint.mode", "full", "--model.converters", "float8",
+        "ac_hsdp2x2_float8": ["--activation_checkpoint.mode", "full", "--model.converters", "float8", "--float8.filter_fqns", "output",
                               "--parallelism.data_parallel_replicate_degree", "2",
                               "--parallelism.data_parallel_shard_degree", "2"]},
 }

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tessera.ckpt import load_hf, save_hf
+from tessera.ckpt import load_hf, read_dcp, save_hf
 from tessera.data import load_tokenizer
 from tessera.models import get_model_spec, read_args_record
 from tessera.trainer.config import load_config
@@ -86,8 +86,6 @@ def test_named_flavor_loads_a_folder_of_its_shape(tmp_path):
     config, weights = tiny_hf_folder(tmp_path / "hf", **change)
     history = hf_run(tmp_path / "run", tmp_path / "hf", "--training.steps", "1", "--optimizer.lr", "0",
                      "--checkpoint.enable", "true", "--checkpoint.interval", "1")
-    from tessera.ckpt import read_dcp
-
     saved = read_dcp(tmp_path / "run" / "checkpoint" / "step-1", only="model")
     assert saved.keys() == weights.keys() and all(torch.equal(saved[k], v) for k, v in weights.items())
     assert history[0]["step"] == 1
@@ -102,9 +100,11 @@ def test_named_flavor_loads_a_folder_of_its_shape(tmp_path):
 ])
 def test_the_plan_refuses_a_folder_that_does_not_fit_in_one_line(tmp_path, capsys, flavor, change, message):
     hf = tmp_path / "hf"
-    tiny_hf_folder(hf, **(change if isinstance(change, dict) else {}))
+    config, _ = tiny_hf_folder(hf)
     if change == "no weights":
         (hf / "model.safetensors").unlink()
+    else:
+        (hf / "config.json").write_text(json.dumps({**config, **change}))
     argv = [*SMALL, "--job.dump_folder", str(tmp_path / "run"), "--model.hf_assets_path", str(hf), "--model.flavor",
             flavor, "--model.tokenizer_path", str(TOKENIZER), "--checkpoint.initial_load_in_hf", "true"]
     assert main([*argv, "--nproc", "2"]) == 2  # refused before any worker starts

@@ -147,7 +147,10 @@ def test_what_tessera_cannot_express_is_one_line_naming_the_file_and_field(chang
 def test_read_hf_config_errors_name_the_file(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(SMALL_V5))
     assert read_hf_config(tmp_path) == read_hf_config(tmp_path / "config.json") == SMALL_V5
-    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'none' / 'config.json'} does not exist")):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'empty' / 'config.json'} does not exist")):
+        read_hf_config(tmp_path / "empty")
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'none'} does not exist")):
         read_hf_config(tmp_path / "none")
     (tmp_path / "config.json").write_text("{oops")
     with pytest.raises(ValueError, match="config.json is not readable JSON: Expecting property name"):

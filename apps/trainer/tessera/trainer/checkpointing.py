@@ -179,6 +179,10 @@ class Checkpointer:
                              extra_files=self.hf_files)
         self._say(f"Hugging Face export written to {final}" if exported else f"{final} already exists; not exporting again")
 
+    def save_failed(self) -> bool:
+        """A background save of this rank failed (its error is raised by `close`)."""
+        return self.manager is not None and self.manager.failed()
+
     def close(self) -> None:
         """Waits for an in-flight async save; call before the process group goes."""
         if self.manager is not None:

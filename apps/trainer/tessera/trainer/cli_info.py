@@ -107,3 +107,7 @@ def version_text() -> str:
 
     libraries = " ".join(f"{name} {_library_version(name)}" for name in LIBRARIES)
     return f"tessera trainer {TRAINER_VERSION} | libraries: {libraries} | torch {torch.__version__} | git {_git_commit()}"
+
+
+if __name__ == "__main__":  # regenerates the README's key table
+    print(key_table())

@@ -78,7 +78,7 @@ def stalled_collective(error: RuntimeError, rank: int, step: int, seconds: int) 
     for words, what in _STALLS.items():
         if words in first_line:
             return TrainingError(f"rank {rank}, step {step}: {_operation(error)} {what} (comm.train_timeout_seconds = "
-                                 f"{seconds}): {first_line.split('] ', 1)[-1]}")
+                                 f"{seconds}): {first_line.split('] ', 1)[-1].split('. ', 1)[0]}")
     return None
 
 
@@ -91,14 +91,24 @@ def inject_fault(debug, rank: int, step: int, train_timeout_s: int) -> None:
     "stall" stops answering for twice comm.train_timeout_seconds, so the peers' collectives
     time out. Only a launcher's first attempt (torchrun's TORCHELASTIC_RESTART_COUNT 0 or unset)
     is faulted: an elastic restart must run clean to show the resume."""
-    if (step != debug.fault_at_step or rank != debug.fault_rank
-            or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"):
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if not (debug.fault_at_step and step == debug.fault_at_step and rank == debug.fault_rank and first_attempt):
         return
     what = {"crash": "crashes", "stall": "stalls"}[debug.fault_kind]
     print(f"debug: injected fault: rank {rank} {what} before step {step} (debug.fault_at_step)", file=sys.stderr, flush=True)
     if debug.fault_kind == "crash":
         os._exit(1)
     time.sleep(2 * train_timeout_s)
+
+
+def elastic_store_note() -> str | None:
+    """A note for a `torchrun --max-restarts` that shares its rendezvous store with the ranks
+    (torch's default): a restarted attempt there reads the failed attempt's addresses and cannot
+    connect (pytorch#135712). tools/launch/torchrun turns the sharing off."""
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) < 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    return ("note: torchrun --max-restarts shares its rendezvous store across attempts, where a restart fails to "
+            "connect (pytorch#135712); launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (tools/launch/torchrun does)")
 
 
 _PR_SET_PDEATHSIG = 1
@@ -122,14 +132,23 @@ def die_with_launcher() -> None:
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
+def any_rank(device: str, *flags: bool) -> list[bool]:
+    """For each flag, whether any rank raised it: one all-reduce for all of them (collective),
+    so every rank acts on them at the same step."""
+    raised = torch.tensor([float(flag) for flag in flags], device=device)
+    if dist.is_initialized():
+        dist.all_reduce(raised, op=dist.ReduceOp.MAX)
+    return [bool(flag) for flag in raised.tolist()]
+
+
 class StopSignals:
     """SIGTERM / SIGUSR1 (what SLURM and Kubernetes send ahead of a kill) ask the run to stop
-    after the current step with a checkpoint. Every rank learns of it at the same step (`requested`
-    all-reduces the flag), so they save together. ``grace_s`` after the signal the process exits 1
-    regardless: a stuck save must not outlive the scheduler's grace period."""
+    after the current step with a checkpoint: `received` names the signal, and the loop shares it
+    with `any_rank` so every rank saves at the same step. ``grace_s`` after the signal the process
+    exits 1 regardless: a stuck save must not outlive the scheduler's grace period."""
 
-    def __init__(self, grace_s: int, device: str) -> None:
-        self.grace_s, self.device = grace_s, device
+    def __init__(self, grace_s: int) -> None:
+        self.grace_s = grace_s
         self.received: str | None = None
         self._previous = {}
         if threading.current_thread() is threading.main_thread():  # handlers live in the main thread only
@@ -146,12 +165,6 @@ class StopSignals:
         print(f"error: not stopped within {self.grace_s}s of {self.received} (job.stop_grace_seconds); exiting",
               file=sys.stderr, flush=True)
         os._exit(1)
-
-    def requested(self) -> bool:
-        flag = torch.tensor(float(self.received is not None), device=self.device)
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
 
     def close(self) -> None:
         for sig, handler in self._previous.items():

@@ -14,7 +14,7 @@ import os
 import sys
 
 from tessera.trainer.config import ConfigError, load_config
-from tessera.trainer.faults import STOP_SIGNALS, TrainingError, die_with_launcher
+from tessera.trainer.faults import STOP_SIGNALS, TrainingError, die_with_launcher, elastic_store_note
 
 
 def _take_option(argv: list[str], name: str, takes_value: bool = True) -> tuple[str | None, list[str]]:
@@ -93,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
         from tessera.trainer.train import train
 
         die_with_launcher()
+        note = elastic_store_note()
+        if note and os.environ.get("RANK", "0") == "0":
+            print(note, file=sys.stderr, flush=True)
         train(config)
     except (ConfigError, OSError) as e:  # OSError: unwritable dump folder, full disk, unreadable files
         print(f"error: {e}", file=sys.stderr)

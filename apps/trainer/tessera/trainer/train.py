@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -28,7 +29,9 @@ from tessera.mesh import (
 )
 from tessera.trainer.checkpointing import Checkpointer
 from tessera.trainer.config import JobConfig, to_dict, user_input
-from tessera.trainer.faults import StopSignals, TrainingError, inject_fault, stalled_collective, tighten_timeouts
+from tessera.trainer.faults import (
+    StopSignals, TrainingError, any_rank, inject_fault, stalled_collective, tighten_timeouts,
+)
 from tessera.trainer.lr_schedule import LockstepSchedulers, build_lr_scheduler
 from tessera.trainer.metrics import MetricLogger, StepTimer, all_reduce_mean, memory_gib, peak_tflops
 from tessera.trainer.parallelize import ParallelModel, build_parallel_model
@@ -60,6 +63,8 @@ def _profiler(config: JobConfig, dump: Path, rank: int, device: str, start_step:
     folder = dump / prof.save_traces_folder
     # Kineto prints a line at every trace start and stop unless told otherwise; keep the log clean
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    # each cycle's trace is written by export() before the next starts: clearing is what we want
+    warnings.filterwarnings("ignore", message="Warning: Profiler clears events at the end of each cycle")
 
     def export(p):
         if p.step_num % prof.profile_freq:  # the run ended inside a cycle: no partial trace
@@ -344,7 +349,7 @@ def _train(plan: JobPlan, info) -> list[dict]:
 
     history, skipped, step = [], 0, start_step
     batches = _user_batches(loader)
-    stop = StopSignals(config.job.stop_grace_seconds, device)
+    stop = StopSignals(config.job.stop_grace_seconds)
     gc.disable()  # collected every gc_freq steps instead, at the same point on every rank
     try:
         with _profiler(config, dump, info.rank, device, start_step) as profiler:
@@ -377,7 +382,10 @@ def _train(plan: JobPlan, info) -> list[dict]:
                 if config.profiling.enable_memory_snapshot and step % config.profiling.profile_freq == 0:
                     _save_memory_snapshot(config, dump, info.rank, step)
                 checkpointer.after_step(step, last_step=step == training.steps)
-                if step < training.steps and stop.requested():
+                stopping, save_failed = any_rank(device, stop.received is not None, checkpointer.save_failed())
+                if save_failed:
+                    checkpointer.close()  # every rank raises the background save's error now, not a save later
+                if step < training.steps and stopping:
                     saved = checkpointer.save_now(step)
                     if info.rank == 0:
                         print(f"stopped by {stop.received or 'a stop signal'} after step {step}: "

@@ -241,6 +241,13 @@ class CheckpointManager:
             for name in self._model_names
         }
 
+    def failed(self) -> bool:
+        """Whether a background save has ended in an error, which `wait` (or the next save, or
+        `close`) raises. Local and non-blocking: a trainer shares it with the other ranks (one
+        may learn first) and all call `wait` together, so the error surfaces a step after the
+        write failed rather than at the next save."""
+        return self._pending is not None and self._pending.done() and self._pending.exception() is not None
+
     def wait(self) -> None:
         """Blocks until an in-flight async save is written and published (collective)."""
         if self._pending is None:

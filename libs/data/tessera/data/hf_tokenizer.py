@@ -224,7 +224,7 @@ def _key_bytes(key: str) -> bytes | None:
 def _bpe(symbols: list[int], merges: dict) -> tuple[list[int], int]:
     """HF's BPE on one word: merge the adjacent pair of earliest merge, leftmost on ties, until
     none applies. Returns the parts and the index of the last merge (-1: none)."""
-    last = -1
+    symbols, last = list(symbols), -1
     while len(symbols) > 1:
         best = None
         for pos in range(len(symbols) - 1):

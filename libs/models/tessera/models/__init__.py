@@ -1,5 +1,5 @@
 """Tessera model code, per-block transforms and the model-spec registry. Importing registers
-"llama2" and "llama3"."""
+"llama2", "llama3", "deepseek_v3" and "qwen3"."""
 
 from tessera.models.attention import CausalSDPA
 from tessera.models.blocks import AC_MODES, apply_activation_checkpointing, apply_compile
@@ -15,9 +15,13 @@ from tessera.models.spec import (
     register_model_spec,
 )
 from tessera.models.llama import llama2_spec, llama3_spec
+from tessera.models.deepseek_v3 import deepseek_v3_spec
+from tessera.models.qwen3 import qwen3_spec
 
 register_model_spec(llama2_spec)
 register_model_spec(llama3_spec)
+register_model_spec(deepseek_v3_spec)
+register_model_spec(qwen3_spec)
 
 __all__ = [
     "AC_MODES",

@@ -12,9 +12,9 @@ CONFIG_FILE = "config.json"
 
 
 def config_file(path: str | os.PathLike) -> Path:
-    """``path`` itself when it names a file, else ``<path>/config.json``."""
+    """``<path>/config.json`` when ``path`` is a folder, else ``path`` itself."""
     path = Path(path)
-    return path if path.is_file() else path / CONFIG_FILE
+    return path / CONFIG_FILE if path.is_dir() else path
 
 
 def read_hf_config(path: str | os.PathLike) -> dict:

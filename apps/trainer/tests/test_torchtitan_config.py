@@ -1,0 +1,216 @@
+"""torchtitan 0.2.2 users bring their config unchanged: every key of its JobConfig parses, the
+unsupported ones are refused with a reason, the keys it shares mean the same, and the CLI
+explains itself."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tessera.trainer import cli_info
+from tessera.trainer.config import PATH_KEYS, ConfigError, JobConfig, get_key, load_config
+from tessera.trainer.config_keys import HELP, REFUSED
+from tessera.trainer.main import main
+from tessera.trainer.parallelize import build_model
+from tessera.trainer.plan import make_plan
+from tessera.trainer.train import train
+
+# The contract: torchtitan 0.2.2's JobConfig, every field (nested tables dotted).
+TORCHTITAN_022_KEYS = """
+job.config_file job.dump_folder job.description job.print_config job.save_config_file job.custom_config_module
+profiling.enable_profiling profiling.save_traces_folder profiling.profile_freq profiling.profiler_active
+profiling.profiler_warmup profiling.enable_memory_snapshot profiling.save_memory_snapshot_folder
+metrics.log_freq metrics.enable_tensorboard metrics.disable_color_printing metrics.save_tb_folder
+metrics.save_for_all_ranks metrics.enable_wandb
+model.name model.flavor model.hf_assets_path model.tokenizer_path model.converters model.print_after_conversion
+optimizer.name optimizer.lr optimizer.beta1 optimizer.beta2 optimizer.eps optimizer.weight_decay
+optimizer.implementation optimizer.early_step_in_backward
+lr_scheduler.warmup_steps lr_scheduler.total_steps lr_scheduler.decay_ratio lr_scheduler.decay_type
+lr_scheduler.min_lr_factor
+training.dataset training.dataset_path training.local_batch_size training.global_batch_size training.seq_len
+training.max_norm training.steps training.enable_cpu_offload training.dtype training.mixed_precision_param
+training.mixed_precision_reduce training.gc_freq training.gc_debug training.dataloader.num_workers
+training.dataloader.persistent_workers training.dataloader.pin_memory training.dataloader.prefetch_factor
+parallelism.data_parallel_replicate_degree parallelism.data_parallel_shard_degree
+parallelism.fsdp_reshard_after_forward parallelism.tensor_parallel_degree parallelism.disable_loss_parallel
+parallelism.enable_async_tensor_parallel parallelism.pipeline_parallel_degree parallelism.module_fqns_per_model_part
+parallelism.pipeline_parallel_first_stage_less_layers parallelism.pipeline_parallel_last_stage_less_layers
+parallelism.pipeline_parallel_layers_per_stage parallelism.pipeline_parallel_schedule
+parallelism.pipeline_parallel_schedule_csv parallelism.pipeline_parallel_microbatch_size
+parallelism.pipeline_parallel_expert_parallel_overlap parallelism.context_parallel_degree
+parallelism.context_parallel_load_balancer parallelism.context_parallel_rotate_method
+parallelism.expert_parallel_degree parallelism.expert_tensor_parallel_degree parallelism.expert_parallel_comm_backend
+checkpoint.enable checkpoint.enable_ft_dataloader_checkpoints checkpoint.folder checkpoint.interval
+checkpoint.initial_load_path checkpoint.initial_load_model_only checkpoint.initial_load_in_hf
+checkpoint.initial_load_in_hf_quantized checkpoint.last_save_model_only checkpoint.last_save_in_hf
+checkpoint.export_dtype checkpoint.async_mode checkpoint.keep_latest_k checkpoint.load_step
+checkpoint.exclude_from_loading checkpoint.enable_first_step_checkpoint checkpoint.create_seed_checkpoint
+checkpoint.load_only
+activation_checkpoint.mode activation_checkpoint.selective_ac_option
+activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns activation_checkpoint.early_stop
+activation_checkpoint.memory_budget activation_checkpoint.visualize_memory_budget_pareto
+activation_checkpoint.preserve_rng_state activation_checkpoint.determinism_check activation_checkpoint.debug
+compile.enable compile.components compile.backend
+quantize.linear.float8.enable_fsdp_float8_all_gather quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp
+quantize.linear.float8.recipe_name quantize.linear.float8.filter_fqns quantize.linear.float8.emulate
+quantize.linear.mx.mxfp8_dim1_cast_kernel_choice quantize.linear.mx.recipe_name quantize.linear.mx.filter_fqns
+quantize.grouped_mm.float8.fqns quantize.grouped_mm.mx.recipe_name quantize.grouped_mm.mx.fqns
+comm.init_timeout_seconds comm.train_timeout_seconds comm.trace_buf_size comm.save_traces_folder
+comm.save_traces_file_prefix comm.mode
+memory_estimation.enable memory_estimation.disable_fake_mode
+fault_tolerance.enable fault_tolerance.process_group fault_tolerance.process_group_timeout_ms
+fault_tolerance.replica_id fault_tolerance.group_size fault_tolerance.min_replica_size fault_tolerance.semi_sync_method
+experimental.custom_import experimental.custom_args_module
+validation.enable validation.dataset validation.dataset_path validation.local_batch_size validation.seq_len
+validation.freq validation.steps validation.dataloader.num_workers validation.dataloader.persistent_workers
+validation.dataloader.pin_memory validation.dataloader.prefetch_factor
+debug.seed debug.deterministic debug.deterministic_warn_only debug.moe_force_load_balance
+""".split()
+
+SMALL = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--metrics.log_freq", "1",
+         "--lr_scheduler.warmup_steps", "2"]
+
+# A value other than the default for each refused key, as typed on a command line.
+_OTHER = {bool: lambda v: str(not v).lower(), int: lambda v: str(v + 1), float: lambda v: str(v / 2),
+          str: lambda v: v + "x", list: lambda v: "something_else", type(None): lambda v: "7"}
+
+
+def test_every_torchtitan_022_key_is_known_and_explained():
+    assert len(TORCHTITAN_022_KEYS) == 149
+    missing = sorted(set(TORCHTITAN_022_KEYS) - set(cli_info.config_keys()))
+    assert not missing
+    assert set(HELP) == set(cli_info.config_keys())
+
+
+@pytest.mark.parametrize("key", TORCHTITAN_022_KEYS)
+def test_every_key_parses_at_its_default(key):
+    default = get_key(JobConfig(), key)
+    if default is None or isinstance(default, list) or key == "job.config_file":
+        pytest.skip("unset or list default: written differently on a command line; type-checked by test_config")
+    text = str(default).lower() if isinstance(default, bool) else str(default)
+    value = get_key(load_config([f"--{key}", text]), key)
+    assert value == default or (tuple(key.split(".")) in PATH_KEYS and value.endswith(default.lstrip(".")))
+
+
+@pytest.mark.parametrize("key", sorted(REFUSED))
+def test_a_refused_key_names_itself_and_why(key):
+    default = get_key(JobConfig(), key)
+    with pytest.raises(ConfigError) as error:
+        load_config([f"--{key}", _OTHER[type(default)](default)])
+    message = str(error.value)
+    assert message.startswith(f"config key {key} = ") and REFUSED[key] in message and "\n" not in message
+
+
+def test_memory_budget_mode_is_refused_with_the_reason():
+    with pytest.raises(ConfigError, match="activation_checkpoint.mode = 'memory_budget': mode memory_budget"):
+        load_config(["--activation_checkpoint.mode", "memory_budget"])
+
+
+def test_help_lists_every_key_with_default_and_meaning(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for key in cli_info.config_keys():
+        assert f"--{key} (default " in out and HELP[key] in out
+    assert main(["--help", "lr_scheduler"]) == 0
+    section = capsys.readouterr().out
+    assert "--lr_scheduler.decay_ratio" in section and "--training.steps" not in section
+    assert main(["--help", "nosuch"]) == 2
+    assert capsys.readouterr().err.strip().startswith("error: --help nosuch: no such config section")
+
+
+def test_version_names_trainer_libraries_torch_and_commit(capsys):
+    assert main(["--version"]) == 0
+    out = capsys.readouterr().out.strip()
+    for name in cli_info.LIBRARIES:
+        assert f" {name} 0." in out
+    assert out.startswith(f"tessera trainer {cli_info.TRAINER_VERSION} |") and f"torch {torch.__version__}" in out
+    assert "\n" not in out and " git " in out
+
+
+def test_readme_key_table_is_current():
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    assert cli_info.key_table() in readme, "regenerate with: python -m tessera.trainer.cli_info"
+
+
+def test_c4_test_resolves_in_the_users_folder_and_c4_needs_a_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("BUILD_WORKING_DIRECTORY", str(tmp_path))
+    folder = tmp_path / "tests/assets/c4_test"
+    folder.mkdir(parents=True)
+    (folder / "data.json").write_text("".join(json.dumps({"text": f"document {i} " * 50}) + "\n" for i in range(40)))
+    assert make_plan(load_config(["--training.dataset", "c4_test"]), 1).dataset == str(folder)
+    with pytest.raises(ConfigError, match="'c4' is allenai/c4 on the Hugging Face hub.*set dataset_path"):
+        make_plan(load_config(["--training.dataset", "c4"]), 1)
+    with pytest.raises(ConfigError, match=r"'c4_validation' is allenai/c4 \(validation split\)"):
+        make_plan(load_config(["--validation.enable", "true", "--validation.dataset", "c4_validation"]), 1)
+    history = train(load_config([*SMALL, "--training.dataset", "c4_test", "--training.steps", "2",
+                                 "--job.dump_folder", str(tmp_path / "out")]))
+    assert len(history) == 2
+
+
+def test_training_dtype_bfloat16_keeps_parameters_in_bf16():
+    plan = make_plan(load_config(["--training.dtype", "bfloat16"]), 1)
+    model = build_model(plan)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert torch.get_default_dtype() == torch.float32  # restored
+    assert all(b.dtype in (torch.float32, torch.complex64) for b in model.buffers())  # RoPE tables stay exact
+
+
+def test_profiler_traces_exactly_every_profile_freq_steps(tmp_path):
+    train(load_config([*SMALL, "--job.dump_folder", str(tmp_path), "--training.steps", "10",
+                       "--profiling.enable_profiling", "true", "--profiling.profile_freq", "4",
+                       "--profiling.profiler_warmup", "1"]))
+    assert sorted(p.name for p in (tmp_path / "profile_traces").iterdir()) == ["iteration_4", "iteration_8"]
+    with pytest.raises(ConfigError, match="profiler_warmup 3 \\+ profiler_active 1 exceed profile_freq 1"):
+        load_config(["--profiling.enable_profiling", "true", "--profiling.profile_freq", "1"])
+
+
+def test_first_step_checkpoint_load_only_and_saved_lines(tmp_path, capsys):
+    common = [*SMALL, "--job.dump_folder", str(tmp_path), "--checkpoint.enable", "true", "--checkpoint.interval", "3"]
+    train(load_config([*common, "--training.steps", "3", "--checkpoint.enable_first_step_checkpoint", "true"]))
+    folder = tmp_path / "checkpoint"
+    assert {"step-1", "step-3"} <= {p.name for p in folder.iterdir()}
+    assert f"checkpoint: saved {folder / 'step-1'} in " in capsys.readouterr().out
+    before = sorted(p.name for p in folder.iterdir())
+    train(load_config([*common, "--training.steps", "6", "--checkpoint.load_only", "true"]))
+    assert sorted(p.name for p in folder.iterdir()) == before  # resumed from step 3, saved nothing
+
+
+def test_each_run_gets_its_own_tensorboard_folder_and_no_colour_off_a_terminal(tmp_path):
+    args = [*SMALL, "--job.dump_folder", str(tmp_path), "--training.steps", "1", "--metrics.enable_tensorboard", "true",
+            "--job.save_config_file", "saved/config.json"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    first = subprocess.run([sys.executable, "-m", "tessera.trainer.main", *args], capture_output=True, text=True, env=env)
+    assert first.returncode == 0, first.stderr
+    assert "\x1b[" not in first.stdout  # captured output is not a terminal
+    (tmp_path / "tb").rename(tmp_path / "tb_first")
+    train(load_config(args))
+    train(load_config(args))
+    runs = list((tmp_path / "tb").iterdir())
+    assert len(runs) == 2 or runs[0].name.count("-") == 1  # two runs in one second share a folder name
+    assert json.loads((tmp_path / "saved/config.json").read_text())["training"]["steps"] == 1
+
+
+def test_custom_import_registers_before_checks(tmp_path, monkeypatch):
+    (tmp_path / "my_converters.py").write_text(
+        "from tessera.trainer.converters import ModelConverter, register_converter\n"
+        "register_converter('noop_for_test', lambda config, dims: ModelConverter(name='noop_for_test', convert=lambda m: None))\n"
+    )
+    monkeypatch.setenv("BUILD_WORKING_DIRECTORY", str(tmp_path))
+    config = load_config(["--experimental.custom_import", "my_converters", "--model.converters", "noop_for_test"])
+    assert config.model.converters == ["noop_for_test"]
+    with pytest.raises(ConfigError, match="experimental.custom_import: cannot import 'no_such_module_here'"):
+        load_config(["--experimental.custom_import", "no_such_module_here"])
+
+
+def test_validation_shape_of_its_own(tmp_path):
+    history = train(load_config([*SMALL, "--job.dump_folder", str(tmp_path), "--training.steps", "2",
+                                 "--validation.enable", "true", "--validation.freq", "2", "--validation.steps", "1",
+                                 "--validation.seq_len", "64", "--validation.local_batch_size", "1"]))
+    assert any("validation_loss" in h for h in history)
+    with pytest.raises(ConfigError, match="validation.local_batch_size / validation.seq_len other than training's"):
+        make_plan(load_config([*SMALL, "--validation.enable", "true", "--validation.seq_len", "64",
+                               "--parallelism.context_parallel_degree", "2"]), 2)

@@ -1,0 +1,389 @@
+"""Hugging Face tokenizer.json files through tiktoken: ids against a naive implementation of HF's
+byte-level BPE written here, round trips, BOS/EOS rules and one-line errors. Every tokenizer.json
+is made by the test from the default ranks (no third-party file)."""
+
+import copy
+import json
+import math
+import random
+import unicodedata
+
+import pytest
+import regex
+
+from tessera.data import load_tokenizer, read_ranks
+from tessera.data.tokenizer import LLAMA3_SPLIT_PATTERN, _MAX_RUN_CHARS
+
+import tessera.data
+from pathlib import Path
+
+RANKS = read_ranks(Path(tessera.data.__file__).parent / "assets" / "tokenizer.model")
+GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+# DeepSeek-V3's style: digits, then CJK runs, then the rest, each split refining the last; the
+# last pattern matches neither digits nor control characters, so HF keeps those as gap pieces.
+DIGITS, CJK = r"\p{N}{1,3}", r"[一-龥\u3040-ゟ゠-ヿ]+"
+REST = (r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+        r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+MIXED = [
+    "The quick brown fox jumps over the lazy dog. I'm sure they'll say it's DON'T.",
+    "def f(x):\n\treturn x ** 2  # square\r\n\n\n\t\t  \tend",
+    "café naïve résumé e\u0301 a\u0308\u0323 Ångström ñandú ÆØÅ",
+    "世界你好 日本語のテキスト カタカナ 한국어 中文123字",
+    "emoji 👋🏽👨‍👩‍👧‍👦 🇯🇵 ❤️ 🤖",
+    "numbers 1234567890123456789012345678901234567890 3.14159 1e-10 0xFF 007 2024-01-31",
+    "   leading     runs of spaces   and trailing   \n\n\n   \t\t\n",
+    "<|begin_of_text|> special <|end_of_text|><|eot_id|> <｜begin▁of▁sentence｜> <|endoftext|>",
+    "control \x00\x01\x07\x1b[0m\x7f\x85 \u2028\u2029 \ufeff zero\u200bwidth",
+    "right-to-left עברית العربية and math ∑∫√∞ ≤ ≥ ½",
+]
+
+
+def alphabet() -> list[str]:
+    """GPT-2's byte -> character table, written out independently of the library."""
+    chars = {}
+    for lo, hi in (("!", "~"), ("¡", "¬"), ("®", "ÿ")):
+        for b in range(ord(lo), ord(hi) + 1):
+            chars[b] = chr(b)
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+ALPHABET = alphabet()
+
+
+def key(data: bytes) -> str:
+    return "".join(ALPHABET[b] for b in data)
+
+
+def canonical_merges(ranks):
+    """One merge per token: tiktoken's BPE on the token's bytes with the lower ranks only."""
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
+        parts = [bytes([b]) for b in token]
+        while True:
+            pairs = [(ranks.get(a + b, math.inf), i) for i, (a, b) in enumerate(zip(parts, parts[1:]))]
+            best, i = min(pairs, default=(math.inf, 0))
+            if best >= rank:
+                break
+            parts[i : i + 2] = [parts[i] + parts[i + 1]]
+        if len(token) > 1:
+            assert len(parts) == 2
+            merges.append(parts)
+    return merges
+
+
+def all_split_merges(ranks):
+    """Every split of a token into two tokens, by token rank then part ranks (Llama 3's file)."""
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
+        splits = [(token[:k], token[k:]) for k in range(1, len(token)) if token[:k] in ranks and token[k:] in ranks]
+        merges += sorted(splits, key=lambda s: (ranks[s[0]], ranks[s[1]]))
+    return merges
+
+
+def split_step(pattern):
+    return {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False}
+
+
+def byte_level(use_regex):
+    return {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": use_regex}
+
+
+LLAMA3_PRE = {"type": "Sequence", "pretokenizers": [split_step(LLAMA3_SPLIT_PATTERN), byte_level(False)]}
+
+
+def hf_doc(ids, merges, added, pre_tokenizer=LLAMA3_PRE, normalizer=None, string_merges=False, **model):
+    """A tokenizer.json: `ids` maps token bytes -> id, `added` content -> id."""
+    merge_list = [f"{key(a)} {key(b)}" if string_merges else [key(a), key(b)] for a, b in merges]
+    return {
+        "version": "1.0",
+        "added_tokens": [{"id": i, "content": c, "special": True, "single_word": False, "lstrip": False,
+                          "rstrip": False, "normalized": False} for c, i in added.items()],
+        "normalizer": normalizer,
+        "pre_tokenizer": copy.deepcopy(pre_tokenizer),
+        "post_processor": None,
+        "decoder": {"type": "ByteLevel"},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "byte_fallback": False,
+                  "vocab": {key(t): i for t, i in ids.items()}, "merges": merge_list, **model},
+    }
+
+
+def write(folder, doc, config=None, model_config=None):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "tokenizer.json").write_text(json.dumps(doc))
+    if config is not None:
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    if model_config is not None:
+        (folder / "config.json").write_text(json.dumps(model_config))
+    return folder
+
+
+def reference_encode(doc, text):
+    """HF's pipeline for these files, naively: NFC, Isolated regex splits, bytes -> characters,
+    unknown characters dropped, then merge the adjacent pair of lowest merge index (leftmost)."""
+    model, vocab = doc["model"], doc["model"]["vocab"]
+    priority = {tuple(m.split(" ") if isinstance(m, str) else m): i for i, m in enumerate(model["merges"])}
+    if doc["normalizer"]:
+        text = unicodedata.normalize("NFC", text)
+    steps = doc["pre_tokenizer"].get("pretokenizers", [doc["pre_tokenizer"]])
+    patterns = [s["pattern"]["Regex"] if s["type"] == "Split" else GPT2_PATTERN
+                for s in steps if s["type"] == "Split" or s.get("use_regex")]
+    pieces = [text]
+    for pattern in patterns:  # a capturing split keeps both the matches and the text between
+        pieces = [p for piece in pieces for p in regex.split(f"({pattern})", piece) if p]
+    ids = []
+    for piece in pieces:
+        word = [ALPHABET[b] for b in piece.encode("utf-8")]
+        if model.get("ignore_merges") and "".join(word) in vocab:
+            ids.append(vocab["".join(word)])
+            continue
+        word = [c for c in word if c in vocab]
+        while True:
+            found = [(priority[w], i) for i, w in enumerate(zip(word, word[1:])) if w in priority]
+            if not found:
+                break
+            _, i = min(found)
+            word[i : i + 2] = [word[i] + word[i + 1]]
+        ids += [vocab[w] for w in word]
+    return ids
+
+
+def texts():
+    rng = random.Random(0)
+    noisy = bytes(rng.randrange(256) for _ in range(300)).decode("utf-8", errors="replace")
+    return MIXED + ["\n".join(MIXED), noisy]
+
+
+def llama3_specials(n):
+    return {t: n + i for i, t in enumerate(tessera.data.LLAMA3_SPECIAL_TOKENS)}
+
+
+def shifted_ids(offset):
+    """Ids as an HF trainer gives them: `offset` specials first, bytes in alphabet order, merges."""
+    by_char = sorted(range(256), key=lambda b: ALPHABET[b])
+    ids = {bytes([b]): offset + k for k, b in enumerate(by_char)}
+    ids.update({t: offset + r for t, r in RANKS.items() if r >= 256})
+    return ids
+
+
+def check_matches_reference(tok, doc, round_trip=True):
+    for text in texts():
+        ids = tok.encode(text, bos=False, eos=False)
+        assert ids == reference_encode(doc, text), text
+        if round_trip:
+            assert tok.decode(ids) == text
+
+
+def test_llama3_layout_round_trip_and_fingerprint(tmp_path):
+    doc = hf_doc(RANKS, canonical_merges(RANKS), llama3_specials(len(RANKS)), string_merges=True)
+    tok = load_tokenizer(write(tmp_path / "llama", doc))
+    default = load_tokenizer()
+    assert tok.ranks == RANKS  # ranks -> tokenizer.json -> ranks
+    assert (tok.bos_id, tok.eos_id, tok.vocab_size) == (1792, 1793, 2048)
+    assert tok.fingerprint == default.fingerprint == "6b80717cc6a880f8"  # shards stay valid
+    check_matches_reference(tok, doc)
+    for text in texts():
+        assert tok.encode(text, True, True) == default.encode(text, True, True)
+
+
+def test_all_split_merges_with_ignore_merges(tmp_path):
+    doc = hf_doc(RANKS, all_split_merges(RANKS), llama3_specials(len(RANKS)), ignore_merges=True)
+    assert len(doc["model"]["merges"]) > len(RANKS) - 256  # several merges per token
+    tok = load_tokenizer(write(tmp_path / "t", doc) / "tokenizer.json")
+    assert tok.ranks == RANKS
+    check_matches_reference(tok, doc)
+
+
+def test_gpt2_byte_level_nfc_and_specials_anywhere(tmp_path):
+    ids = shifted_ids(3)
+    added = {"<s>": 0, "</s>": 1, "<pad>": 2, "<|endoftext|>": 5000, "<|im_start|>": 5001}
+    doc = hf_doc(ids, canonical_merges(RANKS), added, pre_tokenizer=byte_level(True),
+                 normalizer={"type": "NFC"})
+    tok = load_tokenizer(write(tmp_path / "t", doc))
+    assert tok.ranks == ids and tok.vocab_size == 5002
+    assert tok.special_tokens == added and (tok.bos_id, tok.eos_id) == (0, 1)  # by their names
+    check_matches_reference(tok, doc, round_trip=False)  # NFC changes text
+    assert tok.decode(tok.encode("plain ascii\n", True, True)) == "<s>plain ascii\n</s>"
+    with pytest.raises(ValueError, match="token id 4000 is outside the vocabulary .* or has no token"):
+        tok.decode([4000])
+
+
+def test_sequence_of_splits_deepseek_style(tmp_path):
+    ids = shifted_ids(3)
+    added = {"<｜begin▁of▁sentence｜>": 0, "<｜end▁of▁sentence｜>": 1, "<｜▁pad▁｜>": 2}
+    vocab = {**ids}
+    doc = hf_doc(vocab, canonical_merges(RANKS), added, pre_tokenizer={
+        "type": "Sequence", "pretokenizers": [split_step(DIGITS), split_step(CJK), split_step(REST), byte_level(False)]})
+    doc["model"]["vocab"].update(added)  # HF's trainer lists specials in the vocab too
+    config = {"bos_token": {"__type": "AddedToken", "content": "<｜begin▁of▁sentence｜>"},
+              "eos_token": {"__type": "AddedToken", "content": "<｜end▁of▁sentence｜>"}}
+    tok = load_tokenizer(write(tmp_path / "t", doc, config))
+    assert (tok.bos_id, tok.eos_id) == (0, 1)
+    check_matches_reference(tok, doc)
+    long = "x" + " " * (2 * _MAX_RUN_CHARS) + "7" * 10
+    assert tok.decode(tok.encode(long, False, False)) == long
+
+
+def test_single_split_that_leaves_gaps(tmp_path):
+    # REST alone matches no digits: HF keeps digit runs as pieces, tiktoken alone would skip them.
+    pre = {"type": "Sequence", "pretokenizers": [split_step(REST), byte_level(False)]}
+    doc = hf_doc(RANKS, canonical_merges(RANKS), llama3_specials(len(RANKS)), pre_tokenizer=pre)
+    check_matches_reference(load_tokenizer(write(tmp_path / "t", doc)), doc)
+
+
+def test_bytes_without_tokens_are_dropped(tmp_path):
+    # Like torchtitan's test tokenizer: some bytes (here space, controls, 0x80-0xBF) have no token.
+    dropped = {*range(0x21), *range(0x7F, 0xC0)}
+    ids = {t: r for t, r in RANKS.items() if not dropped & set(t)}
+    merges = [(a, b) for a, b in canonical_merges(RANKS) if a + b in ids]
+    doc = hf_doc(ids, merges, {"<|endoftext|>": 1792})
+    tok = load_tokenizer(write(tmp_path / "t", doc))
+    assert tok.eos_id == tok.bos_id == 1792  # no BOS named anywhere: EOS serves as both
+    check_matches_reference(tok, doc, round_trip=False)
+    assert tok.decode(tok.encode("a b\tc", False, False)) == "abc"
+
+
+def _pair_whose_bytes_end(ranks, doc, parts_wanted):
+    """Two tokens whose concatenation is no token and whose bytes BPE into `parts_wanted` parts
+    other than the two."""
+    tokens = sorted((t for t in ranks if 2 <= len(t) <= 4), key=ranks.get)[:150]
+    for a in tokens:
+        for b in tokens:
+            text = (a + b).decode("utf-8", errors="strict") if (a + b).isascii() else None
+            if text and a + b not in ranks and regex.fullmatch(LLAMA3_SPLIT_PATTERN, text):
+                got = reference_encode(doc, text)
+                if len(got) == parts_wanted and got != [ranks[a], ranks[b]]:
+                    return a, b
+    raise AssertionError("no such pair")
+
+
+@pytest.mark.parametrize("parts, ignore_merges", [(2, False), (3, False), (3, True), (2, True)])
+def test_tokens_the_merges_never_build(tmp_path, parts, ignore_merges):
+    base = hf_doc(RANKS, canonical_merges(RANKS), llama3_specials(len(RANKS)))
+    a, b = _pair_whose_bytes_end(RANKS, base, parts)
+    ids = {**RANKS, a + b: 2048}  # merge (a, b) is listed but HF's BPE never lines a and b up
+    doc = hf_doc(ids, canonical_merges(RANKS) + [(a, b)], llama3_specials(len(RANKS)), ignore_merges=ignore_merges)
+    folder = write(tmp_path / "t", doc)
+    if parts == 2 and ignore_merges:
+        with pytest.raises(ValueError, match=r"tokenizer.json: token .* is not built by the merges, but ignore_merges"):
+            load_tokenizer(folder)
+        return
+    tok = load_tokenizer(folder)
+    assert (a + b in tok.ranks) == ignore_merges and tok.decode([2048]) == (a + b).decode()
+    text = " ".join(t.decode() for t in (a + b, a, b, a + b + a))
+    assert tok.encode(text, False, False) == reference_encode(doc, text)
+    check_matches_reference(tok, doc)
+
+
+def test_ids_out_of_merge_order_are_refused(tmp_path):
+    tokens = sorted(RANKS, key=RANKS.get)
+    ids = {**RANKS, tokens[300]: 301, tokens[301]: 300}
+    doc = hf_doc(ids, canonical_merges(RANKS), {})
+    with pytest.raises(ValueError, match=r"tokenizer.json: token ids do not follow merge order \(merge #44 makes"):
+        load_tokenizer(write(tmp_path / "t", doc))
+
+
+def _small_doc():
+    return hf_doc(RANKS, canonical_merges(RANKS), {"<|begin_of_text|>": 1792, "<|end_of_text|>": 1793,
+                                                   "<|eot_id|>": 1794})
+
+
+@pytest.mark.parametrize("config, model_config, expected", [
+    ({"bos_token": "<|end_of_text|>", "eos_token": "<|eot_id|>"}, None, (1793, 1794)),
+    ({"bos_token": {"__type": "AddedToken", "content": "<|eot_id|>", "lstrip": False}, "eos_token": None},
+     {"eos_token_id": [1793, 1794]}, (1794, 1793)),
+    (None, {"bos_token_id": 1794, "eos_token_id": 1792}, (1794, 1792)),
+    ({"add_bos_token": True}, None, (1792, 1793)),  # names none: by the tokens' names
+])
+def test_bos_eos_rules(tmp_path, config, model_config, expected):
+    tok = load_tokenizer(write(tmp_path / "t", _small_doc(), config, model_config))
+    assert (tok.bos_id, tok.eos_id) == expected
+    ids = tok.encode("hi", bos=True, eos=True)
+    assert (ids[0], ids[-1]) == expected and ids[1:-1] == tok.encode("hi", bos=False, eos=False) == [104, 105]
+
+
+def test_config_tokens_missing_from_tokenizer_json_are_appended(tmp_path):
+    # torchtitan's test tokenizer: BOS/EOS only in tokenizer_config.json (with ids HF ignores).
+    doc = _small_doc()
+    doc["added_tokens"] = []
+    doc["model"]["vocab"]["<|pad|>"] = 1792  # no merge builds it: decodable, never produced
+    config = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", "pad_token": "<|pad|>",
+              "added_tokens_decoder": {"128000": {"content": "<|begin_of_text|>"}, "5": {"content": "<|x|>"}}}
+    tok = load_tokenizer(write(tmp_path / "t", doc, config))
+    assert tok.special_tokens == {"<|begin_of_text|>": 1793, "<|end_of_text|>": 1794, "<|pad|>": 1792, "<|x|>": 1795}
+    assert (tok.bos_id, tok.eos_id, tok.vocab_size) == (1793, 1794, 1796)
+    assert tok.decode([1792, 1793]) == "<|pad|><|begin_of_text|>"
+    other = load_tokenizer(write(tmp_path / "u", _small_doc()))
+    assert len({tok.fingerprint, other.fingerprint, load_tokenizer().fingerprint}) == 3
+
+
+def test_folder_prefers_tokenizer_json(tmp_path):
+    write(tmp_path, _small_doc(), {"eos_token": "<|eot_id|>"})
+    tessera.data.write_ranks(RANKS, tmp_path / "tokenizer.model")
+    assert load_tokenizer(tmp_path).eos_id == 1794
+    (tmp_path / "tokenizer.json").unlink()
+    assert load_tokenizer(tmp_path).eos_id == 1793 and load_tokenizer(tmp_path).name == "tokenizer.model"
+
+
+def _edit(doc, path, value):
+    *parents, last = path
+    for p in parents:
+        doc = doc[p]
+    doc[last] = value
+
+
+@pytest.mark.parametrize("edit, message", [
+    ((["model", "type"], "WordPiece"), r"model type 'WordPiece' is not supported \(byte-level BPE only\)"),
+    ((["model", "byte_fallback"], True), r"model.byte_fallback is set: a SentencePiece-style BPE"),
+    ((["normalizer"], {"type": "Sequence", "normalizers": [{"type": "NFC"}, {"type": "Lowercase"}]}),
+     r"normalizer 'Lowercase' is not supported \(only none or NFC\)"),
+    ((["pre_tokenizer"], {"type": "Whitespace"}), r"pre_tokenizer must end with ByteLevel"),
+    ((["pre_tokenizer", "pretokenizers", 0], {"type": "Digits", "individual_digits": True}),
+     r"pre_tokenizer 'Digits' is not supported"),
+    ((["pre_tokenizer", "pretokenizers", 0, "behavior"], "Removed"), r"pre_tokenizer Split with behavior 'Removed' is not supported"),
+    ((["pre_tokenizer", "pretokenizers", 1, "add_prefix_space"], True), r"pre_tokenizer ByteLevel add_prefix_space=true"),
+    ((["pre_tokenizer", "pretokenizers", 0, "pattern"], {"Regex": "(?<"}), r"pre_tokenizer Split regex '\(\?<' does not compile"),
+    ((["model", "merges", 3], ["Ġt", "zzz"]), r"merge #3 \['Ġt', 'zzz'\] uses or makes a token not in model.vocab"),
+    ((["model", "unk_token"], "<unk>"), None),  # every byte has a token: the unk token is never used
+])
+def test_unsupported_parts_are_one_line_errors(tmp_path, edit, message):
+    doc = _small_doc()
+    _edit(doc, *edit)
+    folder = write(tmp_path / "t", doc)
+    if message is None:
+        assert load_tokenizer(folder).vocab_size == 1795
+        return
+    with pytest.raises(ValueError, match=r"^[^\n]*tokenizer.json: " + message + r"[^\n]*$"):
+        load_tokenizer(folder)
+
+
+def test_malformed_files(tmp_path):
+    with pytest.raises(ValueError, match=r"^\S+/empty: folder holds no tokenizer.json or tokenizer.model$"):
+        (tmp_path / "empty").mkdir()
+        load_tokenizer(tmp_path / "empty")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "tokenizer.json").write_text('{"model": {"type": "BPE",\n "vocab": {"a": 0,}}}')
+    with pytest.raises(ValueError, match=r"bad/tokenizer.json:2: not valid JSON \(Expecting property name"):
+        load_tokenizer(bad)
+    (bad / "tokenizer.json").write_text("[]")
+    with pytest.raises(ValueError, match=r"bad/tokenizer.json: expected a JSON object"):
+        load_tokenizer(bad)
+    write(bad, _small_doc(), {"eos_token": 7})
+    with pytest.raises(ValueError, match=r"bad/tokenizer_config.json: eos_token must be a string or an object"):
+        load_tokenizer(bad)
+    write(bad, _small_doc(), {"eos_token": None}, {"eos_token_id": 99999})
+    with pytest.raises(ValueError, match=r"bad/config.json: eos_token_id 99999 is not a token of .*tokenizer.json"):
+        load_tokenizer(bad)
+    doc = _small_doc()
+    doc["added_tokens"] = []
+    write(bad, doc, {}, {})
+    with pytest.raises(ValueError, match=r"bad/tokenizer.json: no end-of-text token"):
+        load_tokenizer(bad)
+    with pytest.raises(FileNotFoundError, match="tokenizer file not found: .*nope.json"):
+        load_tokenizer(tmp_path / "nope.json")

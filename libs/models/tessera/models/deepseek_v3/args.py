@@ -1,0 +1,79 @@
+"""Hyper-parameters of a DeepSeek-V2/V3 model."""
+
+import math
+from dataclasses import dataclass, field
+
+from tessera.models.moe import MoEArgs
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN RoPE scaling (Peng et al. 2023) as DeepSeek-V2/V3 use it on the rotary part of MLA.
+
+    It applies when the model's ``max_seq_len`` exceeds ``original_max_position_embeddings``, as
+    in DeepSeek's reference code (and torchtitan): pretraining at the original context uses plain
+    RoPE, a longer run (context extension) switches YaRN on. Frequencies whose wavelength fits
+    ``beta_fast`` times into the original context are kept, those fitting fewer than
+    ``beta_slow`` times are divided by ``factor``, with a linear ramp between; attention scores
+    are multiplied by ``(0.1 * mscale * ln(factor) + 1) ** 2`` (Hugging Face's
+    ``mscale_all_dim``).
+    """
+
+    factor: float = 40.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+
+    def attention_factor(self) -> float:
+        """The factor on the softmax scale: (0.1 * mscale * ln(factor) + 1) ** 2."""
+        return (0.1 * self.mscale * math.log(self.factor) + 1.0) ** 2 if self.factor > 1 else 1.0
+
+
+@dataclass(frozen=True)
+class DeepSeekV3Args:
+    """Shape of a DeepSeek-V2/V3 model (defaults: the debug flavor's shape).
+
+    Multi-head latent attention: queries from ``dim`` directly (``q_lora_rank`` 0) or through a
+    ``q_lora_rank`` bottleneck; keys and values from a ``kv_lora_rank`` latent; each head's query
+    and key have ``qk_nope_head_dim`` features without position plus ``qk_rope_head_dim`` rotated
+    ones (the key's rotated part shared by all heads); values have ``v_head_dim``. The first
+    ``n_dense_layers`` blocks have a dense SwiGLU of ``inter_dim``, the others an MoE layer.
+    """
+
+    vocab_size: int = 2048
+    dim: int = 256
+    n_layers: int = 6
+    n_dense_layers: int = 1
+    n_heads: int = 8
+    inter_dim: int = 1024
+    moe: MoEArgs = field(default_factory=MoEArgs)
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 64
+    qk_nope_head_dim: int = 32
+    qk_rope_head_dim: int = 16
+    v_head_dim: int = 32
+    norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    yarn: YarnScaling | None = field(default_factory=YarnScaling)
+    max_seq_len: int = 163840
+    depth_init: bool = True
+
+    def __post_init__(self):
+        if not 0 <= self.n_dense_layers <= self.n_layers:
+            raise ValueError(f"DeepSeekV3Args: n_dense_layers={self.n_dense_layers} is not in 0..n_layers={self.n_layers}")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"DeepSeekV3Args: qk_rope_head_dim={self.qk_rope_head_dim} must be even for RoPE")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def yarn_active(self) -> bool:
+        return self.yarn is not None and self.max_seq_len > self.yarn.original_max_position_embeddings
+
+    @property
+    def softmax_scale(self) -> float:
+        """qk_head_dim ** -0.5, times YaRN's attention factor when YaRN applies."""
+        return self.qk_head_dim**-0.5 * (self.yarn.attention_factor() if self.yarn_active else 1.0)

@@ -1,0 +1,95 @@
+"""DeepSeek-V2/V3 decoder (DeepSeek-AI 2024, arXiv 2405.04434 and 2412.19437): multi-head latent
+attention with decoupled RoPE, dense SwiGLU in the first blocks, mixture of experts after.
+
+Module names: the decoder's (``tessera.models.decoder``), and per block ``attention.{wq | wq_a,
+q_norm, wq_b}``, ``attention.{wkv_a, kv_norm, wkv_b, wo}``, ``feed_forward.{w1,w2,w3}`` (dense
+blocks) or ``moe.{router.gate, experts, shared_experts}``. Heads are reshaped with ``-1``, so
+linears holding fewer local heads (tensor parallel) work unchanged.
+"""
+
+import torch
+from torch import nn
+
+from tessera.models.attention import CausalSDPA
+from tessera.models.decoder import BASE_INIT_STD, Decoder, TransformerBlock, depth_init_std
+from tessera.models.deepseek_v3.args import DeepSeekV3Args
+from tessera.models.deepseek_v3.rope import yarn_frequencies
+from tessera.models.llama.model import FeedForward
+from tessera.models.moe import MoE
+from tessera.models.rotary import apply_rope_interleaved, rope_table
+
+
+class Attention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2 section 2.1, eq. 37-47):
+
+        q = W_UQ RMSNorm(W_DQ h)  (or W_Q h without q compression), split into q_nope | q_rope
+        c_kv | k_rope = W_DKV h;  k_nope | v = W_UKV RMSNorm(c_kv)
+        q_rope, k_rope rotated (interleaved pairs); k_rope is one head shared by all heads
+        out = W_O attention([q_nope, q_rope], [k_nope, k_rope], v)
+
+    The inner attention gets q, k [B, H, T, qk_nope + qk_rope] and v [B, H, T, v_head_dim] (SDPA
+    takes a different value width) and applies the usual 1/sqrt(head_dim) scale: YaRN's extra
+    factor on the scores is folded into q beforehand, so any kernel serves.
+    """
+
+    def __init__(self, args: DeepSeekV3Args):
+        super().__init__()
+        self.q_lora_rank, self.kv_lora_rank = args.q_lora_rank, args.kv_lora_rank
+        self.nope_dim, self.rope_dim, self.v_dim = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
+        qk_dim = args.n_heads * args.qk_head_dim
+        if self.q_lora_rank == 0:
+            self.wq = nn.Linear(args.dim, qk_dim, bias=False)
+        else:
+            self.wq_a = nn.Linear(args.dim, self.q_lora_rank, bias=False)
+            self.q_norm = nn.RMSNorm(self.q_lora_rank, eps=args.norm_eps)
+            self.wq_b = nn.Linear(self.q_lora_rank, qk_dim, bias=False)
+        self.wkv_a = nn.Linear(args.dim, self.kv_lora_rank + self.rope_dim, bias=False)
+        self.kv_norm = nn.RMSNorm(self.kv_lora_rank, eps=args.norm_eps)
+        self.wkv_b = nn.Linear(self.kv_lora_rank, args.n_heads * (self.nope_dim + self.v_dim), bias=False)
+        self.wo = nn.Linear(args.n_heads * self.v_dim, args.dim, bias=False)
+        self.q_scale = args.softmax_scale * args.qk_head_dim**0.5  # YaRN's factor; 1 without YaRN
+        self.inner_attention = CausalSDPA()
+
+    def init_weights(self, init_std: float) -> None:
+        projections = [self.wq] if self.q_lora_rank == 0 else [self.wq_a, self.wq_b]
+        for linear in (*projections, self.wkv_a, self.wkv_b):
+            nn.init.trunc_normal_(linear.weight, mean=0.0, std=BASE_INIT_STD)
+        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
+        for norm in [self.kv_norm] + ([] if self.q_lora_rank == 0 else [self.q_norm]):
+            norm.reset_parameters()
+
+    def forward(self, x: torch.Tensor, *, rope: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """x [bs, seqlen, dim]; rope: the RoPE rows of the seqlen tokens, [seqlen, qk_rope_head_dim]
+        or [bs, seqlen, qk_rope_head_dim]; document_ids: see ``Decoder.forward``."""
+        bs, seqlen, _ = x.shape
+        q = self.wq(x) if self.q_lora_rank == 0 else self.wq_b(self.q_norm(self.wq_a(x)))
+        q_nope, q_rope = q.view(bs, seqlen, -1, self.nope_dim + self.rope_dim).split([self.nope_dim, self.rope_dim], dim=-1)
+        q = torch.cat([q_nope, apply_rope_interleaved(q_rope, rope)], dim=-1)
+        kv, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        k_rope = apply_rope_interleaved(k_rope.unsqueeze(2), rope)
+        kv = self.wkv_b(self.kv_norm(kv)).view(bs, seqlen, -1, self.nope_dim + self.v_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
+        masks = {} if document_ids is None else {"document_ids": document_ids}
+        out = self.inner_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **masks)
+        return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
+
+
+def _block(layer_id: int, args: DeepSeekV3Args) -> TransformerBlock:
+    dense = layer_id < args.n_dense_layers
+    ffn = FeedForward(args.dim, args.inter_dim) if dense else MoE(args.dim, args.moe)
+    return TransformerBlock(args.dim, args.norm_eps, Attention(args), ffn,
+                            depth_init_std(layer_id, args.n_layers, args.depth_init))
+
+
+class DeepSeekV3(Decoder):
+    """DeepSeek-V2/V3 decoder: tokens [B, T] -> logits [B, T, vocab_size] (see ``Decoder``)."""
+
+    def __init__(self, args: DeepSeekV3Args):
+        super().__init__(args, [_block(i, args) for i in range(args.n_layers)])
+
+    def rope_table(self) -> torch.Tensor:
+        a = self.args
+        return rope_table(yarn_frequencies(a.qk_rope_head_dim, a.rope_theta, a.yarn, a.max_seq_len), a.max_seq_len)

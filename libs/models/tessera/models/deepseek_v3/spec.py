@@ -1,0 +1,80 @@
+"""Model spec of the DeepSeek-V2/V3 family."""
+
+from tessera.models.deepseek_v3 import hf_adapter
+from tessera.models.deepseek_v3.args import DeepSeekV3Args
+from tessera.models.deepseek_v3.flavors import deepseek_v3_flavors
+from tessera.models.deepseek_v3.model import DeepSeekV3
+from tessera.models.spec import ModelSpec
+
+# Patterns for every flavor: a flavor has either wq or wq_a/q_norm/wq_b. "replicated" (a module
+# every TP rank runs whole on the block's replicated input, its weight gradients summed over the
+# TP ranks) and "moe" (the MoE layer: router, experts, shared experts) are roles for
+# tessera.tp / tessera.ep to define.
+TP_PLAN = {
+    "tok_embeddings": "vocab_embedding",
+    "layers.*.attention_norm": "norm",
+    "layers.*.attention": "block_input",
+    "layers.*.attention.wq": "colwise",
+    "layers.*.attention.wq_a": "replicated",
+    "layers.*.attention.q_norm": "replicated",
+    "layers.*.attention.wq_b": "colwise",
+    "layers.*.attention.wkv_a": "replicated",
+    "layers.*.attention.kv_norm": "replicated",
+    "layers.*.attention.wkv_b": "colwise",
+    "layers.*.attention.wo": "rowwise",
+    "layers.*.ffn_norm": "norm",
+    "layers.*.feed_forward": "block_input",
+    "layers.*.feed_forward.w1": "colwise",
+    "layers.*.feed_forward.w2": "rowwise",
+    "layers.*.feed_forward.w3": "colwise",
+    "layers.*.moe": "moe",
+    "norm": "norm",
+    "output": "vocab_output",
+}
+
+
+def attention_params(args: DeepSeekV3Args) -> int:
+    """Parameters of one MLA block (projections and the latent norms)."""
+    a, qk = args, args.n_heads * args.qk_head_dim
+    q = a.dim * qk if a.q_lora_rank == 0 else a.dim * a.q_lora_rank + a.q_lora_rank + a.q_lora_rank * qk
+    kv = a.dim * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank
+    kv += a.kv_lora_rank * a.n_heads * (a.qk_nope_head_dim + a.v_head_dim)
+    return q + kv + a.n_heads * a.v_head_dim * a.dim
+
+
+def active_params(args: DeepSeekV3Args) -> int:
+    """Parameters a token's forward multiplies by: all but the token embedding and the routed
+    experts it is not sent to (the output projection counts)."""
+    a, moe = args, args.moe
+    expert = 3 * a.dim * moe.hidden_dim
+    moe_layer = a.dim * moe.n_experts + (moe.n_shared_experts + moe.top_k) * expert
+    blocks = a.n_layers * (attention_params(a) + 2 * a.dim)
+    blocks += a.n_dense_layers * 3 * a.dim * a.inter_dim + (a.n_layers - a.n_dense_layers) * moe_layer
+    return blocks + a.dim + a.dim * a.vocab_size
+
+
+def flops_per_token(args: DeepSeekV3Args, seq_len: int) -> float:
+    """6 * active_params + 6 * n_layers * n_heads * (qk_head_dim + v_head_dim) * seq_len: 2 FLOPs
+    per active weight forward, 4 backward; attention's QK^T (qk_head_dim wide) and scores @ V
+    (v_head_dim wide) cost 2 FLOPs per feature and key, times 3 for forward + backward, over the
+    full sequence (ignoring the causal mask)."""
+    attention = 6 * args.n_layers * args.n_heads * (args.qk_head_dim + args.v_head_dim) * seq_len
+    return 6 * active_params(args) + attention
+
+
+def tp_divisible(args: DeepSeekV3Args) -> dict[str, int]:
+    quantities = {"n_heads": args.n_heads, "vocab_size": args.vocab_size, "inter_dim": args.inter_dim}
+    if args.moe.n_shared_experts:
+        quantities["shared_experts_hidden_dim"] = args.moe.n_shared_experts * args.moe.hidden_dim
+    return quantities
+
+
+deepseek_v3_spec = ModelSpec(
+    name="deepseek_v3",
+    flavors=deepseek_v3_flavors,
+    build=DeepSeekV3,
+    flops_per_token=flops_per_token,
+    tp_plan=TP_PLAN,
+    tp_divisible=tp_divisible,
+    hf_adapter=hf_adapter,
+)

@@ -1,0 +1,33 @@
+"""Convert state dicts between Tessera's Qwen3 names and Hugging Face ``Qwen3ForCausalLM`` /
+``Qwen3MoeForCausalLM``.
+
+No RoPE permutation: the model uses HF's half-split layout. HF's Qwen3-MoE router has no bias:
+``to_hf`` drops ``expert_bias`` (the exported model routes without the learned bias) and
+``from_hf`` starts it at zero. With tied embeddings ``lm_head.weight`` is left out, as HF does.
+"""
+
+import torch
+
+from tessera.models import hf_layers
+from tessera.models.qwen3.args import Qwen3Args
+
+_PER_LAYER = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "attention.q_norm.weight": "self_attn.q_norm.weight",
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
+    **hf_layers.NORMS_AND_FFN,
+}
+
+
+def to_hf(state_dict: dict[str, torch.Tensor], args: Qwen3Args) -> dict[str, torch.Tensor]:
+    return hf_layers.to_hf(hf_layers.without_router_bias(state_dict), _PER_LAYER, "Qwen3", args.tie_embeddings)
+
+
+def from_hf(state_dict: dict[str, torch.Tensor], args: Qwen3Args) -> dict[str, torch.Tensor]:
+    n_experts = args.moe.n_experts if args.moe is not None else 0
+    out = hf_layers.from_hf(state_dict, _PER_LAYER, "Qwen3", n_experts, args.tie_embeddings)
+    out.update(hf_layers.zero_router_bias(out))
+    return out
