@@ -87,6 +87,11 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
+# torchtitan's switches into its estimation / dry-run mode: this tool is that mode, so they are
+# accepted here (and refused by the trainer, which points here)
+ESTIMATOR_SWITCHES = frozenset({"memory_estimation.enable", "memory_estimation.disable_fake_mode", "comm.mode"})
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
@@ -95,7 +100,11 @@ def main(argv: list[str] | None = None) -> int:
         formula_only, argv = _option(argv, "--formula", flag=True)
         if world is not None and (not world.isdigit() or int(world) < 1):
             raise ConfigError(f"--world_size {world!r} must be a positive integer")
-        plan = make_plan(load_config(argv), int(world or 1), "cuda", check_only=True)
+        config = load_config(argv, accepted=ESTIMATOR_SWITCHES)
+        if config.memory_estimation.disable_fake_mode:
+            raise ConfigError("config key memory_estimation.disable_fake_mode: the estimator traces fake tensors only "
+                              "(real ones would need the whole model's memory)")
+        plan = make_plan(config, int(world or 1), "cuda", check_only=True)
     except (ConfigError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -10,6 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from tessera.mesh.testing import run_on_ranks
 from tessera.trainer.config import load_config
+from tessera.trainer.main import main as trainer_main
 from tessera.trainer.plan import make_plan
 
 import estimate
@@ -91,11 +92,22 @@ def test_flops_formula_vs_flop_counter():
     (["--world_size", "3", "--parallelism.tensor_parallel_degree", "2"], "world size 3 is not divisible"),
     (["--training.nope", "1"], "unknown config key training.nope"),
     (["--job.config_file", "/nonexistent.toml"], "config file not found"),
+    (["--comm.mode", "fake"], "config key comm.mode: 'fake' is not one of"),
+    (["--memory_estimation.disable_fake_mode", "true"], "the estimator traces fake tensors only"),
 ])
 def test_bad_input_one_line_exit_2(argv, message, capsys):
     assert estimate.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+def test_torchtitan_estimation_switches_are_this_tool(capsys):
+    # torchtitan's dry-run keys select this mode; the trainer refuses them and points here
+    assert estimate.main(["--training.seq_len", "32", "--memory_estimation.enable", "true", "--comm.mode", "fake_backend",
+                          "--formula"]) == 0
+    assert "formula" in capsys.readouterr().out
+    assert trainer_main(["--comm.mode", "fake_backend"]) == 2
+    assert "bazel run //tools/estimate" in capsys.readouterr().err
 
 
 def test_cli_table_and_json(capsys):

@@ -1,6 +1,7 @@
 """The trainer under faults (issue 13): extending a finished run, non-finite steps, unwritable
 and full checkpoint folders, stop signals, orphaned ranks, and bad input that used to pass."""
 
+import errno
 import os
 import re
 import resource
@@ -156,6 +157,30 @@ def test_failed_save_names_the_folder_and_keeps_the_previous_checkpoint(tmp_path
     assert output(dump, "err").strip() == f"error: cannot write checkpoint to {dump / 'checkpoint'}: File too large"
     assert {p.name: p.read_bytes() for p in step2.iterdir()} == before
     assert not (dump / "checkpoint" / "step-4").exists()
+
+
+def test_failed_async_save_stops_the_run_at_once_in_one_line(tmp_path, capsys, monkeypatch):
+    """The background write of step 6 meets a full disk: the run stops within a step or two
+    (not at the next save, after step 9) with one line, and step-3 stays intact."""
+    from torch.distributed.checkpoint import filesystem
+
+    write_item = filesystem._write_item
+
+    def full_disk_at_step_6(transforms, stream, *args, **kwargs):
+        if ".step-6.tmp" in str(getattr(stream, "name", "")):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return write_item(transforms, stream, *args, **kwargs)
+
+    monkeypatch.setattr(filesystem, "_write_item", full_disk_at_step_6)
+    code = main([*SMALL, "--job.dump_folder", str(tmp_path), "--training.steps", "9", *CKPT, "--checkpoint.interval", "3",
+                 "--checkpoint.async_mode", "async"])
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert err.strip() == f"error: cannot write checkpoint to {tmp_path / 'checkpoint'}: No space left on device"
+    trained = [int(step) for step in re.findall(r"^step +(\d+)/9", out, re.M)]
+    assert trained[:6] == [1, 2, 3, 4, 5, 6] and max(trained) < 9, trained
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir() if not p.name.startswith(".")) == ["step-3"]
+    assert read_dcp(tmp_path / "checkpoint" / "step-3", only="train_state")["step"] == 3
 
 
 # ---- 5. stop signals, orphaned ranks -----------------------------------------------------

@@ -390,6 +390,7 @@ CHOICES = {
     ("parallelism", "context_parallel_rotate_method"): ("allgather",),
     ("parallelism", "context_parallel_load_balancer"): ("headtail", None),
     ("training", "dtype"): ("float32", "bfloat16"),
+    ("comm", "mode"): ("default", "fake_backend", "local_tensor"),
     ("activation_checkpoint", "determinism_check"): ("default", "none"),
     ("quantize", "linear.mx.mxfp8_dim1_cast_kernel_choice"): ("triton", "cuda", "torch"),
 }
@@ -563,8 +564,10 @@ def _read_toml(path: Path) -> dict:
         raise ConfigError(f"config file {path} is not UTF-8 text (a binary file?)") from None
 
 
-def load_config(argv: list[str]) -> JobConfig:
-    """Defaults, then the TOML file named by --job.config_file, then the other overrides."""
+def load_config(argv: list[str], accepted: frozenset[str] = frozenset()) -> JobConfig:
+    """Defaults, then the TOML file named by --job.config_file, then the other overrides.
+    `accepted`: refused keys (config_keys.REFUSED) that the caller implements, e.g. the
+    estimator's comm.mode = "fake_backend"."""
     overrides = parse_overrides(argv)
     config = JobConfig()
     base = user_directory()
@@ -593,7 +596,7 @@ def load_config(argv: list[str]) -> JobConfig:
     ]
     _read_experimental(config)
     _custom_import(config.experimental.custom_import)
-    validate(config)
+    validate(config, accepted)
     return config
 
 
@@ -635,10 +638,10 @@ def _read_experimental(config: JobConfig) -> None:
               file=sys.stderr, flush=True)
 
 
-def validate(config: JobConfig) -> None:
+def validate(config: JobConfig, accepted: frozenset[str] = frozenset()) -> None:
     """Value checks that types alone do not catch."""
     for dotted, reason in REFUSED.items():
-        if get_key(config, dotted) != get_key(JobConfig(), dotted):
+        if dotted not in accepted and get_key(config, dotted) != get_key(JobConfig(), dotted):
             raise ConfigError(f"config key {dotted} = {get_key(config, dotted)!r}: {reason}")
     if config.activation_checkpoint.mode == "memory_budget":
         raise ConfigError(f"config key activation_checkpoint.mode = 'memory_budget': {REFUSED['activation_checkpoint.memory_budget']}")

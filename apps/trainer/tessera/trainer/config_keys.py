@@ -204,6 +204,7 @@ REFUSED = {
     "quantize.grouped_mm.mx.fqns": _NO_EP,
     "debug.moe_force_load_balance": _NO_EP,
     "comm.mode": _ESTIMATE,
+    "quantize.linear.mx.mxfp8_dim1_cast_kernel_choice": "torchao 0.18's MXFP8 training config chooses the cast kernel itself",
     "memory_estimation.enable": _ESTIMATE,
     "memory_estimation.disable_fake_mode": _ESTIMATE,
     **{f"fault_tolerance.{key}": _NO_FT for key in (

@@ -168,11 +168,14 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
 
 def raise_first_failure(e: CheckpointException) -> None:
     """DCP gathers each rank's exception into one CheckpointException (a BaseException);
-    re-raise the lowest rank's own exception so callers see a plain, one-line error."""
+    re-raise the lowest rank's own exception so callers see a plain, one-line error. An
+    OSError stays one (a full disk, a read-only folder: the caller names the folder)."""
     rank = min(e.failures)
     error, _ = e.failures[rank]
     if isinstance(error, (ValueError, FileNotFoundError)):
         raise type(error)(str(error)) from None
+    if isinstance(error, OSError):
+        raise OSError(error.errno, error.strerror or str(error), error.filename) from None
     raise RuntimeError(f"checkpoint operation failed on rank {rank}: {error!r}") from None
 
 

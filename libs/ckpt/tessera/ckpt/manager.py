@@ -210,11 +210,14 @@ class CheckpointManager:
     @contextlib.contextmanager
     def _storage_errors_named(self) -> Iterator[None]:
         """A failed write re-raised as the folder's own OS error when one explains it (a full
-        disk otherwise reads as the zip writer's "unexpected pos")."""
+        disk otherwise reads as the zip writer's "unexpected pos"), or as the write's own
+        OSError (the disk was full at the time, or a rank's files failed), named with the folder."""
         try:
             yield
-        except Exception:
+        except Exception as e:
             error = self._storage_error()
+            if error is None and isinstance(e, OSError):
+                error = OSError(f"cannot write checkpoint to {self.folder}: {e.strerror or e}")
             if error is None:
                 raise
             raise error from None

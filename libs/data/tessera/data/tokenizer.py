@@ -99,10 +99,8 @@ class Tokenizer:
         # One total split pattern and every byte a rank: tiktoken splits and merges in one call.
         # Otherwise pieces are split here and each piece's bytes go to tiktoken's BPE alone.
         self._whole = len(self.patterns) == 1 and not dropped_bytes
-        pattern = self.patterns[0] if self.patterns == (LLAMA3_SPLIT_PATTERN,) else _with_gaps(self.patterns[0])
-        self._encoding = tiktoken.Encoding(
-            name, pat_str=pattern if self._whole else ".", mergeable_ranks=ranks, special_tokens={}
-        )
+        pattern = _with_gaps(self.patterns[0]) if self._whole else "."
+        self._encoding = tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=ranks, special_tokens={})
         self._splits = [regex.compile(p) for p in self.patterns]
 
     def encode(self, text: str, bos: bool, eos: bool) -> list[int]:
@@ -165,7 +163,8 @@ def _decode_table(ranks, special_tokens, decode_only) -> list[bytes | None]:
 
 def _with_gaps(pattern: str) -> str:
     """`pattern` plus a last alternative for a run of text it does not match: HF keeps such runs
-    as pieces, tiktoken would skip them (none exist for the usual, total, patterns)."""
+    as pieces, tiktoken would skip them. Free for total patterns (Llama 3's, GPT-2's): it is only
+    tried where `pattern` fails."""
     return f"(?:{pattern})|(?:(?!(?:{pattern}))(?s:.))+"
 
 

@@ -19,7 +19,8 @@ class ModelSpec:
 
     name: registry key, e.g. "llama3".
     flavors: flavor name -> args (a dataclass the trainer can ``dataclasses.replace``
-        ``max_seq_len`` and ``vocab_size`` on).
+        ``max_seq_len`` and ``vocab_size`` on, whose fields are JSON values or such dataclasses:
+        checkpoints record them, ``args_record``).
     build: args -> nn.Module. Must work under ``torch.device("meta")``; the module offers
         ``init_weights(buffer_device=None)`` to initialise after ``to_empty``.
     flops_per_token: (args, seq_len) -> training FLOPs per token (forward + backward).
