@@ -39,16 +39,29 @@ def _torchtitan_regions() -> dict:
             "loss": (loss, "cross_entropy_loss"), "grad clip": (dist_utils, "clip_grad_norm_")}
 
 
+def _profile_cpu_only() -> None:
+    """torchtitan 0.2.2 passes [CPU, None] as the profiler's activities when there is no GPU,
+    which torch.profiler rejects: drop the None (its profiling code is otherwise unchanged)."""
+    import torch.profiler
+
+    class CpuProfile(torch.profiler.profile):
+        def __init__(self, *args, activities=None, **kwargs):
+            super().__init__(*args, activities=[a for a in activities or () if a is not None] or None, **kwargs)
+
+    torch.profiler.profile = CpuProfile
+
+
 def main() -> None:
     which, args = sys.argv[1], sys.argv[2:]
     if os.environ.get("PIN") == "1":
         os.sched_setaffinity(0, {int(os.environ.get("LOCAL_RANK", "0")) % os.cpu_count()})
-    if which == "tessera":
-        regions, module = _tessera_regions, "tessera.trainer.main"
-    else:  # cpu_launch's patches (device, FSDP over gloo) first, as its own __main__ does
-        runpy.run_path(os.path.join(os.environ["PEER_ROOT"], "cpu_launch.py"), run_name="cpu_launch")
-        regions, module = _torchtitan_regions, "torchtitan.train"
+    module = "tessera.trainer.main" if which == "tessera" else "torchtitan.train"
     sys.argv = [module, *args]
+    regions = _tessera_regions
+    if which != "tessera":  # cpu_launch's patches (device, FSDP over gloo) first, as its own __main__ does
+        runpy.run_path(os.path.join(os.environ["PEER_ROOT"], "cpu_launch.py"), run_name="cpu_launch")
+        regions = _torchtitan_regions
+        _profile_cpu_only()
     with annotate(regions()) if os.environ.get("SPLIT_REGIONS") == "1" else contextlib.nullcontext():
         runpy.run_module(module, run_name="__main__", alter_sys=True)
 

@@ -3,18 +3,26 @@
     bazel run //tools/faults [-- --steps 8 --only sigkill-step]
 
 Each fault runs the trainer as a separate process (the debug model, tiny batches, a checkpoint
-every 2 steps), injects the fault, then re-runs the same command as an operator would and
-compares with an uninterrupted run of the same layout. Printed per fault: survived (the final
-state was reached), steps lost (trained again after the restart), data lost (checkpoints that
-were complete before the fault and unreadable after it: must be 0), and the largest difference
-of the logged losses and of the final weights from the uninterrupted run (must be 0: every
-fault here resumes exactly).
+every 2 steps), injects the fault, then re-runs the same command as an operator would (for a
+full or read-only disk: after making room) and compares with an uninterrupted run of the same
+layout. Printed per fault: survived (the final state was reached; for NaN: the run stopped
+non-zero after training.max_skipped_steps with one line), steps lost (trained again after the
+restart), data lost (checkpoints that were complete before the fault and unreadable after it,
+plus any holding non-finite weights: must be 0), the largest difference of the logged losses
+and of the final weights from the uninterrupted run (must be 0: every fault here resumes
+exactly), and how the faulty run ended.
+
+Disk faults use a real tmpfs (a little larger than one checkpoint, then remounted bigger; or
+remounted read-only mid-run) when this process may mount one (root with CAP_SYS_ADMIN);
+otherwise a file-size limit stands in for a full disk and the table says so.
 Exit status 1 if any fault was not survived, lost data or resumed inexactly.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
 import os
 import random
 import re
@@ -28,12 +36,16 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 from tessera.ckpt import read_dcp
 
 SMALL = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--metrics.log_freq", "1",
          "--metrics.disable_color_printing", "true", "--checkpoint.enable", "true", "--checkpoint.interval", "2",
          "--checkpoint.last_save_model_only", "false"]
 FSDP2 = ["--nproc", "2", "--parallelism.data_parallel_shard_degree", "2"]
+ASYNC = ["--checkpoint.async_mode", "async"]
+STALL_TIMEOUT_S = 3  # comm.train_timeout_seconds of the stalled-rank run; the rank stalls twice that
 
 
 def _command(dump: Path, steps: int, extra: list[str]) -> list[str]:
@@ -49,12 +61,13 @@ def _complete(folder: Path) -> list[Path]:
     return sorted(p for p in folder.glob("step-*") if re.fullmatch(r"step-\d+", p.name) and (p / ".metadata").is_file())
 
 
-def _readable(step: Path) -> bool:
+def _lost(step: Path) -> bool:
+    """Unreadable, or holding non-finite weights (every resume from it would be poisoned)."""
     try:
-        read_dcp(step)
-        return True
+        model = read_dcp(step, only="model")
     except Exception:  # noqa: BLE001  any failure to read is data lost
-        return False
+        return True
+    return not all(torch.isfinite(value).all() for value in model.values() if isinstance(value, torch.Tensor))
 
 
 class Run:
@@ -97,6 +110,10 @@ class Run:
         """Step -> logged loss (printed to 4 decimals)."""
         return {int(step): float(loss) for step, loss in re.findall(r"^step +(\d+)/\d+ +loss +(\S+)", self.log.read_text(), re.M)}
 
+    def first_error(self) -> str:
+        errors = re.findall(r"^error: (.*)$", self.log.read_text(), re.M)
+        return errors[0] if errors else ""
+
 
 def _living_members(group: int) -> list[int]:
     """Processes of the process group that are not zombies (an unreaped orphan is harmless)."""
@@ -116,15 +133,82 @@ def _weights_difference(a: Path, b: Path) -> float:
     return max((left[k].float() - right[k].float()).abs().max().item() for k in left)
 
 
-def _fault(name: str, layout: list[str], inject: Callable[[Run, Path], None], steps: int, work: Path, reference: Run,
-           preexec_fn: Callable | None = None) -> dict:
+# ---- a real disk: tmpfs -----------------------------------------------------------------------
+
+def _mount_tmpfs(folder: Path, size: int) -> str | None:
+    """Mounts a tmpfs of `size` bytes on `folder`: None, or why it could not."""
+    if os.geteuid() != 0:
+        return "not root"
+    folder.mkdir(parents=True, exist_ok=True)
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True, text=True)
+    return None if result.returncode == 0 else (result.stderr.strip() or f"mount exited {result.returncode}")
+
+
+def _remount(folder: Path, options: str) -> None:
+    subprocess.run(["mount", "-o", f"remount,{options}", str(folder)], check=True, capture_output=True)
+
+
+def _unmount(folder: Path) -> None:
+    subprocess.run(["umount", "--lazy", str(folder)], check=False, capture_output=True)
+
+
+def _tmpfs_unavailable(work: Path) -> str | None:
+    probe = work / "mount-probe"
+    why = _mount_tmpfs(probe, 1 << 20)
+    if why is None:
+        _unmount(probe)
+    return why
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+# ---- faults ----------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Fault:
+    name: str
+    layout: str  # "single" or "fsdp2": which uninterrupted run it is compared with
+    inject: Callable[[Run, Path], None]
+    extra: list[str] = dataclasses.field(default_factory=list)  # both runs' arguments beyond the layout
+    faulty_extra: list[str] = dataclasses.field(default_factory=list)  # the faulty run's alone (the fault switch)
+    preexec_fn: Callable | None = None
+    disk: str = ""  # "full" or "read-only": the dump folder lives on a tmpfs
+    resumes: bool = True  # False (NaN): the run must stop, there is nothing to resume
+
+
+def _fault(fault: Fault, steps: int, work: Path, reference: Run) -> dict:
     """Runs, injects, restarts once; the row of the table."""
-    dump = work / name
-    first = Run(dump, steps, layout, preexec_fn, tag="faulty")
+    dump = work / fault.name
+    layout = [*(FSDP2 if fault.layout == "fsdp2" else []), *fault.extra]
+    checkpoint_bytes = _folder_bytes(_complete(reference.dump / "checkpoint")[0])
+    if fault.disk:  # room for one checkpoint and a half, or plenty to be made read-only
+        why = _mount_tmpfs(dump, checkpoint_bytes * (3 if fault.disk == "full" else steps) // 2)
+        assert why is None, why  # probed before
+    try:
+        return _faulty_then_restart(fault, dump, layout, steps, reference, checkpoint_bytes)
+    finally:
+        if fault.disk:
+            _unmount(dump)
+
+
+def _faulty_then_restart(fault: Fault, dump: Path, layout: list[str], steps: int, reference: Run, checkpoint_bytes: int) -> dict:
+    first = Run(dump, steps, [*layout, *fault.faulty_extra], fault.preexec_fn, tag="faulty")
     folder = dump / "checkpoint"
-    inject(first, folder)
-    orphans = first.finish() == -1
+    fault.inject(first, folder)
+    code = first.finish()
+    orphans = code == -1
+    row = {"fault": fault.name, "resumes": fault.resumes,
+           "ended": "orphaned ranks" if orphans else f"exit {code}" + (f": {first.first_error()}" if first.first_error() else "")}
+    row["ended"] = row["ended"].replace(str(dump), "<dump>")
     before, trained = _complete(folder), max(first.steps_trained(), default=0)
+    if not fault.resumes:
+        stopped = code == 1 and "optimizer steps skipped, more than training.max_skipped_steps" in first.first_error()
+        return {**row, "survived": stopped and bool(before), "steps lost": math.nan,
+                "data lost": sum(_lost(step) for step in before), "loss diff": math.nan, "weight diff": math.nan}
+    if fault.disk:
+        _remount(dump, f"rw,size={checkpoint_bytes * (steps + 2)}")  # the operator made room
     second = Run(dump, steps, layout, tag="restart")
     code = second.finish()
     trained_again = [s for s in second.steps_trained() if s <= trained]
@@ -132,11 +216,11 @@ def _fault(name: str, layout: list[str], inject: Callable[[Run, Path], None], st
     survived = code == 0 and not orphans and (final / ".metadata").is_file()
     expected, resumed = reference.losses(), second.losses()
     return {
-        "fault": name, "survived": survived, "steps lost": len(trained_again),
-        "data lost": sum(not _readable(step) for step in before),
-        "loss diff": max((abs(loss - expected[step]) for step, loss in resumed.items()), default=float("nan")),
+        **row, "survived": survived, "steps lost": len(trained_again),
+        "data lost": sum(_lost(step) for step in before),
+        "loss diff": max((abs(loss - expected[step]) for step, loss in resumed.items()), default=math.nan),
         "weight diff": (_weights_difference(final, reference.dump / "checkpoint" / f"step-{steps}") if survived
-                        else float("nan")),
+                        else math.nan),
     }
 
 
@@ -159,6 +243,11 @@ def _sigterm(run: Run, folder: Path) -> None:
     run.proc.send_signal(signal.SIGTERM)
 
 
+def _read_only_after_step_2(run: Run, folder: Path) -> None:
+    run.wait_until(lambda: (folder / "step-2" / ".metadata").is_file())
+    _remount(folder.parent, "ro")
+
+
 def _limit_file_size() -> None:
     """After the first checkpoint's worth of files, writes fail (EFBIG) as on a full disk."""
     resource.setrlimit(resource.RLIMIT_FSIZE, (256 << 10, 256 << 10))
@@ -169,43 +258,61 @@ def _nothing(run: Run, folder: Path) -> None:
     pass
 
 
+def faults(rng: random.Random, steps: int, tmpfs: bool) -> list[Fault]:
+    stall = ["--debug.fault_at_step", "5", "--debug.fault_rank", "1", "--debug.fault_kind", "stall",
+             "--comm.train_timeout_seconds", str(STALL_TIMEOUT_S)]
+    nan = ["--optimizer.lr", "1e6", "--lr_scheduler.warmup_steps", "0", "--training.max_skipped_steps", "2",
+           "--training.steps", "100"]  # diverges within a few steps, whatever --steps says
+    disks = [
+        Fault("disk-full-tmpfs-sync-single", "single", _nothing, disk="full"),
+        Fault("disk-full-tmpfs-async-single", "single", _nothing, ASYNC, disk="full"),
+        Fault("read-only-tmpfs-async-single", "single", _read_only_after_step_2, ASYNC, disk="read-only"),
+    ] if tmpfs else [Fault("disk-full-fsize-limit-single", "single", _nothing, preexec_fn=_limit_file_size)]
+    return [
+        Fault("sigkill-step-single", "single", _kill_at_random_step(rng, steps)),
+        Fault("sigkill-step-fsdp2", "fsdp2", _kill_at_random_step(rng, steps)),
+        Fault("sigkill-mid-save-sync-single", "single", _kill_mid_save),
+        Fault("sigkill-mid-save-async-single", "single", _kill_mid_save, ASYNC),
+        Fault("sigkill-mid-save-sync-fsdp2", "fsdp2", _kill_mid_save),
+        Fault("sigkill-mid-save-async-fsdp2", "fsdp2", _kill_mid_save, ASYNC),
+        Fault("sigterm-single", "single", _sigterm),
+        Fault("sigterm-fsdp2", "fsdp2", _sigterm),
+        *disks,
+        Fault("stalled-rank-fsdp2", "fsdp2", _nothing, faulty_extra=stall),
+        Fault("nan-lr-1e6-single", "single", _nothing, faulty_extra=nan, resumes=False),
+    ]
+
+
+def _cell(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.2g}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="faults", description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0, help="chooses the random kill steps")
     parser.add_argument("--only", default="", help="run the faults whose name contains this")
     args = parser.parse_args(argv)
-    rng = random.Random(args.seed)
     work = Path(tempfile.mkdtemp(prefix="tessera-faults-"))
-    faults = [
-        ("sigkill-step-single", "single", [], _kill_at_random_step(rng, args.steps), None),
-        ("sigkill-step-fsdp2", "fsdp2", FSDP2, _kill_at_random_step(rng, args.steps), None),
-        ("sigkill-mid-save-sync-single", "single", [], _kill_mid_save, None),
-        ("sigkill-mid-save-async-single", "single", ["--checkpoint.async_mode", "async"], _kill_mid_save, None),
-        ("sigkill-mid-save-sync-fsdp2", "fsdp2", FSDP2, _kill_mid_save, None),
-        ("sigkill-mid-save-async-fsdp2", "fsdp2", [*FSDP2, "--checkpoint.async_mode", "async"], _kill_mid_save, None),
-        ("sigterm-single", "single", [], _sigterm, None),
-        ("sigterm-fsdp2", "fsdp2", FSDP2, _sigterm, None),
-        ("disk-full-single", "single", [], _nothing, _limit_file_size),
-    ]
+    no_tmpfs = _tmpfs_unavailable(work)
     rows, references = [], {}
-    for name, layout_name, layout, inject, preexec_fn in faults:
-        if args.only not in name:
+    for fault in faults(random.Random(args.seed), args.steps, tmpfs=no_tmpfs is None):
+        if args.only not in fault.name:
             continue
-        if layout_name not in references:  # the uninterrupted run of this layout
-            references[layout_name] = Run(work / f"reference-{layout_name}", args.steps, FSDP2 if layout_name == "fsdp2" else [])
-            references[layout_name].finish()
-        rows.append(_fault(name, layout, inject, args.steps, work, references[layout_name], preexec_fn=preexec_fn))
-    print(f"{'fault':32} {'survived':>8} {'steps lost':>10} {'data lost':>9} {'loss diff':>9} {'weight diff':>11}")
+        if fault.layout not in references:  # the uninterrupted run of this layout
+            references[fault.layout] = Run(work / f"reference-{fault.layout}", args.steps, FSDP2 if fault.layout == "fsdp2" else [])
+            references[fault.layout].finish()
+        rows.append(_fault(fault, args.steps, work, references[fault.layout]))
+    print(f"{'fault':32} {'survived':>8} {'steps lost':>10} {'data lost':>9} {'loss diff':>9} {'weight diff':>11}  faulty run ended")
     for row in rows:
-        print(f"{row['fault']:32} {str(row['survived']):>8} {row['steps lost']:>10} {row['data lost']:>9} "
-              f"{row['loss diff']:>9.2g} {row['weight diff']:>11.2g}")
+        print(f"{row['fault']:32} {str(row['survived']):>8} {_cell(row['steps lost']):>10} {row['data lost']:>9} "
+              f"{_cell(row['loss diff']):>9} {_cell(row['weight diff']):>11}  {row['ended'][:90]}")
     print(f"{len(rows)} faults injected, {sum(row['survived'] for row in rows)} survived, "
           f"{sum(row['data lost'] for row in rows)} checkpoints lost")
-    print("not injected here: a stalled rank and NaN (apps/trainer/tests/test_reliability.py), a real full disk "
-          "(a small tmpfs needs mount rights; file-size limits stand in)")
-    bad = [row for row in rows
-           if not row["survived"] or row["data lost"] or row["loss diff"] or row["weight diff"]]
+    if no_tmpfs is not None:
+        print(f"disk faults on a real tmpfs skipped ({no_tmpfs}): a file-size limit stands in for a full disk")
+    bad = [row for row in rows if not row["survived"] or row["data lost"]
+           or (row["resumes"] and (row["loss diff"] != 0 or row["weight diff"] != 0))]
     shutil.rmtree(work, ignore_errors=True)
     return 1 if bad else 0
 

@@ -59,9 +59,10 @@ def test_validation_tensorboard_and_profiler_outputs(tmp_path, capsys):
         tmp_path, "--training.steps", "4",
         "--validation.enable", "true", "--validation.freq", "2", "--validation.steps", "2",
         "--metrics.enable_tensorboard", "true", "--profiling.enable_profiling", "true", "--profiling.profile_freq", "2",
+        "--profiling.profiler_warmup", "1",
     )
     assert [h["step"] for h in history if "validation_loss" in h] == [2, 4]
-    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    assert list((tmp_path / "tb").glob("*/events.out.tfevents.*"))  # one folder per run
     assert list((tmp_path / "profile_traces").glob("iteration_*/rank0_trace.json"))
     out = capsys.readouterr().out
     assert "step 4/4" in out and "mfu" in out and "validate step 2" in out
@@ -80,7 +81,7 @@ def test_own_text_dataset_and_tokenizer_errors(tmp_path):
         (["--model.flavor", "huge"], "model.flavor 'huge' is not a flavor of llama3"),
         (["--model.name", "gpt9"], "unknown model 'gpt9'"),
         (["--training.dataset_path", "/no/such/data.txt"], "/no/such/data.txt"),
-        (["--training.dataset", "c4"], "dataset 'c4' is not built in"),
+        (["--training.dataset", "c4"], "dataset 'c4' is allenai/c4 on the Hugging Face hub"),
         (["--model.tokenizer_path", "/no/such/tokenizer.model"], "/no/such/tokenizer.model"),
         (["--training.global_batch_size", "3"], "global_batch_size 3 is not a multiple"),
         (["--training.enable_cpu_offload", "true"], "enable_cpu_offload needs FSDP"),

@@ -107,7 +107,7 @@ def hf_doc(ids, merges, added, pre_tokenizer=LLAMA3_PRE, normalizer=None, string
         "normalizer": normalizer,
         "pre_tokenizer": copy.deepcopy(pre_tokenizer),
         "post_processor": None,
-        "decoder": {"type": "ByteLevel"},
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
         "model": {"type": "BPE", "dropout": None, "unk_token": None, "byte_fallback": False,
                   "vocab": {key(t): i for t, i in ids.items()}, "merges": merge_list, **model},
     }

@@ -14,7 +14,7 @@ HELP = {
     "job.custom_config_module": "a module extending the config schema",
     "job.stop_grace_seconds": "after SIGTERM/SIGUSR1 the ranks finish the step and save; past this many seconds they exit anyway",
     "model.name": "model family: a registered model spec (llama2, llama3, ...)",
-    "model.flavor": "size of the family, e.g. debugmodel, 8B, 70B, 405B",
+    "model.flavor": "size of the family, e.g. debugmodel, 8B, 70B, 405B; from_hf_config: model.hf_assets_path's config.json",
     "model.tokenizer_path": "a tokenizer.model or tokenizer.json file, or a folder holding one; \"\": hf_assets_path's, else the embedded BPE",
     "model.hf_assets_path": "a Hugging Face model folder: its tokenizer.json (+ tokenizer_config.json), config.json and weights",
     "model.converters": "module converters applied after building: float8, quantize.linear.float8, quantize.linear.mx",

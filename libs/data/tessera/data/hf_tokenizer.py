@@ -20,6 +20,7 @@ HF (no unk token): their bytes are reported in `dropped_bytes` and removed per w
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ GPT2_SPLIT_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N
 _CONFIG_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token", "sep_token", "cls_token", "mask_token")
 _BOS_LIKE = re.compile(r"begin.of.(text|sentence)|startoftext|^<s>$|^<bos>$", re.IGNORECASE)
 _EOS_LIKE = re.compile(r"end.of.(text|sentence)|endoftext|^</s>$|^<eos>$", re.IGNORECASE)
+_NO_MERGE = (math.inf, -1)  # sorts after every (merge index, id)
 
 
 def byte_level_chars() -> list[str]:
@@ -225,16 +227,16 @@ def _bpe(symbols: list[int], merges: dict) -> tuple[list[int], int]:
     """HF's BPE on one word: merge the adjacent pair of earliest merge, leftmost on ties, until
     none applies. Returns the parts and the index of the last merge (-1: none)."""
     symbols, last = list(symbols), -1
-    while len(symbols) > 1:
-        best = None
-        for pos in range(len(symbols) - 1):
-            merge = merges.get((symbols[pos], symbols[pos + 1]))
-            if merge is not None and (best is None or merge[0] < best[0][0]):
-                best = (merge, pos)
-        if best is None:
-            break
-        (last, new_id), pos = best
+    pairs = [merges.get(pair, _NO_MERGE) for pair in zip(symbols, symbols[1:])]
+    while pairs and (best := min(pairs)) is not _NO_MERGE:
+        pos = pairs.index(best)
+        last, new_id = best
         symbols[pos : pos + 2] = [new_id]
+        del pairs[pos]
+        if pos > 0:
+            pairs[pos - 1] = merges.get((symbols[pos - 1], new_id), _NO_MERGE)
+        if pos < len(pairs):
+            pairs[pos] = merges.get((new_id, symbols[pos + 1]), _NO_MERGE)
     return symbols, last
 
 

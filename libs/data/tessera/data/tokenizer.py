@@ -96,12 +96,12 @@ class Tokenizer:
         self.fingerprint = _fingerprint(ranks, self.patterns, special_tokens, self.bos_id, self.eos_id, nfc)
         self._id_bytes = _decode_table(ranks, special_tokens, decode_only or {})
         self.vocab_size = len(self._id_bytes)
-        # One total split pattern and every byte a rank: tiktoken splits and merges in one call.
+        # One split pattern and every byte a rank: tiktoken splits and merges in one call.
         # Otherwise pieces are split here and each piece's bytes go to tiktoken's BPE alone.
         self._whole = len(self.patterns) == 1 and not dropped_bytes
         pattern = _with_gaps(self.patterns[0]) if self._whole else "."
         self._encoding = tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=ranks, special_tokens={})
-        self._splits = [regex.compile(p) for p in self.patterns]
+        self._splits = [] if self._whole else [regex.compile(p) for p in self.patterns]
 
     def encode(self, text: str, bos: bool, eos: bool) -> list[int]:
         """Token ids of `text`; special-token strings inside `text` are encoded as plain text."""
