@@ -77,7 +77,7 @@ def measure_bare(overrides: list[str], steps: int, warmup: int) -> dict:
     config = load_config(overrides)
     t = config.training
     torch.manual_seed(config.debug.seed)
-    tokenizer = load_tokenizer(config.model.tokenizer_path or None)
+    tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.hf_assets_path or None)
     spec = get_model_spec(config.model.name)
     args = dataclasses.replace(spec.flavors[config.model.flavor], vocab_size=tokenizer.vocab_size, max_seq_len=t.seq_len)
     model = spec.build(args)

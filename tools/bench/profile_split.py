@@ -104,7 +104,14 @@ def split(trace_path: str | Path) -> dict[str, float]:
             same = [i for ts, i in starts[k:k + 64] if abs(ts - e["ts"]) < 1e-3]
             if same:  # the innermost op starting there: the one autograd recorded
                 flows[e["id"]][e["ph"]] = max(same, key=lambda i: sum(1 for _ in ancestry(i)))
-    forward_of = {pair["f"]: pair["s"] for pair in flows.values() if "s" in pair and "f" in pair}
+    forward_of = {}
+    for pair in flows.values():
+        if "s" in pair and "f" in pair:
+            forward_of[pair["f"]] = pair["s"]
+            # the engine's own work for the node (summing gradients, reducing broadcasts) runs
+            # beside the node, inside its evaluate_function event
+            if parents[pair["f"]] is not None and events[parents[pair["f"]]]["name"].startswith("autograd::engine"):
+                forward_of[parents[pair["f"]]] = pair["s"]
 
     @functools.lru_cache(maxsize=None)
     def category(i: int) -> str:

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sources", nargs="+", help="text files, folders, .jsonl[.gz] files or 'default'")
     parser.add_argument("--out", required=True, help="shard folder to create")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer.model (default: the bundled tokenizer)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer.model, tokenizer.json or a Hugging Face model folder (default: the bundled tokenizer)")
     parser.add_argument("--text-field", default="text", help="JSON field holding the document (default: text)")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenising processes")
     parser.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="most tokens per shard file")

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tessera.ckpt import read_dcp
+from tessera.data import load_dataset
 from tessera.models import get_model_spec
 from tessera.trainer import train as train_module
 from tessera.trainer.config import ConfigError, load_config
@@ -341,6 +342,60 @@ def test_stop_grace_ends_a_process_that_cannot_stop(tmp_path):
     result = subprocess.run([sys.executable, "-c", script], env=ENV, capture_output=True, text=True, timeout=60)
     assert result.returncode == 1 and time.monotonic() - started < 30
     assert result.stderr.strip() == "error: not stopped within 1s of SIGTERM (job.stop_grace_seconds); exiting"
+
+
+# ---- 8. validation on held-out documents --------------------------------------------------
+
+def _record_datasets(monkeypatch):
+    """The datasets the trainer builds loaders from: training first, then validation's."""
+    seen, build = [], train_module.build_dataloader
+
+    def recording(dataset, *args, **kwargs):
+        seen.append(dataset)
+        return build(dataset, *args, **kwargs)
+
+    monkeypatch.setattr(train_module, "build_dataloader", recording)
+    return seen
+
+
+VALIDATE = ["--validation.enable", "true", "--validation.freq", "2", "--validation.steps", "1",
+            "--training.dataloader.num_workers", "0"]
+
+
+@pytest.mark.parametrize("source", ["default", "file"])
+def test_validation_on_the_training_data_holds_documents_out_of_training(tmp_path, capsys, monkeypatch, source):
+    path = tmp_path / "docs.txt"
+    path.write_text("\n\n".join(f"document {i} " + "word " * 40 for i in range(150)))
+    data = [] if source == "default" else ["--training.dataset_path", str(path), "--validation.dataset_path", str(path)]
+    seen = _record_datasets(monkeypatch)
+    run(tmp_path / "run", "--training.steps", "2", *VALIDATE, *data)
+    everything = load_dataset(None if source == "default" else path).documents
+    held_out = 4 if source == "default" else 2  # 1% of 318 and of 150 documents, rounded up
+    training, validation = seen[0], seen[1]
+    assert validation.documents == everything[-held_out:] and training.documents == everything[:-held_out]
+    assert not set(validation.documents) & set(training.documents)
+    name = "default" if source == "default" else str(path)
+    assert f"validation: held-out 1% of {name} ({held_out} documents), excluded from training" in capsys.readouterr().out
+
+
+def test_a_separate_validation_dataset_is_used_whole(tmp_path, capsys, monkeypatch):
+    path = tmp_path / "validation.txt"
+    path.write_text("\n\n".join(f"validation {i} " + "text " * 40 for i in range(5)))
+    seen = _record_datasets(monkeypatch)
+    run(tmp_path / "run", "--training.steps", "2", *VALIDATE, "--validation.dataset_path", str(path))
+    assert seen[0].documents == load_dataset().documents and seen[1].documents == load_dataset(path).documents
+    assert f"validation: {path} (5 documents), apart from the training data" in capsys.readouterr().out
+
+
+def test_resume_with_held_out_documents_is_exact(tmp_path):
+    args = ["--training.steps", "4", *VALIDATE, *CKPT]
+    numbers = lambda history: [{k: v for k, v in h.items() if k in ("step", "loss", "grad_norm", "lr", "validation_loss")}
+                               for h in history if h["step"] > 2]
+    uninterrupted = run(tmp_path, *args)
+    shutil.rmtree(tmp_path / "checkpoint" / "step-4")
+    resumed = run(tmp_path, *args)
+    assert resumed[0]["step"] == 3 and numbers(resumed) == numbers(uninterrupted)
+    assert any("validation_loss" in h for h in numbers(resumed))
 
 
 def test_training_text_shorter_than_one_sequence_is_refused(tmp_path, capsys):

@@ -45,8 +45,10 @@ def test_folder_recursive_sorted(tmp_path):
     (tmp_path / "b" / "a.md").write_text("ba")
     (tmp_path / "a.txt").write_text("a")
     (tmp_path / "c.txt").write_text("  \n")  # blank: skipped
-    (tmp_path / "d.json").write_text("{}")  # not a text file: ignored
-    assert load_dataset(tmp_path).documents == ("a", "ba", "bz\n\nstill bz")
+    (tmp_path / "d.bin").write_bytes(b"\0\1")  # not a text or JSON-lines file: ignored
+    (tmp_path / "e.json").write_text('{"text": "e1"}\n{"text": "e2"}\n')  # JSON lines, as torchtitan's c4_test
+    (tmp_path / "f.jsonl.gz").write_bytes(gzip.compress(b'{"text": "f"}\n'))
+    assert load_dataset(tmp_path).documents == ("a", "ba", "bz\n\nstill bz", "e1", "e2", "f")
 
 
 @pytest.mark.parametrize("name", ["d.jsonl", "d.jsonl.gz"])

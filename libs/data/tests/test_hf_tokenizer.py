@@ -7,15 +7,14 @@ import json
 import math
 import random
 import unicodedata
+from pathlib import Path
 
 import pytest
 import regex
 
+import tessera.data
 from tessera.data import load_tokenizer, read_ranks
 from tessera.data.tokenizer import LLAMA3_SPLIT_PATTERN, _MAX_RUN_CHARS
-
-import tessera.data
-from pathlib import Path
 
 RANKS = read_ranks(Path(tessera.data.__file__).parent / "assets" / "tokenizer.model")
 GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -216,9 +215,8 @@ def test_gpt2_byte_level_nfc_and_specials_anywhere(tmp_path):
 def test_sequence_of_splits_deepseek_style(tmp_path):
     ids = shifted_ids(3)
     added = {"<｜begin▁of▁sentence｜>": 0, "<｜end▁of▁sentence｜>": 1, "<｜▁pad▁｜>": 2}
-    vocab = {**ids}
-    doc = hf_doc(vocab, canonical_merges(RANKS), added, pre_tokenizer={
-        "type": "Sequence", "pretokenizers": [split_step(DIGITS), split_step(CJK), split_step(REST), byte_level(False)]})
+    steps = [split_step(DIGITS), split_step(CJK), split_step(REST), byte_level(False)]
+    doc = hf_doc(ids, canonical_merges(RANKS), added, pre_tokenizer={"type": "Sequence", "pretokenizers": steps})
     doc["model"]["vocab"].update(added)  # HF's trainer lists specials in the vocab too
     config = {"bos_token": {"__type": "AddedToken", "content": "<｜begin▁of▁sentence｜>"},
               "eos_token": {"__type": "AddedToken", "content": "<｜end▁of▁sentence｜>"}}
@@ -345,10 +343,14 @@ def _edit(doc, path, value):
     ((["pre_tokenizer"], {"type": "Whitespace"}), r"pre_tokenizer must end with ByteLevel"),
     ((["pre_tokenizer", "pretokenizers", 0], {"type": "Digits", "individual_digits": True}),
      r"pre_tokenizer 'Digits' is not supported"),
-    ((["pre_tokenizer", "pretokenizers", 0, "behavior"], "Removed"), r"pre_tokenizer Split with behavior 'Removed' is not supported"),
-    ((["pre_tokenizer", "pretokenizers", 1, "add_prefix_space"], True), r"pre_tokenizer ByteLevel add_prefix_space=true"),
-    ((["pre_tokenizer", "pretokenizers", 0, "pattern"], {"Regex": "(?<"}), r"pre_tokenizer Split regex '\(\?<' does not compile"),
+    ((["pre_tokenizer", "pretokenizers", 0, "behavior"], "Removed"),
+     r"pre_tokenizer Split with behavior 'Removed' is not supported"),
+    ((["pre_tokenizer", "pretokenizers", 1, "add_prefix_space"], True),
+     r"pre_tokenizer ByteLevel add_prefix_space=true"),
+    ((["pre_tokenizer", "pretokenizers", 0, "pattern"], {"Regex": "(?<"}),
+     r"pre_tokenizer Split regex '\(\?<' does not compile"),
     ((["model", "merges", 3], ["Ġt", "zzz"]), r"merge #3 \['Ġt', 'zzz'\] uses or makes a token not in model.vocab"),
+    ((["model", "vocab", "!"], 34), r"model.vocab gives id 34 to more than one token"),
     ((["model", "unk_token"], "<unk>"), None),  # every byte has a token: the unk token is never used
 ])
 def test_unsupported_parts_are_one_line_errors(tmp_path, edit, message):

@@ -5,8 +5,8 @@ all ranks (each rank's data is seeded by its rank), so ranks compare without mov
 - GroupedExperts at EP 2 (ranks {0,1} and {2,3}) and EP 4: output, dx and the experts' weight
   gradients (gathered) equal the single-process module's, with uneven counts, experts that get
   no token, a rank that receives no row, and a rank that routes no token;
-- FSDP over the expert_fsdp mesh (2 ranks, and 1 at EP 4) x EP, gradient divide factor set to the
-  data-parallel size: expert gradients equal the mean over the 4 ranks' losses;
+- FSDP over the expert_fsdp mesh (2 ranks, and 1 at EP 4) x EP with divide_grads_by_ep: expert
+  gradients equal the mean over the 4 data-parallel ranks' losses;
 - the full tessera.models MoE layer (router, shared expert, aux loss) at EP 2, forward and backward.
 """
 
@@ -73,10 +73,9 @@ def _compare_experts(rank, mesh, group_ranks, fsdp_mesh=None, dp=1):
     from torch.distributed.fsdp import fully_shard
 
     ref_out, ref_dx, ref_grads = _reference(_experts(), group_ranks if fsdp_mesh is None else range(WORLD))
-    module = apply_ep(_experts(), mesh)[0]
+    module = apply_ep(_experts(), mesh, divide_grads_by_ep=fsdp_mesh is not None)[0]
     if fsdp_mesh is not None:
         fully_shard(module, mesh=fsdp_mesh)
-        module.set_gradient_divide_factor(dp)  # the mean over all data-parallel ranks' losses
     out, dx = _run_ep(module, rank)
     errors = {"out": _rel(out, ref_out[rank]), "dx": _rel(dx, ref_dx[rank])}
     for name, param in module.named_parameters():

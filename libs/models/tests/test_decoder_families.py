@@ -8,7 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tessera.models import ARGS_FILE, args_record, get_model_spec, num_params, read_args_record
+from tessera.models import (
+    ARGS_FILE, apply_activation_checkpointing, args_record, get_model_spec, num_params, read_args_record,
+)
 from tessera.models.deepseek_v3 import DeepSeekV3Args, YarnScaling
 from tessera.models.moe import MoEArgs, set_aux_loss_scale, update_expert_bias
 from tessera.models.qwen3 import Qwen3Args
@@ -216,3 +218,16 @@ def test_args_record_round_trip(tmp_path, family, flavor):
     (tmp_path / ARGS_FILE).write_bytes(args_record(spec, spec.flavors[flavor], flavor=flavor))
     read_spec, args, _ = read_args_record(tmp_path)
     assert read_spec is spec and args == spec.flavors[flavor]
+
+
+@pytest.mark.parametrize("mode, option", [("full", "op"), ("selective", "op")])
+def test_activation_checkpointing_keeps_gradients(mode, option):
+    """Recomputation in backward runs routing and the aux-loss attachment again: same gradients."""
+    model = build("deepseek_v3")
+    wrapped = copy.deepcopy(model)
+    apply_activation_checkpointing(wrapped, mode, option)
+    tokens = torch.randint(0, 64, (2, 12))
+    for m in (model, wrapped):
+        F.cross_entropy(m(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    for (name, p), q in zip(model.named_parameters(), wrapped.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, msg=name)

@@ -39,7 +39,8 @@ def naive_mla(attn: Attention, args: DeepSeekV3Args, h: torch.Tensor, freqs: tor
     q = q.view(B, T, H, nope + rope)
     q_c, q_r = q[..., :nope], rotate_pairs(q[..., nope:], positions, freqs)
     compressed = h @ attn.wkv_a.weight.T  # W^DKV and W^KR together
-    c_kv, k_r = compressed[..., :args.kv_lora_rank], rotate_pairs(compressed[..., None, args.kv_lora_rank:], positions, freqs)
+    c_kv, k_r = compressed[..., :args.kv_lora_rank], compressed[..., None, args.kv_lora_rank:]
+    k_r = rotate_pairs(k_r, positions, freqs)  # one rotated key head, shared by all heads
     kv = (rms_norm(c_kv, attn.kv_norm.weight, eps) @ attn.wkv_b.weight.T).view(B, T, H, nope + dv)
     k_c, v = kv[..., :nope], kv[..., nope:]
     scale = (nope + rope) ** -0.5

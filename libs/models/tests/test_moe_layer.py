@@ -2,7 +2,6 @@
 
 import copy
 
-import pytest
 import torch
 import torch.nn.functional as F
 
@@ -138,9 +137,10 @@ def test_meta_build_then_init_resets_buffers():
         layer = MoE(24, ARGS)
     layer.to_empty(device="cpu")
     layer.init_weights(0.02)
-    assert torch.equal(layer.expert_bias, torch.zeros(8)) and torch.equal(layer.tokens_per_expert, torch.zeros(8, dtype=torch.long))
+    assert torch.equal(layer.expert_bias, torch.zeros(8))
+    assert torch.equal(layer.tokens_per_expert, torch.zeros(8, dtype=torch.long))
     assert set(layer.state_dict()) == {"expert_bias", "router.gate.weight", "experts.w1", "experts.w2", "experts.w3",
-                                       "shared_experts.w1.weight", "shared_experts.w2.weight", "shared_experts.w3.weight"}
+                                       *(f"shared_experts.{w}.weight" for w in ("w1", "w2", "w3"))}
     assert layer.shared_experts.w1.weight.shape == (ARGS.n_shared_experts * ARGS.hidden_dim, 24)
     assert torch.isfinite(layer(torch.randn(1, 4, 24))).all()
 

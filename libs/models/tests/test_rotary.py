@@ -75,5 +75,6 @@ def test_yarn_frequencies(dim, theta):
 
 
 def test_yarn_attention_factor():
-    assert YarnScaling(factor=40.0, mscale=0.707).attention_factor() == pytest.approx((0.1 * 0.707 * math.log(40) + 1) ** 2)
+    expected = (0.1 * 0.707 * math.log(40) + 1) ** 2
+    assert YarnScaling(factor=40.0, mscale=0.707).attention_factor() == pytest.approx(expected)
     assert YarnScaling(factor=1.0).attention_factor() == 1.0

@@ -1,4 +1,4 @@
-"""Tessera data: Llama 3 style tokenizer, text datasets, token shards, mixtures and packed,
+"""Tessera data: byte-level BPE tokenizers (Llama 3 tokenizer.model, Hugging Face tokenizer.json), text datasets, token shards, mixtures and packed,
 sharded, exactly resumable (and prefetched) batches."""
 
 from tessera.data.datasets import TextDataset, iter_documents, load_dataset

@@ -10,11 +10,12 @@ as ids. With rank = id the two agree exactly when, as checked here:
   a kept token is always its canonical pair: both sides see the same candidate pairs, and a
   token HF never builds is not offered to tiktoken;
 - ids rise with canonical merge order, so both pick the same pair (ties: the same pair, leftmost).
-Unreachable vocab tokens stay decodable but are not ranks. With `ignore_merges` HF emits a whole
-word found in the vocab directly, as tiktoken does for a rank; an unreachable token is then kept
-as a rank when HF's run on its bytes ends in 3+ parts (no pair of parts ever concatenates to
-it) and none of its bytes is dropped, otherwise the file is refused. Byte-level characters missing from the vocab are dropped by
-HF (no unk token): their bytes are reported in `dropped_bytes` and removed per word by the caller.
+Unreachable vocab tokens stay decodable but are not ranks. With `ignore_merges` HF emits a
+whole word found in the vocab directly, as tiktoken does for a rank; an unreachable token is
+then kept as a rank when HF's run on its bytes ends in 3+ parts (no pair of parts ever
+concatenates to it) and none of its bytes is dropped, otherwise the file is refused.
+Byte-level characters missing from the vocab are dropped by HF (no unk token): their bytes are
+reported in `dropped_bytes` and removed per word by the caller.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import json
 import math
 import os
 import re
+from collections import Counter
 from dataclasses import dataclass
 
 import regex
@@ -83,7 +85,22 @@ def read_hf_tokenizer(path: str | os.PathLike) -> HFTokenizer:
     dropped = bytes(b for b in range(256) if b not in singles)
     if dropped and model.get("unk_token"):
         raise ValueError(f"{path}: bytes without a token and an unk_token: unknown-token mapping is not supported")
+    ranks, decode_only = _ranks(vocab, merges, token_bytes, singles, bool(model.get("ignore_merges")), path)
 
+    special_tokens = {t["content"]: t["id"] for t in _added_tokens(doc, path)}
+    folder = os.path.dirname(os.path.abspath(path))
+    config_path = os.path.join(folder, "tokenizer_config.json")
+    config = _read_json(config_path, optional=True)
+    named = _resolve_config_tokens(config, config_path, special_tokens, vocab)
+    bos_id, eos_id = _bos_eos(path, folder, special_tokens, named, ranks, decode_only)
+    name = f"{os.path.basename(folder)}/{os.path.basename(path)}"
+    return HFTokenizer(name, ranks, patterns, special_tokens, bos_id, eos_id, nfc, dropped, decode_only)
+
+
+def _ranks(vocab: dict[str, int], merges: dict, token_bytes: dict[str, bytes | None], singles: dict[int, int],
+           ignore_merges: bool, path: str) -> tuple[dict[bytes, int], dict[int, bytes]]:
+    """tiktoken's ranks (reachable tokens and, with ignore_merges, safe unreachable ones) and the
+    ids only decoded; refuses what tiktoken cannot reproduce (see the module docstring)."""
     ranks = {bytes([b]): i for b, i in singles.items()}
     decode_only = {}
     canonical = []  # (canonical merge index, id) of reachable tokens
@@ -99,25 +116,17 @@ def read_hf_tokenizer(path: str | os.PathLike) -> HFTokenizer:
         if parts == [i]:
             ranks[data] = i
             canonical.append((last, i))
-        elif not model.get("ignore_merges"):
+        elif not ignore_merges:
             decode_only[i] = data
         elif len(parts) >= 3 and len(symbols) == len(data):
-            ranks[data] = i  # see the module docstring: no pair of parts concatenates to it
+            ranks[data] = i
         else:
             raise ValueError(
                 f"{path}: token {key!r} (id {i}) is not built by the merges, but ignore_merges emits it "
                 "for a whole word; tiktoken cannot reproduce that"
             )
     _check_order(canonical, vocab, path)
-
-    special_tokens = {t["content"]: t["id"] for t in _added_tokens(doc, path)}
-    folder = os.path.dirname(os.path.abspath(path))
-    config_path = os.path.join(folder, "tokenizer_config.json")
-    config = _read_json(config_path, optional=True)
-    named = _resolve_config_tokens(config, config_path, special_tokens, vocab)
-    bos_id, eos_id = _bos_eos(path, folder, config, special_tokens, named, ranks, decode_only)
-    name = f"{os.path.basename(folder)}/{os.path.basename(path)}"
-    return HFTokenizer(name, ranks, patterns, special_tokens, bos_id, eos_id, nfc, dropped, decode_only)
+    return ranks, decode_only
 
 
 def _read_json(path: str, optional: bool = False) -> dict:
@@ -203,6 +212,9 @@ def _vocab_and_merges(model: dict, path: str) -> tuple[dict[str, int], dict[tupl
     vocab = model.get("vocab")
     if not isinstance(vocab, dict) or not all(isinstance(i, int) and i >= 0 for i in vocab.values()):
         raise ValueError(f"{path}: model.vocab must map tokens to non-negative ids")
+    if len(set(vocab.values())) < len(vocab):
+        twice = [i for i, n in Counter(vocab.values()).items() if n > 1]
+        raise ValueError(f"{path}: model.vocab gives id {twice[0]} to more than one token")
     merges = {}
     for index, merge in enumerate(model.get("merges") or []):
         pair = merge.split(" ") if isinstance(merge, str) else merge
@@ -270,7 +282,8 @@ def _config_token(config: dict, key: str, origin: str) -> str | None:
     return value
 
 
-def _resolve_config_tokens(config: dict, origin: str, special_tokens: dict[str, int], vocab: dict[str, int]) -> dict[str, int]:
+def _resolve_config_tokens(config: dict, origin: str, special_tokens: dict[str, int],
+                           vocab: dict[str, int]) -> dict[str, int]:
     """Tokens tokenizer_config.json names (standard keys, then added_tokens_decoder) become special
     tokens, as HF's add_special_tokens (used by transformers and torchtitan) makes them: an existing
     added token or vocab entry keeps its id, a new one takes the id after the highest. The explicit
@@ -289,7 +302,7 @@ def _resolve_config_tokens(config: dict, origin: str, special_tokens: dict[str, 
     return {key: special_tokens[n] for key, n in zip(_CONFIG_TOKEN_KEYS[:2], names[:2]) if n is not None}
 
 
-def _bos_eos(path: str, folder: str, config: dict, special_tokens: dict[str, int], named: dict[str, int],
+def _bos_eos(path: str, folder: str, special_tokens: dict[str, int], named: dict[str, int],
              ranks: dict[bytes, int], decode_only: dict[int, bytes]) -> tuple[int, int]:
     """BOS and EOS: tokenizer_config.json's bos_token / eos_token, else config.json's bos_token_id /
     eos_token_id (first of a list), else the first special token (by id) that reads like

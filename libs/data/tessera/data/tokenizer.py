@@ -197,7 +197,8 @@ def load_tokenizer(path: str | os.PathLike | None = None) -> Tokenizer:
         return Tokenizer(ranks, "tessera-default")
     path = os.fspath(path)
     if os.path.isdir(path):
-        found = [os.path.join(path, n) for n in ("tokenizer.json", "tokenizer.model") if os.path.isfile(os.path.join(path, n))]
+        found = [os.path.join(path, n) for n in ("tokenizer.json", "tokenizer.model")]
+        found = [f for f in found if os.path.isfile(f)]
         if not found:
             raise ValueError(f"{path}: folder holds no tokenizer.json or tokenizer.model")
         path = found[0]

@@ -27,15 +27,18 @@ _EP_CLASSES: dict[type, type] = {}
 
 
 @contextmanager
-def _local_parameters(module: nn.Module):
+def _local_parameters(module: nn.Module, grad_divisor: int):
     """The module's DTensor parameters seen as their local shards (differentiably: gradients
-    reach the DTensors as Shard(0) DTensors) while the module's own forward runs. Under FSDP
-    these are the unsharded parameters FSDP has just gathered over its own mesh."""
+    reach the DTensors as Shard(0) DTensors, divided by ``grad_divisor``) while the module's own
+    forward runs. Under FSDP these are the unsharded parameters FSDP has just gathered."""
     saved = dict(module._parameters)
     try:
         for name, param in saved.items():
             if isinstance(param, DTensor):
-                module._parameters[name] = param.to_local()
+                local = param.to_local()
+                if grad_divisor != 1 and local.requires_grad:
+                    local.register_hook(lambda grad: grad / grad_divisor)
+                module._parameters[name] = local
         yield
     finally:
         module._parameters.update(saved)
@@ -52,7 +55,7 @@ def _ep_class(cls: type) -> type:
             if num_tokens_per_expert.shape[0] != n_experts:
                 raise ValueError(f"expert parallel: {num_tokens_per_expert.shape[0]} token counts for {n_experts} experts")
             exchange = plan_exchange(num_tokens_per_expert, group)
-            with _local_parameters(self):
+            with _local_parameters(self, self.ep_mesh.size() if self.ep_divides_grads else 1):
                 out = cls.forward(self, dispatch(x, exchange, group), exchange.local_counts)
             return combine(out, exchange, group)
 
@@ -60,11 +63,19 @@ def _ep_class(cls: type) -> type:
     return _EP_CLASSES[cls]
 
 
-def apply_ep(experts: nn.Module | Iterable[nn.Module], ep_mesh: DeviceMesh | None) -> list[nn.Module]:
+def apply_ep(experts: nn.Module | Iterable[nn.Module], ep_mesh: DeviceMesh | None,
+             divide_grads_by_ep: bool = False) -> list[nn.Module]:
     """Shards each experts module (see the module docstring) over the 1-D ``ep_mesh`` in place
     and returns them. Every rank must hold the same full parameters beforehand (rank 0's are
     scattered) or meta tensors (initialised after, e.g. ``to_empty`` + ``init_weights``).
-    ``ep_mesh`` None or of size 1: nothing changes. ValueError if the experts do not divide."""
+    ``ep_mesh`` None or of size 1: nothing changes. ValueError if the experts do not divide.
+
+    Gradients: an expert's gradient sums the contributions of the rows every ep rank sent it,
+    exactly as one process running the module on all ranks' rows. When the ep ranks are
+    data-parallel ranks whose gradients get averaged (tessera's meshes carve ep out of
+    dp_shard x cp), pass ``divide_grads_by_ep=True``: FSDP's default mean over the expert_fsdp
+    mesh then makes the expert gradients the mean over all data-parallel ranks, like the others.
+    """
     modules = [experts] if isinstance(experts, nn.Module) else list(experts)
     if ep_mesh is None or ep_mesh.size() == 1:
         return modules
@@ -72,6 +83,7 @@ def apply_ep(experts: nn.Module | Iterable[nn.Module], ep_mesh: DeviceMesh | Non
         raise ValueError(f"expert parallel: the ep mesh must be 1-D, got dims {ep_mesh.mesh_dim_names}")
     for module in modules:
         _shard(module, ep_mesh)
+        module.ep_divides_grads = divide_grads_by_ep
     return modules
 
 

@@ -86,8 +86,8 @@ def from_hf(state_dict: dict[str, torch.Tensor], per_layer: dict[str, str], fami
             raise ValueError(f"from_hf: unknown Hugging Face {family} key {key!r}")
     for (layer, weight), parts in experts.items():
         if sorted(parts) != list(range(n_experts)):
-            raise ValueError(f"from_hf: layer {layer} has {len(parts)} of {n_experts} experts' {EXPERTS[weight]} weights "
-                             f"(expert ids {sorted(parts)[:8]}...); stacking needs all of them in one call")
+            raise ValueError(f"from_hf: layer {layer} has {len(parts)} of {n_experts} experts' {EXPERTS[weight]} "
+                             f"weights (expert ids {sorted(parts)[:8]}...); stacking needs all of them in one call")
         out[f"layers.{layer}.moe.experts.{weight}"] = torch.stack([parts[e] for e in range(n_experts)])
     if tie_embeddings and "tok_embeddings.weight" in out:
         out.setdefault("output.weight", out["tok_embeddings.weight"])
@@ -104,6 +104,6 @@ def zero_router_bias(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     the bias comes with the gate, so converting one tensor at a time still yields it."""
     gate = ".moe.router.gate.weight"
     return {
-        key.removesuffix(gate) + f".{ROUTER_BIAS}": torch.zeros(value.shape[0], dtype=torch.float32, device=value.device)
+        key.removesuffix(gate) + f".{ROUTER_BIAS}": torch.zeros(len(value), dtype=torch.float32, device=value.device)
         for key, value in state_dict.items() if key.endswith(gate)
     }

@@ -61,7 +61,8 @@ class DeepSeekV3Args:
 
     def __post_init__(self):
         if not 0 <= self.n_dense_layers <= self.n_layers:
-            raise ValueError(f"DeepSeekV3Args: n_dense_layers={self.n_dense_layers} is not in 0..n_layers={self.n_layers}")
+            raise ValueError(f"DeepSeekV3Args: n_dense_layers={self.n_dense_layers} is not in "
+                             f"0..n_layers={self.n_layers}")
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"DeepSeekV3Args: qk_rope_head_dim={self.qk_rope_head_dim} must be even for RoPE")
 

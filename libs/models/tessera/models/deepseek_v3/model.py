@@ -47,7 +47,7 @@ class Attention(nn.Module):
         self.kv_norm = nn.RMSNorm(self.kv_lora_rank, eps=args.norm_eps)
         self.wkv_b = nn.Linear(self.kv_lora_rank, args.n_heads * (self.nope_dim + self.v_dim), bias=False)
         self.wo = nn.Linear(args.n_heads * self.v_dim, args.dim, bias=False)
-        self.q_scale = args.softmax_scale * args.qk_head_dim**0.5  # YaRN's factor; 1 without YaRN
+        self.q_scale = args.yarn.attention_factor() if args.yarn_active else 1.0  # softmax_scale * sqrt(qk_head_dim)
         self.inner_attention = CausalSDPA()
 
     def init_weights(self, init_std: float) -> None:
@@ -63,7 +63,8 @@ class Attention(nn.Module):
         or [bs, seqlen, qk_rope_head_dim]; document_ids: see ``Decoder.forward``."""
         bs, seqlen, _ = x.shape
         q = self.wq(x) if self.q_lora_rank == 0 else self.wq_b(self.q_norm(self.wq_a(x)))
-        q_nope, q_rope = q.view(bs, seqlen, -1, self.nope_dim + self.rope_dim).split([self.nope_dim, self.rope_dim], dim=-1)
+        q = q.view(bs, seqlen, -1, self.nope_dim + self.rope_dim)
+        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
         q = torch.cat([q_nope, apply_rope_interleaved(q_rope, rope)], dim=-1)
         kv, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         k_rope = apply_rope_interleaved(k_rope.unsqueeze(2), rope)

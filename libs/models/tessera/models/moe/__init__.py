@@ -5,7 +5,9 @@ and the sequence-wise balance loss."""
 from tessera.models.moe.args import SCORE_FUNCS, MoEArgs
 from tessera.models.moe.aux_loss import attach_aux_loss, sequence_balance_loss
 from tessera.models.moe.balance import expert_load, load_imbalance, moe_layers, set_aux_loss_scale, update_expert_bias
-from tessera.models.moe.experts import GroupedExperts, experts_grouped_mm, experts_loop, grouped_mm_supported
+from tessera.models.moe.experts import (
+    GroupedExperts, experts_grouped_mm, experts_loop, grouped_mm_supported, run_experts,
+)
 from tessera.models.moe.layer import MoE, combine, expert_counts
 from tessera.models.moe.router import TopKRouter, expert_scores, select_experts
 
@@ -25,6 +27,7 @@ __all__ = [
     "grouped_mm_supported",
     "load_imbalance",
     "moe_layers",
+    "run_experts",
     "select_experts",
     "sequence_balance_loss",
     "set_aux_loss_scale",

@@ -44,7 +44,8 @@ class MoEArgs:
             raise ValueError(f"MoEArgs: topk_groups={self.topk_groups} is not in 1..n_groups={self.n_groups}")
         per_group = self.n_experts // self.n_groups
         if self.n_groups > 1 and not 1 <= self.group_score_top <= per_group:
-            raise ValueError(f"MoEArgs: group_score_top={self.group_score_top} is not in 1..{per_group} experts per group")
+            raise ValueError(f"MoEArgs: group_score_top={self.group_score_top} is not in "
+                             f"1..{per_group} (experts per group)")
         if not 1 <= self.top_k <= self.topk_groups * per_group:
             raise ValueError(f"MoEArgs: top_k={self.top_k} is not in 1..{self.topk_groups * per_group} "
                              "(the experts of topk_groups groups)")

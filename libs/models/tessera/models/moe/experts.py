@@ -30,7 +30,7 @@ def grouped_mm_supported(x: torch.Tensor, w1: torch.Tensor) -> bool:
 def experts_loop(x: torch.Tensor, num_tokens_per_expert: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                  w3: torch.Tensor) -> torch.Tensor:
     """Reference path, any device and dtype: one SwiGLU per expert over its slice of rows (reads
-    the counts on the host, so it synchronises a GPU and breaks a compiled graph)."""
+    the counts on the host: a device sync on a GPU)."""
     outputs = [
         F.linear(F.silu(F.linear(rows, w1[e])) * F.linear(rows, w3[e]), w2[e])
         for e, rows in enumerate(x.split(num_tokens_per_expert.tolist()))
@@ -65,6 +65,14 @@ def experts_grouped_mm(x: torch.Tensor, num_tokens_per_expert: torch.Tensor, w1:
     return out[rows]
 
 
+def run_experts(x: torch.Tensor, num_tokens_per_expert: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                w3: torch.Tensor) -> torch.Tensor:
+    """x [N, dim] grouped by expert -> [N, dim] with plain weight tensors (e.g. an expert-parallel
+    rank's local shards): grouped matmuls where ``grouped_mm_supported``, else the loop."""
+    run = experts_grouped_mm if grouped_mm_supported(x, w1) else experts_loop
+    return run(x, num_tokens_per_expert, w1, w2, w3)
+
+
 class GroupedExperts(nn.Module):
     """``n_experts`` SwiGLU MLPs, ``w2(silu(w1 x) * w3 x)`` each, as stacked weights."""
 
@@ -80,7 +88,5 @@ class GroupedExperts(nn.Module):
         nn.init.trunc_normal_(self.w3, mean=0.0, std=init_std)
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        """x [N, dim] grouped by expert, num_tokens_per_expert [E] -> [N, dim]: grouped matmuls
-        where supported (``grouped_mm_supported``), else one matmul chain per expert."""
-        run = experts_grouped_mm if grouped_mm_supported(x, self.w1) else experts_loop
-        return run(x, num_tokens_per_expert, self.w1, self.w2, self.w3)
+        """x [N, dim] grouped by expert, num_tokens_per_expert [E] -> [N, dim] (``run_experts``)."""
+        return run_experts(x, num_tokens_per_expert, self.w1, self.w2, self.w3)

@@ -68,7 +68,7 @@ class MoE(nn.Module):
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
-        # Module.to(dtype) casts buffers too; steps of 1e-3 on the bias need float32.
+        # Module.to(dtype) casts buffers too (rounding the bias once); later 1e-3 steps need float32.
         if self.expert_bias.dtype != torch.float32:
             self.expert_bias = self.expert_bias.float()
         return self
@@ -87,7 +87,8 @@ class MoE(nn.Module):
             out = out + self.shared_experts(tokens)
         out = out.view(bs, seq_len, dim)
         if self.args.aux_loss_alpha and torch.is_grad_enabled():
-            loss = self.args.aux_loss_alpha * sequence_balance_loss(scores.view(bs, seq_len, -1), experts.view(bs, seq_len, -1))
+            balance = sequence_balance_loss(scores.view(bs, seq_len, -1), experts.view(bs, seq_len, -1))
+            loss = self.args.aux_loss_alpha * balance
             self.aux_loss.copy_(loss.detach())
             out = attach_aux_loss(out, loss, self.aux_loss_scale)
         return out
