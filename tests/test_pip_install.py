@@ -14,7 +14,7 @@ import pytest
 LIBS = Path(__file__).absolute().parent.parent / "libs"
 # Tessera libraries a library may import (DEVELOPERS.md): installed next to it in the test.
 ALLOWED = {"mesh": [], "models": [], "data": [], "fsdp": ["mesh"], "tp": ["mesh"], "ckpt": ["mesh"], "float8": ["mesh"],
-           "pp": ["mesh"], "cp": ["mesh"]}
+           "pp": ["mesh"], "cp": ["mesh"], "ep": ["mesh"]}
 SMOKE = {
     "mesh": "from tessera.mesh import resolve_parallel_dims; assert resolve_parallel_dims(4, tp=2).dp_shard == 2",
     "models": "from tessera.models import get_model_spec; assert 'debugmodel' in get_model_spec('llama3').flavors",
@@ -25,6 +25,7 @@ SMOKE = {
     "float8": "from tessera.float8 import Float8Options, check_options, convert, tp_styles",
     "pp": "from tessera.pp import build_pipeline, even_split; assert len(even_split(2, 4)) == 2",
     "cp": "from tessera.cp import apply_cp, local_positions; assert local_positions(8, 2, 0).tolist() == [0, 1, 6, 7]",
+    "ep": "from tessera.ep import apply_ep, check_ep_degree, find_experts; check_ep_degree(8, 4)",
 }
 
 

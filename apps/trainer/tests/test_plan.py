@@ -64,7 +64,8 @@ def test_a_role_no_library_styles_is_refused_by_the_plan():
     llama = models.get_model_spec("llama3")
     models.register_model_spec(dataclasses.replace(llama, name="llama3_sideways", tp_plan={**llama.tp_plan, "output": "sideways"}))
     with pytest.raises(ConfigError, match=r"tp_plan roles \['sideways'\] have no tensor-parallel style"):
-        plan(1, "--model.name", "llama3_sideways")
+        plan(2, "--model.name", "llama3_sideways", "--parallelism.tensor_parallel_degree", "2")
+    plan(1, "--model.name", "llama3_sideways")  # roles matter only under tensor parallel
 
 
 def test_check_only_plan_notes_files_it_cannot_see():

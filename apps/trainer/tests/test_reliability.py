@@ -260,6 +260,14 @@ def _state(pid):
         return "Z"
 
 
+def test_layout_that_does_not_fit_nproc_is_one_line_before_any_worker(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "tessera.trainer.main", "--nproc", "3",
+                           "--parallelism.data_parallel_shard_degree", "2", "--job.dump_folder", str(tmp_path)],
+                          env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""  # no worker started: no banner, no rank's own error
+    assert proc.stderr == "error: dp_replicate*dp_shard*cp*tp*pp = 1*2*1*1*1 = 2 does not equal the world size 3\n"
+
+
 # ---- 4. bad input accepted silently or misreported ---------------------------------------
 
 @pytest.mark.parametrize("content, message", [

@@ -279,7 +279,7 @@ def _split_points(config: JobConfig, n_layers: int, inputs: list[str], outputs: 
 
 def _check_tensor_parallel(config: JobConfig, spec: ModelSpec, args, dims: ParallelDims, styles) -> None:
     unknown = sorted(set(spec.tp_plan.values()) - set(styles))
-    if unknown:
+    if unknown and dims.tp_enabled:
         raise ConfigError(f"model {spec.name!r}: tp_plan roles {unknown} have no tensor-parallel style; known: {sorted(styles)}")
     if dims.tp_enabled:
         with user_input():  # sequence parallel splits every sequence across the tp ranks, too

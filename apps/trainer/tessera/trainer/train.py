@@ -29,6 +29,7 @@ from tessera.mesh import (
 )
 from tessera.trainer.checkpointing import Checkpointer
 from tessera.trainer.config import JobConfig, to_dict, user_input
+from tessera.trainer.family_hooks import FamilyHooks
 from tessera.trainer.faults import (
     StopSignals, TrainingError, any_rank, inject_fault, stalled_collective, tighten_timeouts,
 )
@@ -310,8 +311,9 @@ def _train(plan: JobPlan, info) -> list[dict]:
         start_step = checkpointer.restore()
 
     forward_backward, evaluate = step_functions(model.parts, model.pipeline, loss_fn, plan, meshes, tokenizer.bos_id)
+    family = FamilyHooks(plan, model.parts, meshes)
     train_step = make_train_step(
-        model.parts, optimizers, scheduler, forward_backward, plan, plan.post_optimizer_hooks, pp_mesh=meshes.pp,
+        model.parts, optimizers, scheduler, forward_backward, plan, (*plan.post_optimizer_hooks, family), pp_mesh=meshes.pp,
     )
     logger = MetricLogger(
         training.steps, _tensorboard_folder(config, dump, info.rank) if config.metrics.enable_tensorboard else None,
@@ -327,6 +329,7 @@ def _train(plan: JobPlan, info) -> list[dict]:
         memory, memory_peak = memory_gib(device)
         values = {"loss": all_reduce_mean(result.loss, meshes.loss), "grad_norm": result.grad_norm.item(),
                   "lr": result.lr, **timer.rates(), "memory_gib": memory, "memory_peak_gib": memory_peak}
+        values.update(family.metrics())
         warmup = timer.take_warmup()
         if warmup is not None:
             values["compile_warmup_s"] = warmup

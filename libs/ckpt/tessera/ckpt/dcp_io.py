@@ -175,7 +175,7 @@ def raise_first_failure(e: CheckpointException) -> None:
     if isinstance(error, (ValueError, FileNotFoundError)):
         raise type(error)(str(error)) from None
     if isinstance(error, OSError):
-        raise OSError(error.errno, error.strerror or str(error), error.filename) from None
+        raise (OSError(error.errno, error.strerror, error.filename) if error.errno else OSError(str(error))) from None
     raise RuntimeError(f"checkpoint operation failed on rank {rank}: {error!r}") from None
 
 

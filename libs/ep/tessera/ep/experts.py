@@ -51,9 +51,9 @@ def _ep_class(cls: type) -> type:
     if cls not in _EP_CLASSES:
         def forward(self, x, num_tokens_per_expert):
             group = self.ep_mesh.get_group()
-            n_experts = next(iter(self.parameters())).shape[0]
-            if num_tokens_per_expert.shape[0] != n_experts:
-                raise ValueError(f"expert parallel: {num_tokens_per_expert.shape[0]} token counts for {n_experts} experts")
+            n_counts, n_experts = num_tokens_per_expert.shape[0], next(iter(self.parameters())).shape[0]
+            if n_counts != n_experts:
+                raise ValueError(f"expert parallel: {n_counts} token counts for {n_experts} experts")
             exchange = plan_exchange(num_tokens_per_expert, group)
             with _local_parameters(self, self.ep_mesh.size() if self.ep_divides_grads else 1):
                 out = cls.forward(self, dispatch(x, exchange, group), exchange.local_counts)
@@ -66,8 +66,8 @@ def _ep_class(cls: type) -> type:
 def apply_ep(experts: nn.Module | Iterable[nn.Module], ep_mesh: DeviceMesh | None,
              divide_grads_by_ep: bool = False) -> list[nn.Module]:
     """Shards each experts module (see the module docstring) over the 1-D ``ep_mesh`` in place
-    and returns them. Every rank must hold the same full parameters beforehand (rank 0's are
-    scattered) or meta tensors (initialised after, e.g. ``to_empty`` + ``init_weights``).
+    and returns them. The full parameters of the ep group's first rank are scattered (so the
+    others' values do not matter), or meta tensors stay meta (``to_empty`` + ``init_weights``).
     ``ep_mesh`` None or of size 1: nothing changes. ValueError if the experts do not divide.
 
     Gradients: an expert's gradient sums the contributions of the rows every ep rank sent it,
@@ -96,7 +96,8 @@ def _shard(module: nn.Module, ep_mesh: DeviceMesh) -> None:
     params = dict(module.named_parameters(recurse=False))
     sizes = {p.shape[0] for p in params.values()}
     if len(sizes) != 1:
-        raise ValueError(f"expert parallel: {name}'s parameters disagree on the number of experts (dim 0: {sorted(sizes)})")
+        raise ValueError(f"expert parallel: {name}'s parameters disagree on the number of experts "
+                         f"(dim 0: {sorted(sizes)})")
     check_ep_degree(sizes.pop(), ep_mesh.size())
     for pname, param in params.items():
         sharded = distribute_tensor(param.detach(), ep_mesh, [Shard(0)])

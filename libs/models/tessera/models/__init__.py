@@ -7,6 +7,7 @@ from tessera.models.hf_config import CONFIG_FILE, read_hf_config
 from tessera.models.spec import (
     ARGS_FILE,
     ModelSpec,
+    StepHooks,
     args_record,
     get_model_spec,
     list_model_specs,
@@ -29,6 +30,7 @@ __all__ = [
     "CONFIG_FILE",
     "CausalSDPA",
     "ModelSpec",
+    "StepHooks",
     "apply_activation_checkpointing",
     "apply_compile",
     "args_record",

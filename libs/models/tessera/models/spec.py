@@ -13,6 +13,34 @@ from typing import Any
 from torch import nn
 
 
+def _no_loss_scale(model: nn.Module, scale: float) -> None:
+    pass
+
+
+def _no_step(model: nn.Module, group: Any) -> dict:
+    return {}
+
+
+@dataclass(frozen=True)
+class StepHooks:
+    """A family's part in each training step, for state outside the parameters (MoE routers).
+
+    set_loss_scale(model, scale): once after building; ``scale`` is the factor the trainer applies
+        to each micro-batch's loss before backward (1 / micro-batches per step), for losses the
+        model adds inside its forward (the MoE sequence-wise balance loss).
+    after_optimizer_step(model, group) -> {name: tensor}: after every optimizer step, on every
+        rank, for the model or each pipeline stage; ``group`` spans the ranks that see different
+        tokens (data and context parallel; None alone). Returns readings for metrics (MoE: each
+        layer's tokens per expert), read by the trainer at log steps only.
+    """
+
+    set_loss_scale: Callable[[nn.Module, float], None] = _no_loss_scale
+    after_optimizer_step: Callable[[nn.Module, Any], dict] = _no_step
+
+
+NO_STEP_HOOKS = StepHooks()
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """A model family.
@@ -37,6 +65,8 @@ class ModelSpec:
         ``args_from_config(config, source)``, ``config_from_args(args, *, dtype=None,
         bos_token_id=None, eos_token_id=None)``, and ``check_config(args, config, source, target)``
         raising a ValueError that names the first field where they differ.
+    step_hooks: what a training loop calls on the family's models every step (``StepHooks``);
+        the default does nothing.
     """
 
     name: str
@@ -47,6 +77,7 @@ class ModelSpec:
     tp_divisible: Callable[[Any], dict[str, int]]
     hf_adapter: Any = None
     hf_config: Any = None
+    step_hooks: "StepHooks" = dataclasses.field(default_factory=lambda: NO_STEP_HOOKS)
 
 
 _REGISTRY: dict[str, ModelSpec] = {}

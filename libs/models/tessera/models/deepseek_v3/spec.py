@@ -4,6 +4,7 @@ from tessera.models.deepseek_v3 import hf_adapter
 from tessera.models.deepseek_v3.args import DeepSeekV3Args
 from tessera.models.deepseek_v3.flavors import deepseek_v3_flavors
 from tessera.models.deepseek_v3.model import DeepSeekV3
+from tessera.models.moe.balance import MOE_STEP_HOOKS
 from tessera.models.spec import ModelSpec
 
 # Patterns for every flavor: a flavor has either wq or wq_a/q_norm/wq_b. "replicated" (a module
@@ -77,4 +78,5 @@ deepseek_v3_spec = ModelSpec(
     tp_plan=TP_PLAN,
     tp_divisible=tp_divisible,
     hf_adapter=hf_adapter,
+    step_hooks=MOE_STEP_HOOKS,
 )

@@ -6,6 +6,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tessera.models.moe.layer import MoE
+from tessera.models.spec import StepHooks
 
 
 def moe_layers(model: nn.Module) -> dict[str, MoE]:
@@ -54,3 +55,7 @@ def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
     per step): the sequence-wise balance loss's gradient gets the same (see ``aux_loss``)."""
     for layer in moe_layers(model).values():
         layer.aux_loss_scale = scale
+
+
+# ModelSpec.step_hooks of the MoE families: the balance loss's scale, the router-bias update.
+MOE_STEP_HOOKS = StepHooks(set_loss_scale=set_aux_loss_scale, after_optimizer_step=update_expert_bias)

@@ -5,6 +5,7 @@ from tessera.models.qwen3 import hf_adapter
 from tessera.models.qwen3.args import Qwen3Args
 from tessera.models.qwen3.flavors import qwen3_flavors
 from tessera.models.qwen3.model import Qwen3
+from tessera.models.moe.balance import MOE_STEP_HOOKS
 from tessera.models.spec import ModelSpec
 
 # Patterns for every flavor: a dense flavor's blocks have feed_forward, an MoE flavor's moe.
@@ -67,4 +68,5 @@ qwen3_spec = ModelSpec(
     tp_plan=TP_PLAN,
     tp_divisible=tp_divisible,
     hf_adapter=hf_adapter,
+    step_hooks=MOE_STEP_HOOKS,
 )
