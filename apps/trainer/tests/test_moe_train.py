@@ -46,3 +46,24 @@ def test_moe_family_under_fsdp_matches_single_process(tmp_path, family):
             assert step["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
             assert step["moe/layers.1.moe/load_max"] == ref["moe/layers.1.moe/load_max"]  # loads summed over ranks
     assert_params_close(per_rank[0][1], reference_params, 1e-5, family)
+
+
+EP_LAYOUTS = {  # ranks, extra flags, data-parallel ranks (the batch splits over dp_shard, ep inside it)
+    "ep2": (2, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.expert_parallel_degree", "2"], 2),
+    "fsdp2_ep2": (4, ["--parallelism.data_parallel_shard_degree", "4", "--parallelism.expert_parallel_degree", "2"], 4),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(EP_LAYOUTS))
+def test_deepseek_v3_expert_parallel_matches_single_process(tmp_path, layout):
+    ranks, extra, dp = EP_LAYOUTS[layout]
+    argv = [*BASE, *FAMILIES["deepseek_v3"]]
+    reference, reference_params = _train_rank(
+        0, 1, [*argv, "--job.dump_folder", str(tmp_path / "single"), "--training.local_batch_size", str(dp)])
+    per_rank = run_on_ranks(_train_rank, ranks, [*argv, *extra, "--job.dump_folder", str(tmp_path / layout),
+                                                "--training.local_batch_size", "1"])
+    for history, _ in per_rank:
+        for step, ref in zip(history, reference):
+            assert step["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+            assert step["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+    assert_params_close(per_rank[0][1], reference_params, 1e-5, layout)

@@ -705,7 +705,8 @@ def validate(config: JobConfig, accepted: frozenset[str] = frozenset()) -> None:
     unknown = [name for name in config.model.converters if name not in registered_converters()]
     if unknown:
         raise ConfigError(f"config key model.converters: {unknown} not registered; available: {registered_converters()}")
-    for name, path in [*float8_converter.SECTIONS.items(), (float8_converter.MX_NAME, float8_converter.MX_SECTION)]:
+    grouped = [(f"quantize.grouped_mm.{kind}", ("quantize", "grouped_mm", kind)) for kind in ("float8", "mx")]
+    for name, path in [*float8_converter.SECTIONS.items(), (float8_converter.MX_NAME, float8_converter.MX_SECTION), *grouped]:
         section = float8_converter.section_of(config, path)
         if section != type(section)() and name not in config.model.converters and os.environ.get("RANK", "0") == "0":
             # torchtitan's configs carry the section whether or not the converter runs

@@ -179,7 +179,7 @@ HELP = {
     "debug.fault_kind": "crash (exit at once, as if killed) or stall (stop answering)",
 }
 
-_NO_EP = "not yet: expert parallel and MoE models are being built (issue 11)"
+_NO_EP = "not yet: expert-parallel options beyond expert_parallel_degree are being built (issue 11)"
 _NO_FT = ("torchft is not part of Tessera; it restarts from checkpoints instead "
           "(torchrun --max-restarts, SLURM requeue: see the trainer README)")
 _ESTIMATE = "the trainer trains; for a dry run use `bazel run //tools/estimate -- --job.config_file ...`"
@@ -196,12 +196,8 @@ REFUSED = {
     "activation_checkpoint.visualize_memory_budget_pareto": "mode memory_budget (compile's min-cut partitioner) is not supported",
     "activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns": _NO_EP,
     "parallelism.pipeline_parallel_expert_parallel_overlap": _NO_EP,
-    "parallelism.expert_parallel_degree": _NO_EP,
     "parallelism.expert_tensor_parallel_degree": _NO_EP,
-    "parallelism.expert_parallel_comm_backend": _NO_EP,
-    "quantize.grouped_mm.float8.fqns": _NO_EP,
-    "quantize.grouped_mm.mx.recipe_name": _NO_EP,
-    "quantize.grouped_mm.mx.fqns": _NO_EP,
+    "parallelism.expert_parallel_comm_backend": "only 'standard' (all_to_all_single): DeepEP is not part of Tessera",
     "debug.moe_force_load_balance": _NO_EP,
     "comm.mode": _ESTIMATE,
     "quantize.linear.mx.mxfp8_dim1_cast_kernel_choice": "torchao 0.18's MXFP8 training config chooses the cast kernel itself",

@@ -1,5 +1,6 @@
 """What a run does when the world goes wrong: diverged numbers, a scheduler's stop signal, a
-launcher that died. Each ends the run cleanly: one line, a checkpoint kept or written, no orphans."""
+launcher that died, a stuck or lost peer. Each ends the run cleanly: one line, a checkpoint kept
+or written, no orphans. Also the [debug] switch that injects a crash or a stall, to test that."""
 
 from __future__ import annotations
 

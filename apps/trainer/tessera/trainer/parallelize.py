@@ -21,8 +21,9 @@ import dataclasses
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import Shard
 
-from tessera import cp, fsdp, pp, tp
+from tessera import cp, ep, fsdp, pp, tp
 from tessera.fsdp import MIXED_PRECISION_DTYPES
 from tessera.mesh import Meshes
 from tessera.models import apply_activation_checkpointing, apply_compile
@@ -61,6 +62,9 @@ def parallelize(model: nn.Module, plan: JobPlan, meshes: Meshes | None) -> nn.Mo
         )
     if dims.cp_enabled and len(model.layers):  # each attention: this rank's queries, every rank's keys
         cp.apply_cp(model, meshes.cp.get_group(), load_balance=config.parallelism.context_parallel_load_balancer is not None)
+    experts = ep.find_experts(model) if dims.ep_enabled and _has_experts(model) else []
+    # each rank its share of every layer's experts; FSDP then shards them over the ranks beside ep
+    ep.apply_ep(experts, meshes.ep if experts else None, divide_grads_by_ep=True)
     ac = config.activation_checkpoint
     if ac.mode != "none":
         apply_activation_checkpointing(
@@ -78,13 +82,25 @@ def parallelize(model: nn.Module, plan: JobPlan, meshes: Meshes | None) -> nn.Mo
             model, meshes.fsdp, param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype,
             reshard_after_forward=plan.pipeline.reshard_after_forward if plan.pipeline else config.parallelism.fsdp_reshard_after_forward,
             cpu_offload=config.training.enable_cpu_offload,
+            own_meshes=[(module, meshes.expert_fsdp, _expert_placement(module, meshes)) for module in experts],
         )
     elif dims.dp_replicate > 1:
         fsdp.apply_ddp(model, meshes.dp_replicate)
     return model
 
 
-def _copy_first_block_input(model: nn.Module) -> None:
+def _has_experts(model: nn.Module) -> bool:
+    """A pipeline stage may hold only dense blocks (DeepSeek-V3's first ones) or none."""
+    return any(name.rpartition(".")[2] == "experts" for name, _ in model.named_modules())
+
+
+def _expert_placement(experts: nn.Module, meshes: Meshes):
+    """FSDP shards the local experts on dim 0 while there are enough of them for its ranks; with
+    fewer local experts than ranks, on dim 1 (each expert's rows), as every rank needs a shard."""
+    local = next(experts.parameters()).to_local().shape[0]
+    if meshes.expert_fsdp.size() <= local:
+        return None
+    return lambda param: Shard(1)
     """Measured (torch 2.13, CPU gloo): a compiled block fed the tensor-parallel embedding's
     output directly (the local view that DTensor's to_local returns) hands that view's backward a
     plain gradient where it expects a DTensor, and backward fails; a copy taken outside the

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from tessera import cp, pp, tp
+from tessera import cp, ep, pp, tp
 from tessera.data import load_tokenizer
 from tessera.fsdp import MIXED_PRECISION_DTYPES
 from tessera.mesh import MeshLayout, ParallelDims, device_type, mesh_layout, resolve_parallel_dims
@@ -130,13 +130,14 @@ def make_plan(config: JobConfig, world_size: int, device: str | None = None, *, 
         dims = resolve_parallel_dims(
             world_size, dp_replicate=par.data_parallel_replicate_degree,
             dp_shard=par.data_parallel_shard_degree, tp=par.tensor_parallel_degree,
-            pp=par.pipeline_parallel_degree, cp=par.context_parallel_degree,
+            pp=par.pipeline_parallel_degree, cp=par.context_parallel_degree, ep=par.expert_parallel_degree,
         )
         spec = get_model_spec(config.model.name)
     args = _model_args(config, spec, _vocab_size(config, spec, notes if check_only else None))
     converters = build_converters(config, dims)
     styles = tp.styles_with({role: f for c in converters for role, f in c.tp_styles.items()})
     _check_tensor_parallel(config, spec, args, dims, styles)
+    _check_expert_parallel(config, spec, args, dims)
     _check_layout(config, dims, device)
     _check_checkpoint(config, spec, world_size)
     _check_paths(config, notes if check_only else None)
@@ -285,6 +286,16 @@ def _check_tensor_parallel(config: JobConfig, spec: ModelSpec, args, dims: Paral
         with user_input():  # sequence parallel splits every sequence across the tp ranks, too
             tp.check_tp_degree(dims.tp, {**spec.tp_divisible(args), "seq_len": config.training.seq_len,
                                          "validation.seq_len": validation_shape(config)[1]})
+
+
+def _check_expert_parallel(config: JobConfig, spec: ModelSpec, args, dims: ParallelDims) -> None:
+    if not dims.ep_enabled:
+        return
+    experts = spec.n_experts(args)
+    if not experts:
+        raise ConfigError(f"parallelism.expert_parallel_degree {dims.ep}: {spec.name}/{config.model.flavor} has no experts")
+    with user_input():
+        ep.check_ep_degree(experts, dims.ep)
 
 
 def _check_layout(config: JobConfig, dims: ParallelDims, device: str) -> None:

@@ -89,12 +89,13 @@ class Tokenizer:
         self.special_tokens = special_tokens
         self.bos_id = special_tokens["<|begin_of_text|>"] if bos_id is None else bos_id
         self.eos_id = special_tokens["<|end_of_text|>"] if eos_id is None else eos_id
-        self._nfc = nfc
+        self.nfc = nfc
         self._dropped = dropped_bytes
+        self.decode_only = decode_only or {}
         # Identity of the token ids, so token shards can refuse a tokenizer other than the one
         # that made them, whatever its file is called.
         self.fingerprint = _fingerprint(ranks, self.patterns, special_tokens, self.bos_id, self.eos_id, nfc)
-        self._id_bytes = _decode_table(ranks, special_tokens, decode_only or {})
+        self._id_bytes = _decode_table(ranks, special_tokens, self.decode_only)
         self.vocab_size = len(self._id_bytes)
         # One split pattern and every byte a rank: tiktoken splits and merges in one call.
         # Otherwise pieces are split here and each piece's bytes go to tiktoken's BPE alone.
@@ -106,7 +107,7 @@ class Tokenizer:
     def encode(self, text: str, bos: bool, eos: bool) -> list[int]:
         """Token ids of `text`; special-token strings inside `text` are encoded as plain text."""
         ids = [self.bos_id] if bos else []
-        if self._nfc:
+        if self.nfc:
             text = unicodedata.normalize("NFC", text)
         for chunk in _bounded_pieces(text):
             if self._whole:

@@ -7,6 +7,8 @@ have deleted some), and ``model.tok_embeddings``, ``model.norm`` and ``model.out
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 from torch import nn
 from torch.distributed._composable.replicate import replicate
@@ -40,6 +42,7 @@ def apply_fsdp(
     reduce_dtype: torch.dtype = torch.float32,
     reshard_after_forward: str = "default",
     cpu_offload: bool = False,
+    own_meshes: Sequence[tuple[nn.Module, DeviceMesh, Callable | None]] = (),
 ) -> nn.Module:
     """Shards ``model`` in place with FSDP2 over ``dp_mesh`` and returns it.
 
@@ -53,6 +56,10 @@ def apply_fsdp(
     the root), saving those all-gathers; "always" frees every group (least memory); "never"
     keeps every group gathered from forward to backward (no backward all-gathers, ZeRO-2-like
     memory).
+
+    ``own_meshes``: (submodule, mesh, shard_placement_fn or None) for parameters sharded over
+    another mesh than ``dp_mesh`` — expert-parallel experts over the ranks left beside ep. Each
+    gets its own group, resharded like the block around it, before that block's.
     """
     if reshard_after_forward not in RESHARD_POLICIES:
         raise ValueError(
@@ -83,7 +90,12 @@ def apply_fsdp(
             fully_shard(output, reshard_after_forward=reshard(True), **policy)
     names = list(blocks)
     for name in names:
-        fully_shard(blocks[name], reshard_after_forward=reshard(name == names[-1]), **policy)
+        last = name == names[-1]
+        for module, mesh, placement in own_meshes:
+            if any(m is module for m in blocks[name].modules()):
+                fully_shard(module, reshard_after_forward=reshard(last), **{**policy, "mesh": mesh},
+                            shard_placement_fn=placement)
+        fully_shard(blocks[name], reshard_after_forward=reshard(last), **policy)
     fully_shard(model, reshard_after_forward=reshard(True), **policy)
     return model
 

@@ -67,6 +67,9 @@ class ModelSpec:
         raising a ValueError that names the first field where they differ.
     step_hooks: what a training loop calls on the family's models every step (``StepHooks``);
         the default does nothing.
+    n_experts: args -> routed experts per MoE layer (0: a dense model), held by modules under
+        the attribute name ``experts`` that follow the expert seam (``tessera.models.moe``);
+        expert parallelism splits them.
     """
 
     name: str
@@ -78,6 +81,7 @@ class ModelSpec:
     hf_adapter: Any = None
     hf_config: Any = None
     step_hooks: "StepHooks" = dataclasses.field(default_factory=lambda: NO_STEP_HOOKS)
+    n_experts: Callable[[Any], int] = lambda args: 0
 
 
 _REGISTRY: dict[str, ModelSpec] = {}

@@ -79,4 +79,5 @@ deepseek_v3_spec = ModelSpec(
     tp_divisible=tp_divisible,
     hf_adapter=hf_adapter,
     step_hooks=MOE_STEP_HOOKS,
+    n_experts=lambda args: args.moe.n_experts,
 )

@@ -69,4 +69,5 @@ qwen3_spec = ModelSpec(
     tp_divisible=tp_divisible,
     hf_adapter=hf_adapter,
     step_hooks=MOE_STEP_HOOKS,
+    n_experts=lambda args: args.moe.n_experts if args.moe is not None else 0,
 )
