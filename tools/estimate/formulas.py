@@ -15,10 +15,17 @@ from tessera.trainer.plan import JobPlan
 F32 = 4
 
 
+def block_linears(a) -> dict[str, tuple[int, int, int]]:
+    """A block's linears by name within the block: (out features, in features, the dim tensor
+    parallel splits: 0 colwise, 1 rowwise)."""
+    h, q, kv, f = a.dim, a.n_heads * a.head_dim, a.kv_heads * a.head_dim, a.ffn_hidden_dim
+    return {"attention.wq": (q, h, 0), "attention.wk": (kv, h, 0), "attention.wv": (kv, h, 0), "attention.wo": (h, q, 1),
+            "feed_forward.w1": (f, h, 0), "feed_forward.w3": (f, h, 0), "feed_forward.w2": (h, f, 1)}
+
+
 def _block_params(a) -> list[tuple[int, int, int | None]]:
     """(rows, cols, dim tensor parallel splits) of one block's parameters (None: replicated)."""
-    h, q, kv, f = a.dim, a.n_heads * a.head_dim, a.kv_heads * a.head_dim, a.ffn_hidden_dim
-    return [(q, h, 0), (kv, h, 0), (kv, h, 0), (h, q, 1), (f, h, 0), (f, h, 0), (h, f, 1), (h, 1, None), (h, 1, None)]
+    return [*block_linears(a).values(), (a.dim, 1, None), (a.dim, 1, None)]
 
 
 def _module_params(a, name: str) -> list[tuple[int, int, int | None]]:
@@ -67,13 +74,13 @@ def estimate_rank(plan: JobPlan, pp_rank: int = 0) -> FormulaEstimate:
     elements = sum(_local_elements(r, c, s, dims.tp, fsdp) for r, c, s in shapes)
     params = F32 * elements
     optimizer = 2 * params + F32 * len(shapes)  # AdamW: exp_avg, exp_avg_sq, a float32 step each
-    buffers = 8 * plan.batch.seq_len * a.head_dim // 2 * (len(_local_stages(plan, pp_rank)))  # complex64 RoPE table per part
+    buffers = 8 * plan.batch.seq_len * a.head_dim // 2 * (len(local_stages(plan, pp_rank)))  # complex64 RoPE table per part
     blocks = sum(m.startswith("layers.") for m in modules)
     tp_local_block = sum(_local_elements(r, c, s, dims.tp, 1) for r, c, s in _block_params(a))
     # FSDP keeps the last block, the output and the final norm gathered from forward into backward
     # ("default"; "never": every group, "always": none)
     kept = _kept_gathered(plan, modules, tp_local_block) if fsdp > 1 else 0
-    act = activations(plan, blocks, "tok_embeddings" in modules, "output" in modules, pp_rank) + kept
+    act = activations(plan, pp_rank) + kept
     grads = params
     if dims.tp > 1 and fsdp == 1 and "tok_embeddings" in modules:
         grads += F32 * a.vocab_size // dims.tp * a.dim  # measured: the vocab-parallel embedding's gradient storage is twice its size
@@ -84,9 +91,9 @@ def estimate_rank(plan: JobPlan, pp_rank: int = 0) -> FormulaEstimate:
     # (gradients + foreach AdamW's parameter-sized temporaries)
     peak = params + optimizer + buffers + max(act + logits_grad + _recompute_bytes(plan), grads + params)
     tokens = plan.batch.local * plan.batch.seq_len * plan.batch.accumulation
-    flops = plan.flops_per_token * tokens * blocks / a.n_layers / dims.tp  # this rank's share of its dp rank's tokens
+    flops = plan.flops_per_token * tokens * blocks / a.n_layers / dims.tp / dims.cp  # this rank's share of its dp rank's tokens
     return FormulaEstimate(params, grads, optimizer, buffers, act, peak, flops,
-                           comm_bytes(plan, elements, kept, blocks, modules))
+                           comm_bytes(plan, elements, kept, blocks, modules, pp_rank))
 
 
 def _kept_gathered(plan: JobPlan, modules: list[str], tp_local_block: int) -> int:
@@ -104,7 +111,8 @@ def _kept_gathered(plan: JobPlan, modules: list[str], tp_local_block: int) -> in
     return plan.param_dtype.itemsize * kept
 
 
-def _local_stages(plan: JobPlan, pp_rank: int) -> list[int]:
+def local_stages(plan: JobPlan, pp_rank: int) -> list[int]:
+    """The stages the pp rank runs ([0] without pipeline parallelism)."""
     if plan.pipeline is None:
         return [0]
     return pp.stage_ids(pp_rank, plan.dims.pp, len(plan.pipeline.parts), plan.pipeline.schedule)
@@ -142,29 +150,64 @@ def _every_nth(plan: JobPlan) -> int | None:
     return int(ac.selective_ac_option) if ac.mode == "selective" and ac.selective_ac_option != "op" else None
 
 
-def activations(plan: JobPlan, blocks: int, first: bool, last: bool, pp_rank: int) -> int:
-    """Bytes at the end of forward: each block's share under the AC mode, the head's logits, and,
-    under pipeline parallel, 1F1B's micro-batches in flight (pp - rank of the first local stage)."""
+def _microbatch_activations(plan: JobPlan, modules: list[str]) -> float:
+    """Bytes one micro-batch leaves in `modules` at the end of its forward: each block's share
+    under the AC mode, the head's logits (last stage), the token ids and labels (first stage)."""
     a, t, e = plan.model_args, plan.dims.tp, _compute_bytes(plan)
+    blocks = sum(m.startswith("layers.") for m in modules)
     mode, every = plan.config.activation_checkpoint.mode, _every_nth(plan)
     if every:
-        full = math.ceil(blocks / every)
-        per_batch = full * block_activations(plan, "full") + (blocks - full) * block_activations(plan, "none")
+        full = blocks // every  # the N-th, 2N-th, ... block (tessera.models.apply_activation_checkpointing)
+        out = full * block_activations(plan, "full") + (blocks - full) * block_activations(plan, "none")
     else:
-        per_batch = blocks * block_activations(plan, mode)
+        out = blocks * block_activations(plan, mode)
     b = plan.pipeline.microbatches if plan.pipeline else 1
     tokens = plan.batch.local * plan.batch.seq_len // b
-    if last:  # final norm in/out (+ its gathered output), then fp32 logits and log-softmax
-        per_batch += tokens * e * (3 * a.dim / t + a.dim * (t - 1) / t) + tokens * a.vocab_size / t * (8 + (e if e != F32 else 0))
-    if first:
-        per_batch += 2 * tokens * 8  # token ids and labels
-    in_flight = 1
-    if plan.pipeline is not None:
-        in_flight = min(b, plan.dims.pp - pp_rank) * len(_local_stages(plan, pp_rank))
-    return int(per_batch * in_flight)
+    if "output" in modules:  # final norm in/out (+ its gathered output), then fp32 logits and log-softmax
+        out += tokens * e * (3 * a.dim / t + a.dim * (t - 1) / t) + tokens * a.vocab_size / t * (8 + (e if e != F32 else 0))
+    if "tok_embeddings" in modules:
+        out += 2 * tokens * 8  # token ids and labels
+    return out
 
 
-def comm_bytes(plan: JobPlan, local_elements: int, kept: int, blocks: int, modules: list[str]) -> dict[tuple[str, str], int]:
+def held_in_flight(schedule: str, pp_size: int, stages_per_rank: int, microbatches: int, pp_rank: int) -> list[int]:
+    """Micro-batches whose forward a pp rank has run and whose (input-)backward it has not, per
+    local stage (in tessera.pp.stage_ids order), when their count peaks, as torch 2.13's schedules
+    order them (torch/distributed/pipelining/schedules.py; test_estimate checks this against the
+    action lists torch generates):
+    - GPipe: every forward before any backward: m;
+    - 1F1B: pp - rank warm-up forwards, then one backward per forward;
+    - Interleaved1F1B / InterleavedZeroBubble: (v-1)·r + h·(pp-1-rank) warm-up forwards (r: micro-
+      batches per round, m // max(1, m // pp); h: 2, or 1 for the zero-bubble one, capped at m·v),
+      then one more forward before the first backward; the k-th forward runs local stage (k // r) mod v;
+    - ZBVZeroBubble: 2·pp - 1 - rank on its first stage and rank + 1 on its second."""
+    m, v, size, rank = microbatches, stages_per_rank, pp_size, pp_rank
+    if schedule == "GPipe":
+        return [m]
+    if schedule == "1F1B":
+        return [min(m, size - rank)]
+    if schedule == "ZBVZeroBubble":
+        return [min(m, 2 * size - 1 - rank), min(m, rank + 1)]
+    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        per_round = m // max(1, m // size)
+        hops = 2 if schedule == "Interleaved1F1B" else 1
+        forwards = min((v - 1) * per_round + hops * (size - 1 - rank) + 1, m * v)
+        return [sum((k // per_round) % v == j for k in range(forwards)) for j in range(v)]
+    raise ValueError(f"no in-flight model for pipeline schedule {schedule!r}")
+
+
+def activations(plan: JobPlan, pp_rank: int) -> int:
+    """Bytes at the end of forward: one micro-batch without pipeline parallelism; under it, each
+    local stage's micro-batch activations times the micro-batches the schedule holds for it."""
+    if plan.pipeline is None:
+        return int(_microbatch_activations(plan, stage_modules(plan, pp_rank)))
+    stages = local_stages(plan, pp_rank)
+    held = held_in_flight(plan.pipeline.schedule, plan.dims.pp, len(stages), plan.pipeline.microbatches, pp_rank)
+    return int(sum(n * _microbatch_activations(plan, list(plan.pipeline.parts[s])) for s, n in zip(stages, held)))
+
+
+def comm_bytes(plan: JobPlan, local_elements: int, kept: int, blocks: int, modules: list[str],
+               pp_rank: int = 0) -> dict[tuple[str, str], int]:
     """Collective buffer bytes per step (as collectives.py counts them): FSDP all-gathers the
     parameters (param dtype) in forward and, resharded, again in backward, per micro-batch, and
     reduce-scatters gradients (reduce dtype) once; TP gathers and scatters each block's two
@@ -178,10 +221,15 @@ def comm_bytes(plan: JobPlan, local_elements: int, kept: int, blocks: int, modul
         rounds = 1 if plan.pipeline is not None else batch.accumulation  # a pipeline keeps stages gathered
         out[("all_gather", "fsdp")] = int((2 * gathered - kept) * rounds)
         out[("reduce_scatter", "fsdp")] = int(local_elements * fsdp * plan.reduce_dtype.itemsize)
-    elif dims.dp_replicate > 1:
+    if dims.dp_replicate > 1:  # DDP, or HSDP's all-reduce of the reduce-scattered shards across replicas
         out[("all_reduce", "dp_replicate")] = int(local_elements * plan.reduce_dtype.itemsize)
-    tokens = batch.local * batch.seq_len * batch.accumulation
+    tokens = batch.local * batch.seq_len * batch.accumulation // dims.cp  # this rank's share of the sequences
     e = plan.param_dtype.itemsize
+    if dims.cp > 1:  # all-gather K and V (heads repeated) of the whole sequence; backward reduce-scatters dK, dV
+        a = plan.model_args
+        gathered = 2 * tokens * dims.cp * a.n_heads * a.head_dim // dims.tp * e * blocks
+        out[("all_gather", "cp")] = gathered * (1 + (plan.config.activation_checkpoint.mode == "full"))
+        out[("reduce_scatter", "cp")] = gathered
     if dims.tp > 1:
         recompute = plan.config.activation_checkpoint.mode != "none"
         per_block = 2 * tokens * plan.model_args.dim * e  # two gathered block inputs (attention, ffn)
@@ -189,6 +237,14 @@ def comm_bytes(plan: JobPlan, local_elements: int, kept: int, blocks: int, modul
         # recompute regathers both inputs but stops before the block's last reduce-scatter
         out[("all_gather", "tp")] = int(per_block * blocks * (2 + recompute) + ends)
         out[("reduce_scatter", "tp")] = int(per_block * blocks * (2 + recompute / 2) + ends)
-    if dims.pp > 1:
-        out[("send_recv", "pp")] = int(2 * 2 * tokens * plan.model_args.dim // dims.tp * e)
+    if dims.pp > 1:  # per micro-batch, each stage boundary to another rank: activations forward, gradients back
+        out[("send_recv", "pp")] = int(2 * _pipeline_hops(plan, pp_rank) * tokens * plan.model_args.dim // dims.tp * e)
     return out
+
+
+def _pipeline_hops(plan: JobPlan, pp_rank: int) -> int:
+    """Stage boundaries the rank sends or receives across (a V-shaped schedule's turn at the last
+    rank stays on it)."""
+    n, size = len(plan.pipeline.parts), plan.dims.pp
+    owner = [next(r for r in range(size) if s in pp.stage_ids(r, size, n, plan.pipeline.schedule)) for s in range(n)]
+    return sum((owner[s] == pp_rank) + (owner[s + 1] == pp_rank) for s in range(n - 1) if owner[s] != owner[s + 1])

@@ -4,10 +4,17 @@ against torch's FlopCounterMode, and one-line errors for bad input."""
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import _ComputationType, get_schedule_class
+from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils.flop_counter import FlopCounterMode
 
+from tessera import pp
 from tessera.mesh.testing import run_on_ranks
 from tessera.trainer.config import load_config
 from tessera.trainer.main import main as trainer_main
@@ -84,6 +91,39 @@ def test_flops_formula_vs_flop_counter():
     print(f"FLOPs per step: formula {formula:.4e}, FlopCounterMode {counted:.4e} ({formula / counted - 1:+.3%})")
     attention = 12 * a.n_layers * a.n_heads * a.head_dim * plan.batch.seq_len
     assert formula - counted == (6 * (2 * a.n_layers + 1) * a.dim + attention) * tokens.numel()
+
+
+def _held_at_peak(actions) -> dict[int, int]:
+    """Micro-batches per stage forwarded and not yet (input-)backwarded, when their count first peaks."""
+    held, peak, at = collections.Counter(), 0, {}
+    for action in filter(None, actions):
+        kind = action.computation_type
+        if kind in (_ComputationType.FORWARD, _ComputationType.FULL_BACKWARD, _ComputationType.BACKWARD_INPUT):
+            held[action.stage_index] += 1 if kind == _ComputationType.FORWARD else -1
+            if sum(held.values()) > peak:
+                peak, at = sum(held.values()), dict(held)
+    return at
+
+
+def test_pipeline_in_flight_matches_torch_schedules():
+    """The formula's micro-batches in flight per local stage against the action lists torch's
+    multi-stage schedules generate (built over a fake process group, nothing run)."""
+    dist.init_process_group("fake", rank=0, world_size=8, store=FakeStore())
+    try:
+        for schedule, v in (("Interleaved1F1B", 2), ("Interleaved1F1B", 4), ("InterleavedZeroBubble", 2),
+                            ("InterleavedZeroBubble", 4), ("ZBVZeroBubble", 2)):
+            for size, m in ((2, 2), (2, 4), (4, 4), (4, 8), (4, 12), (8, 8), (8, 32)):
+                n = size * v
+                ids = pp.stage_ids(0, size, n, schedule)
+                group = dist.new_group(list(range(size)))
+                stages = [PipelineStage(torch.nn.Linear(2, 2), s, n, torch.device("cpu"), group=group) for s in ids]
+                order = get_schedule_class(schedule)(stages, n_microbatches=m, loss_fn=torch.sum).pipeline_order
+                for rank in range(size):
+                    local = pp.stage_ids(rank, size, n, schedule)
+                    held = formulas.held_in_flight(schedule, size, v, m, rank)
+                    assert dict(zip(local, held)) == _held_at_peak(order[rank]), (schedule, v, size, m, rank)
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -300,10 +300,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.only not in fault.name:
             continue
         if fault.layout not in references:  # the uninterrupted run of this layout
-            references[fault.layout] = Run(work / f"reference-{fault.layout}", args.steps, FSDP2 if fault.layout == "fsdp2" else [])
+            layout = FSDP2 if fault.layout == "fsdp2" else []
+            references[fault.layout] = Run(work / f"reference-{fault.layout}", args.steps, layout)
             references[fault.layout].finish()
         rows.append(_fault(fault, args.steps, work, references[fault.layout]))
-    print(f"{'fault':32} {'survived':>8} {'steps lost':>10} {'data lost':>9} {'loss diff':>9} {'weight diff':>11}  faulty run ended")
+    print(f"{'fault':32} {'survived':>8} {'steps lost':>10} {'data lost':>9} {'loss diff':>9} {'weight diff':>11}  "
+          "faulty run ended")
     for row in rows:
         print(f"{row['fault']:32} {str(row['survived']):>8} {_cell(row['steps lost']):>10} {row['data lost']:>9} "
               f"{_cell(row['loss diff']):>9} {_cell(row['weight diff']):>11}  {row['ended'][:90]}")

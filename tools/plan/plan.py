@@ -1,32 +1,83 @@
 """Command line: `plan --model llama3 --flavor 70B --gpus 256 --gpu h100 [--seq_len 8192]
 [--global_batch N] [--top 3] [--efficiency 0.5] [--memory_fraction 0.9]`.
 
-Enumerates layouts the trainer can run (dp_shard x tp x pp with the 1F1B schedule, AC mode,
-local batch), keeps those whose closed-form peak (tools/estimate/formulas.py, on the trainer's own
-job plan) fits, ranks them by the step-time model of README.md and prints the best with their
-reasoning and the exact trainer flags. Bad input: one line on stderr, exit 2.
+Enumerates layouts the trainer can run (HSDP replicas x FSDP x CP x TP x PP with each pipeline
+schedule and stages per rank, float8, AC mode, local batch), keeps those the trainer's own job
+plan accepts and whose closed-form peak (tools/estimate/formulas.py) fits, ranks them by the
+step-time model of README.md and prints the best distinct layouts with their reasoning and the
+exact trainer flags. Bad input: one line on stderr, exit 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import heapq
+import logging
 import sys
 
-from tessera.models import get_model_spec, list_model_specs
-from tessera.trainer.config import ConfigError, load_config
-from tessera.trainer.plan import JobPlan, make_plan
+# torchao's import reports optional kernels it cannot load and deprecated pytree registrations;
+# the planner runs neither
+for _logger in ("torchao", "torch.utils._pytree"):
+    logging.getLogger(_logger).setLevel(logging.ERROR)
 
-import formulas
-from gpus import GIB, GPU, GPUS
+from tessera.mesh import resolve_parallel_dims  # noqa: E402
+from tessera.models import get_model_spec, list_model_specs  # noqa: E402
+from tessera.trainer.config import ActivationCheckpoint, ConfigError, load_config  # noqa: E402
+from tessera.trainer.plan import JobPlan, make_plan  # noqa: E402
 
-AC_RECOMPUTE = {"none": 0.0, "selective": 0.1, "full": 1 / 3}  # extra compute: a forward of what is recomputed
-RING_HOP_S = 20e-6  # latency per ring step of a collective (NCCL-like), across nodes
-ALPHA_OVERLAP = 0.8  # share of FSDP / pipeline communication that hides behind compute
+import formulas  # noqa: E402
+import step_time  # noqa: E402
+from gpus import GIB, GPU, GPUS  # noqa: E402
+from schedules import SCHEDULES, layers_per_stage  # noqa: E402
+
+AC_MODES = ("none", "selective", "full")
+LONG_CONTEXT = 32768  # context parallel is tried from this seq_len on
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One way to run the job, short of the AC mode (which the job plan does not check)."""
+
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    pp: int
+    schedule: str | None  # None without pipeline parallelism
+    stages_per_rank: int
+    layers_per_stage: int | None
+    float8: bool
+    local: int
+
+    @property
+    def degrees(self) -> tuple[int, int, int, int, int]:
+        return self.dp_replicate, self.dp_shard, self.cp, self.tp, self.pp
+
+    def flags(self, args, ac: str) -> list[str]:
+        par = "--parallelism."
+        flags = [f"--model.name={args.model}", f"--model.flavor={args.flavor}", f"--model.tokenizer_path={args.tokenizer_path}",
+                 f"--training.seq_len={args.seq_len}",
+                 f"--training.local_batch_size={self.local}", f"--training.global_batch_size={args.global_batch}",
+                 "--training.mixed_precision_param=bfloat16", "--training.mixed_precision_reduce=float32",
+                 f"{par}data_parallel_replicate_degree={self.dp_replicate}", f"{par}data_parallel_shard_degree={self.dp_shard}",
+                 f"{par}tensor_parallel_degree={self.tp}", f"{par}context_parallel_degree={self.cp}",
+                 f"{par}pipeline_parallel_degree={self.pp}", f"--activation_checkpoint.mode={ac}"]
+        if self.schedule:
+            flags.append(f"{par}pipeline_parallel_schedule={self.schedule}")
+        if self.layers_per_stage:
+            flags.append(f"{par}pipeline_parallel_layers_per_stage={self.layers_per_stage}")
+        if self.float8:
+            flags.append("--model.converters=float8")
+            if self.dp_shard * self.cp > 1:  # FSDP gathers the float8 linears' weights in float8
+                flags += ["--float8.enable_fsdp_float8_all_gather=true", "--float8.precompute_float8_dynamic_scale_for_fsdp=true"]
+        return flags
 
 
 @dataclasses.dataclass
 class Candidate:
+    layout: Layout
+    ac: str
     flags: list[str]
     plan: JobPlan
     peak: int
@@ -34,83 +85,124 @@ class Candidate:
     parts: dict[str, float]
 
 
-def _comm_seconds(bytes_: float, group: int, gpu: GPU, span: int) -> float:
-    """Ring collective: (n-1)/n of the buffer crosses each GPU's link; a group spanning `span` consecutive ranks beyond a node runs at the inter-node bandwidth."""
-    if group <= 1:
-        return 0.0
-    inter = span > gpu.gpus_per_node
-    bandwidth = (gpu.inter_node_gbps if inter else gpu.intra_node_gbps) * 1e9
-    return bytes_ * (group - 1) / group / bandwidth
+def _shard_options(rest: int, inner: int, gpu: GPU) -> list[tuple[int, int]]:
+    """(dp_replicate, dp_shard) splits of the `rest` data-parallel ranks: all sharded (FSDP), or
+    HSDP with each replica's shards on 1, 2, 4 or 8 whole nodes (`inner`: cp x tp ranks each)."""
+    out = [(1, rest)]
+    for nodes in (1, 2, 4, 8):
+        shard = nodes * gpu.gpus_per_node // inner if nodes * gpu.gpus_per_node % inner == 0 else 0
+        if shard > 1 and rest % shard == 0 and rest // shard > 1:
+            out.append((rest // shard, shard))
+    return out
 
 
-def step_time(plan: JobPlan, gpu: GPU, efficiency: float) -> dict[str, float]:
-    """Seconds per step of the busiest rank: compute at `efficiency` of the dtype's peak (plus AC
-    recompute), the pipeline bubble of 1F1B, TP collectives (on the critical path), FSDP and
-    pipeline transfers of which ALPHA_OVERLAP hides behind compute."""
-    dims = plan.dims
-    ranks = [formulas.estimate_rank(plan, r) for r in range(dims.pp)]
-    flops = max(r.flops_per_step for r in ranks) * (1 + AC_RECOMPUTE[plan.config.activation_checkpoint.mode])
-    compute = flops / (gpu.tflops[str(plan.param_dtype).removeprefix("torch.")] * 1e12 * efficiency)
-    comm = max(ranks, key=lambda r: sum(r.comm.values())).comm
-    spans = {"tp": dims.tp, "fsdp": dims.tp * dims.dp_shard, "pp": dims.world_size, "dp_replicate": dims.world_size}
-    groups = {"tp": dims.tp, "fsdp": dims.dp_shard, "pp": 2, "dp_replicate": dims.dp_replicate}
-    seconds = {dim: 0.0 for dim in groups}
-    for (kind, dim), n in comm.items():
-        seconds[dim] += _comm_seconds(n, groups[dim], gpu, spans[dim])
-    calls = (plan.model_args.n_layers // dims.pp + 2) * 3 * plan.batch.accumulation  # FSDP gathers and scatters
-    seconds["fsdp"] += calls * (dims.dp_shard - 1) * RING_HOP_S if dims.dp_shard > 1 else 0
-    micro = plan.pipeline.microbatches if plan.pipeline else 1
-    bubble = compute * (dims.pp - 1) / micro if dims.pp > 1 else 0.0  # 1F1B idles (pp-1) micro-batch slots
-    hidden = ALPHA_OVERLAP * compute
-    exposed = seconds["tp"] + max(0.0, seconds["fsdp"] + seconds["pp"] + seconds["dp_replicate"] - hidden)
-    return {"compute": compute, "bubble": bubble, "tp_comm": seconds["tp"], "exposed_comm": exposed - seconds["tp"],
-            "total": compute + bubble + exposed}
+def _torch_accepts(schedule: str | None, pp: int, microbatches: int) -> bool:
+    """torch 2.13's own schedule checks, which the trainer's job plan does not make yet: 1F1B
+    needs as many micro-batches as stages; the interleaved ones a multiple of their rounds."""
+    if schedule == "1F1B":
+        return microbatches >= pp
+    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        return microbatches % max(1, microbatches // pp) == 0
+    return True
 
 
-def candidates(args, gpu: GPU) -> list[Candidate]:
-    """Every layout the trainer's job plan accepts, with its peak memory and step time."""
-    out = []
-    spec = get_model_spec(args.model)
-    layers = spec.flavors[args.flavor].n_layers
-    for tp in (1, 2, 4, 8):
-        for pp in (1, 2, 4, 8, 16):
-            if args.gpus % (tp * pp) or tp > gpu.gpus_per_node or (pp > 1 and layers < 2 * pp):
-                continue
-            dp = args.gpus // (tp * pp)
-            for local in (1, 2, 4, 8, 16, 32):
-                if args.global_batch % (local * dp) or (pp == 1 and local > 8):
+def layouts(args, gpu: GPU):
+    """Every layout to try, with the AC modes: TP within a node, CP from LONG_CONTEXT on, each
+    pipeline schedule with each stages-per-rank count the layers allow, FSDP or HSDP over the
+    rest, float8 where the GPU has it; local batch: 1-8 sequences without a pipeline, else the
+    whole data-parallel share in one pass of micro-batches of one sequence (more micro-batches
+    only shrink a bubble while the held activations stay capped, GPipe's aside)."""
+    layers = get_model_spec(args.model).flavors[args.flavor].n_layers
+    for tp in (t for t in (1, 2, 4, 8) if t <= gpu.gpus_per_node):
+        for cp in (1, 2, 4, 8) if args.seq_len >= LONG_CONTEXT else (1,):
+            for pp in (1, 2, 4, 8, 16):
+                if args.gpus % (tp * cp * pp) or (pp > 1 and layers < 2 * pp):
                     continue
-                for ac in ("none", "selective", "full"):
-                    flags = [f"--model.name={args.model}", f"--model.flavor={args.flavor}",
-                             f"--training.seq_len={args.seq_len}", f"--training.local_batch_size={local}",
-                             f"--training.global_batch_size={args.global_batch}",
-                             "--training.mixed_precision_param=bfloat16", "--training.mixed_precision_reduce=float32",
-                             f"--parallelism.tensor_parallel_degree={tp}", f"--parallelism.pipeline_parallel_degree={pp}",
-                             "--parallelism.data_parallel_shard_degree=-1", f"--activation_checkpoint.mode={ac}"]
-                    if pp > 1:
-                        flags.append("--parallelism.pipeline_parallel_schedule=1F1B")
-                    try:
-                        plan = make_plan(load_config(flags), args.gpus, "cuda", check_only=True)
-                    except ConfigError:
-                        continue
-                    peak = max(formulas.estimate_rank(plan, r).peak for r in range(pp))
-                    if peak > args.memory_fraction * gpu.memory_gib * GIB:
-                        continue
-                    parts = step_time(plan, gpu, args.efficiency)
-                    out.append(Candidate(flags, plan, peak, parts["total"], parts))
-    return sorted(out, key=lambda c: (c.step_s, c.peak))
+                pipelines = [(None, 1, None)] if pp == 1 else [
+                    (s.name, v, layers_per_stage(s.name, pp, v, layers)) for s in SCHEDULES.values() for v in s.stages_per_rank]
+                for replicate, shard in _shard_options(args.gpus // (tp * cp * pp), tp * cp, gpu):
+                    dp = replicate * shard
+                    locals_ = (1, 2, 4, 8) if pp == 1 else (args.global_batch // dp,)
+                    for schedule, v, per_stage in pipelines:
+                        for local in locals_:
+                            if per_stage is False or not local or args.global_batch % (local * dp) \
+                                    or not _torch_accepts(schedule, pp, local):
+                                continue
+                            for float8 in (False, True) if gpu.has_float8 else (False,):
+                                layout = Layout(replicate, shard, cp, tp, pp, schedule, v, per_stage, float8, local)
+                                for ac in AC_MODES:
+                                    yield layout, ac
+
+
+def lower_bound(layout: Layout, ac: str, args, gpu: GPU, a, fp8: frozenset[str]) -> float:
+    """Compute and bubble of the average pp rank of model args `a`: no more than the step-time
+    model's total for the layout (the busiest rank computes at least the average; communication
+    only adds), so the search can skip layouts whose bound exceeds the times already found."""
+    blocks = a.n_layers / layout.pp
+    accumulation = args.global_batch // (layout.local * layout.dp_replicate * layout.dp_shard)
+    micro = (layout.local if layout.pp > 1 else 1) * accumulation
+    w = step_time.work(a, args.seq_len, layout.local * args.seq_len * accumulation, micro, blocks, 1 / layout.pp, layout.tp,
+                       layout.cp, step_time.recompute_share(ActivationCheckpoint(mode=ac), blocks),
+                       fp8 if layout.float8 else frozenset(), "bfloat16", gpu, args.efficiency)
+    return w.total + step_time.bubble(layout.schedule, layout.pp, layout.stages_per_rank, w)
+
+
+def search(args, gpu: GPU) -> tuple[list[Candidate], int, int]:
+    """The best `args.top` distinct layouts (by degrees; each with its best schedule, batch,
+    float8 and AC), exactly: layouts are tried in order of their lower bound and the search stops
+    once that bound reaches the top's slowest. Returns (them, layouts enumerated, evaluated)."""
+    a = get_model_spec(args.model).flavors[args.flavor]  # the vocab of the flavor's tokenizer, as a check-only plan's
+    options = step_time.float8_of(load_config(["--model.converters=float8"]), resolve_parallel_dims(1))
+    fp8 = step_time.float8_linears(options, a)
+    queue = [(lower_bound(layout, ac, args, gpu, a, fp8), i, layout, ac) for i, (layout, ac) in enumerate(layouts(args, gpu))]
+    enumerated = len(queue)
+    heapq.heapify(queue)
+    best: dict[tuple, Candidate] = {}
+    plans: dict[Layout, JobPlan | None] = {}
+    evaluated = 0
+    while queue:
+        bound, _, layout, ac = heapq.heappop(queue)
+        top = sorted(c.step_s for c in best.values())[:args.top]
+        if len(top) == args.top and bound >= top[-1]:
+            break
+        candidate = _evaluate(layout, ac, args, gpu, plans)
+        evaluated += 1
+        if candidate and (layout.degrees not in best or candidate.step_s < best[layout.degrees].step_s):
+            best[layout.degrees] = candidate
+    found = sorted(best.values(), key=lambda c: (c.step_s, c.peak))[:args.top]
+    return found, enumerated, evaluated
+
+
+def _evaluate(layout: Layout, ac: str, args, gpu: GPU, plans: dict) -> Candidate | None:
+    """The trainer's job plan for the layout (None: refused) and, if the peak fits, its time."""
+    flags = layout.flags(args, ac)
+    if layout not in plans:
+        try:
+            plans[layout] = make_plan(load_config(flags), args.gpus, "cuda", check_only=True)
+        except ConfigError:
+            plans[layout] = None
+    if plans[layout] is None:
+        return None
+    plan = dataclasses.replace(plans[layout], config=load_config(flags))  # the job plan does not depend on the AC mode
+    peak = max(formulas.estimate_rank(plan, r).peak for r in range(layout.pp))
+    if peak > args.memory_fraction * gpu.memory_gib * GIB:
+        return None
+    parts = step_time.step_time(plan, gpu, args.efficiency)
+    return Candidate(layout, ac, flags, plan, peak, parts["total"], parts)
 
 
 def describe(c: Candidate, gpu: GPU, rank: int) -> str:
-    d, p = c.plan.dims, c.parts
+    d, p, lay = c.plan.dims, c.parts, c.layout
     degrees = " x ".join(f"{k} {v}" for k, v in d.degrees().items() if v > 1) or "single"
+    pipeline = f", {lay.schedule} with {lay.stages_per_rank} stage(s) per rank" if lay.schedule else ""
     tokens = c.plan.batch.global_size * c.plan.batch.seq_len
     return "\n".join([
-        f"#{rank}: {degrees}, AC {c.plan.config.activation_checkpoint.mode}, local batch {c.plan.batch.local} "
-        f"x {c.plan.batch.accumulation} micro-batches: {c.step_s:.2f} s/step, "
-        f"{tokens / c.step_s / d.world_size:,.0f} tokens/s/GPU; peak {c.peak / GIB:.1f} of {gpu.memory_gib} GiB",
-        f"    why: compute {p['compute']:.2f} s, pipeline bubble {p['bubble']:.2f} s, TP collectives {p['tp_comm']:.2f} s, "
-        f"exposed FSDP/PP transfers {p['exposed_comm']:.2f} s",
+        f"#{rank}: {degrees}{pipeline}, {'float8' if lay.float8 else 'bf16'}, AC {c.ac}, local batch {c.plan.batch.local} "
+        f"x {c.plan.batch.accumulation} step(s): {c.step_s:.2f} s/step, {tokens / c.step_s / d.world_size:,.0f} tokens/s/GPU; "
+        f"peak {c.peak / GIB:.1f} of {gpu.memory_gib} GiB",
+        "    why: " + ", ".join(f"{name} {p[key]:.2f} s" for key, name in (
+            ("compute", "compute"), ("bubble", "pipeline bubble"), ("tp", "TP collectives"), ("cp", "CP K/V gathers"),
+            ("fsdp", "exposed FSDP/HSDP"), ("pp", "pipeline transfers")) if p[key] or key == "compute"),
         f"    flags: {' '.join(c.flags)}",
     ])
 
@@ -122,6 +214,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--gpus", type=int, required=True)
     parser.add_argument("--gpu", default="h100")
     parser.add_argument("--seq_len", type=int, default=8192)
+    parser.add_argument("--tokenizer_path", default="./assets/tokenizer/original/tokenizer.model",
+                        help="the run's tokenizer (the shipped configs' path); missing here: the flavor's vocabulary")
     parser.add_argument("--global_batch", type=int, default=None, help="sequences per step (default: one per GPU)")
     parser.add_argument("--top", type=int, default=3)
     parser.add_argument("--efficiency", type=float, default=0.5, help="share of peak FLOPs compute reaches")
@@ -148,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse(sys.argv[1:] if argv is None else argv)
         gpu = GPUS[args.gpu]
-        found = candidates(args, gpu)
+        found, enumerated, evaluated = search(args, gpu)
         if not found:
             raise ConfigError(f"no layout of {args.model}/{args.flavor} fits {args.gpus} x {gpu.name} "
                               f"at seq_len {args.seq_len}, global batch {args.global_batch}")
@@ -156,8 +250,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"{args.model}/{args.flavor} on {args.gpus} x {gpu.name}, seq_len {args.seq_len}, global batch "
-          f"{args.global_batch} sequences; {len(found)} layouts fit, best {min(args.top, len(found))}:")
-    for i, c in enumerate(found[:args.top], 1):
+          f"{args.global_batch} sequences: best {len(found)} distinct layouts ({enumerated} candidates, "
+          f"{evaluated} evaluated, the rest bounded out):")
+    for i, c in enumerate(found, 1):
         print(describe(c, gpu, i))
     return 0
 

@@ -48,7 +48,7 @@ def test_a_dead_rank_restarts_the_job_which_resumes_exactly(tmp_path):
     # the first attempt trained steps 1-3 and died before 4; the restart retrained 3, then 4-6
     assert [int(step) for step, _ in steps] == [1, 2, 3, 3, 4, 5, 6]
     assert all(values == expected[step] for step, values in steps)
-    final = [read_dcp(dump / "checkpoint" / f"step-{STEPS}", only="model") for dump in (tmp_path / "faulty", tmp_path / "reference")]
+    final = [read_dcp(tmp_path / run / "checkpoint" / f"step-{STEPS}", only="model") for run in ("faulty", "reference")]
     assert final[0].keys() == final[1].keys()
     assert all(torch.equal(final[0][key], final[1][key]) for key in final[0])
 

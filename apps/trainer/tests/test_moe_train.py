@@ -48,22 +48,27 @@ def test_moe_family_under_fsdp_matches_single_process(tmp_path, family):
     assert_params_close(per_rank[0][1], reference_params, 1e-5, family)
 
 
-EP_LAYOUTS = {  # ranks, extra flags, data-parallel ranks (the batch splits over dp_shard, ep inside it)
-    "ep2": (2, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.expert_parallel_degree", "2"], 2),
-    "fsdp2_ep2": (4, ["--parallelism.data_parallel_shard_degree", "4", "--parallelism.expert_parallel_degree", "2"], 4),
+EP_LAYOUTS = {  # ranks, extra flags, data-parallel ranks (ep lies inside dp_shard), local batch
+    "ep2": (2, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.expert_parallel_degree", "2"], 2, 1),
+    "fsdp2_ep2": (4, ["--parallelism.data_parallel_shard_degree", "4", "--parallelism.expert_parallel_degree", "2"], 4, 1),
+    # torchtitan's DeepSeek-V3 debug layout: 2 pipeline ranks (V-shaped stages) x EP 2
+    "pp2_ep2_dualpipev": (4, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2",
+                              "--parallelism.pipeline_parallel_schedule", "DualPipeV"], 2, 4),
 }
 
 
 @pytest.mark.parametrize("layout", sorted(EP_LAYOUTS))
 def test_deepseek_v3_expert_parallel_matches_single_process(tmp_path, layout):
-    ranks, extra, dp = EP_LAYOUTS[layout]
+    ranks, extra, dp, local = EP_LAYOUTS[layout]
     argv = [*BASE, *FAMILIES["deepseek_v3"]]
     reference, reference_params = _train_rank(
-        0, 1, [*argv, "--job.dump_folder", str(tmp_path / "single"), "--training.local_batch_size", str(dp)])
+        0, 1, [*argv, "--job.dump_folder", str(tmp_path / "single"), "--training.local_batch_size", str(dp * local)])
     per_rank = run_on_ranks(_train_rank, ranks, [*argv, *extra, "--job.dump_folder", str(tmp_path / layout),
-                                                "--training.local_batch_size", "1"])
+                                                "--training.local_batch_size", str(local)])
+    # 4 pipeline micro-batches sum the gradients in another order: measured 1.3e-5 on step 2's norm
+    tol = 5e-5 if "pp2" in layout else 1e-5
     for history, _ in per_rank:
         for step, ref in zip(history, reference):
             assert step["loss"] == pytest.approx(ref["loss"], rel=1e-5)
-            assert step["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+            assert step["grad_norm"] == pytest.approx(ref["grad_norm"], rel=tol)
     assert_params_close(per_rank[0][1], reference_params, 1e-5, layout)

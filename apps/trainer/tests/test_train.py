@@ -61,7 +61,7 @@ def test_validation_tensorboard_and_profiler_outputs(tmp_path, capsys):
         "--metrics.enable_tensorboard", "true", "--profiling.enable_profiling", "true", "--profiling.profile_freq", "2",
         "--profiling.profiler_warmup", "1",
     )
-    assert [h["step"] for h in history if "validation_loss" in h] == [2, 4]
+    assert [h["step"] for h in history if "validation_loss" in h] == [1, 2, 4]  # step 1 too, as torchtitan
     assert list((tmp_path / "tb").glob("*/events.out.tfevents.*"))  # one folder per run
     assert list((tmp_path / "profile_traces").glob("iteration_*/rank0_trace.json"))
     out = capsys.readouterr().out

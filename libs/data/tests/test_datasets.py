@@ -45,10 +45,18 @@ def test_folder_recursive_sorted(tmp_path):
     (tmp_path / "b" / "a.md").write_text("ba")
     (tmp_path / "a.txt").write_text("a")
     (tmp_path / "c.txt").write_text("  \n")  # blank: skipped
-    (tmp_path / "d.bin").write_bytes(b"\0\1")  # not a text or JSON-lines file: ignored
-    (tmp_path / "e.json").write_text('{"text": "e1"}\n{"text": "e2"}\n')  # JSON lines, as torchtitan's c4_test
-    (tmp_path / "f.jsonl.gz").write_bytes(gzip.compress(b'{"text": "f"}\n'))
-    assert load_dataset(tmp_path).documents == ("a", "ba", "bz\n\nstill bz", "e1", "e2", "f")
+    (tmp_path / "d.bin").write_bytes(b"\0\1")  # not a text file: ignored
+    assert load_dataset(tmp_path).documents == ("a", "ba", "bz\n\nstill bz")
+
+
+def test_folder_of_json_lines_reads_only_those(tmp_path):
+    # a local Hugging Face text dataset (c4's layout): its README is not a document
+    (tmp_path / "README.md").write_text("# c4\nlicense ...")
+    (tmp_path / "en").mkdir()
+    (tmp_path / "en" / "c4-train.00000.json.gz").write_bytes(gzip.compress(b'{"text": "c1"}\n{"text": "c2"}\n'))
+    (tmp_path / "en" / "c4-train.00001.json").write_text('{"text": "c3"}\n')  # as torchtitan's c4_test
+    (tmp_path / "extra.jsonl.gz").write_bytes(gzip.compress(b'{"text": "x"}\n'))
+    assert load_dataset(tmp_path).documents == ("c1", "c2", "c3", "x")
 
 
 @pytest.mark.parametrize("name", ["d.jsonl", "d.jsonl.gz"])

@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from tessera.data import HELD_OUT_FRACTION, TextDataset, build_dataloader, load_dataset, load_tokenizer, pretokenize, split_held_out
+from tessera.data import (
+    HELD_OUT_FRACTION, TextDataset, build_dataloader, load_dataset, load_tokenizer, pretokenize, split_held_out,
+)
 
 TOK = load_tokenizer()
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda".split()
@@ -88,7 +90,11 @@ def test_shard_parts_hold_the_text_parts_windows(corpus):
 @pytest.mark.parametrize("source", ["text", "shards"])
 def test_training_part_resumes_exactly(corpus, source):
     path = corpus[0] if source == "text" else corpus[1]
-    make = lambda: build_dataloader(split_held_out(load_dataset(path), 0.2)[0], TOK, 15, 2, shuffle=True, seed=5, shuffle_buffer=4)
+
+    def make():
+        training = split_held_out(load_dataset(path), 0.2)[0]
+        return build_dataloader(training, TOK, 15, 2, shuffle=True, seed=5, shuffle_buffer=4)
+
     first = make()
     windows_of(first, 7)
     state = first.state_dict()

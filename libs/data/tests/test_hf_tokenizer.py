@@ -1,10 +1,9 @@
-"""Hugging Face tokenizer.json files through tiktoken: ids against a naive implementation of HF's
-byte-level BPE written here, round trips, BOS/EOS rules and one-line errors. Every tokenizer.json
-is made by the test from the default ranks (no third-party file)."""
+"""Hugging Face tokenizer.json files through tiktoken, read and written: ids against a naive
+implementation of HF's byte-level BPE written here, round trips, BOS/EOS rules and one-line
+errors. Every tokenizer.json is written by the library from the default ranks (in other layouts,
+some edited as other producers write them), no third-party file."""
 
-import copy
 import json
-import math
 import random
 import unicodedata
 from pathlib import Path
@@ -13,7 +12,8 @@ import pytest
 import regex
 
 import tessera.data
-from tessera.data import load_tokenizer, read_ranks
+from tessera.data import Tokenizer, hf_tokenizer_files, load_tokenizer, read_ranks, write_hf_tokenizer
+from tessera.data.hf_tokenizer import byte_level_chars
 from tessera.data.tokenizer import LLAMA3_SPLIT_PATTERN, _MAX_RUN_CHARS
 
 RANKS = read_ranks(Path(tessera.data.__file__).parent / "assets" / "tokenizer.model")
@@ -39,7 +39,7 @@ MIXED = [
 
 
 def alphabet() -> list[str]:
-    """GPT-2's byte -> character table, written out independently of the library."""
+    """GPT-2's byte -> character table, written out independently of the library (the oracle's)."""
     chars = {}
     for lo, hi in (("!", "~"), ("¡", "¬"), ("®", "ÿ")):
         for b in range(ord(lo), ord(hi) + 1):
@@ -59,23 +59,6 @@ def key(data: bytes) -> str:
     return "".join(ALPHABET[b] for b in data)
 
 
-def canonical_merges(ranks):
-    """One merge per token: tiktoken's BPE on the token's bytes with the lower ranks only."""
-    merges = []
-    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
-        parts = [bytes([b]) for b in token]
-        while True:
-            pairs = [(ranks.get(a + b, math.inf), i) for i, (a, b) in enumerate(zip(parts, parts[1:]))]
-            best, i = min(pairs, default=(math.inf, 0))
-            if best >= rank:
-                break
-            parts[i : i + 2] = [parts[i] + parts[i + 1]]
-        if len(token) > 1:
-            assert len(parts) == 2
-            merges.append(parts)
-    return merges
-
-
 def all_split_merges(ranks):
     """Every split of a token into two tokens, by token rank then part ranks (Llama 3's file)."""
     merges = []
@@ -85,31 +68,13 @@ def all_split_merges(ranks):
     return merges
 
 
-def split_step(pattern):
-    return {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False}
-
-
 def byte_level(use_regex):
     return {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": use_regex}
 
 
-LLAMA3_PRE = {"type": "Sequence", "pretokenizers": [split_step(LLAMA3_SPLIT_PATTERN), byte_level(False)]}
-
-
-def hf_doc(ids, merges, added, pre_tokenizer=LLAMA3_PRE, normalizer=None, string_merges=False, **model):
-    """A tokenizer.json: `ids` maps token bytes -> id, `added` content -> id."""
-    merge_list = [f"{key(a)} {key(b)}" if string_merges else [key(a), key(b)] for a, b in merges]
-    return {
-        "version": "1.0",
-        "added_tokens": [{"id": i, "content": c, "special": True, "single_word": False, "lstrip": False,
-                          "rstrip": False, "normalized": False} for c, i in added.items()],
-        "normalizer": normalizer,
-        "pre_tokenizer": copy.deepcopy(pre_tokenizer),
-        "post_processor": None,
-        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
-        "model": {"type": "BPE", "dropout": None, "unk_token": None, "byte_fallback": False,
-                  "vocab": {key(t): i for t, i in ids.items()}, "merges": merge_list, **model},
-    }
+def doc_of(tok):
+    """The tokenizer.json the library writes for `tok`, as a dict to edit."""
+    return json.loads(hf_tokenizer_files(tok)["tokenizer.json"])
 
 
 def write(folder, doc, config=None, model_config=None):
@@ -158,10 +123,6 @@ def texts():
     return MIXED + ["\n".join(MIXED), noisy]
 
 
-def llama3_specials(n):
-    return {t: n + i for i, t in enumerate(tessera.data.LLAMA3_SPECIAL_TOKENS)}
-
-
 def shifted_ids(offset):
     """Ids as an HF trainer gives them: `offset` specials first, bytes in alphabet order, merges."""
     by_char = sorted(range(256), key=lambda b: ALPHABET[b])
@@ -178,20 +139,69 @@ def check_matches_reference(tok, doc, round_trip=True):
             assert tok.decode(ids) == text
 
 
-def test_llama3_layout_round_trip_and_fingerprint(tmp_path):
-    doc = hf_doc(RANKS, canonical_merges(RANKS), llama3_specials(len(RANKS)), string_merges=True)
-    tok = load_tokenizer(write(tmp_path / "llama", doc))
+def check_rewrites(tok, folder):
+    """`tok` written by the library and read back is the same tokenizer."""
+    write_hf_tokenizer(tok, folder)
+    back = load_tokenizer(folder)
+    assert (back.ranks, back.patterns, back.special_tokens, back.decode_only) == (
+        tok.ranks, tok.patterns, tok.special_tokens, tok.decode_only)
+    assert (back.bos_id, back.eos_id, back.nfc, back.vocab_size, back.fingerprint) == (
+        tok.bos_id, tok.eos_id, tok.nfc, tok.vocab_size, tok.fingerprint)
+    return back
+
+
+def test_alphabet_matches_the_oracle():
+    assert byte_level_chars() == ALPHABET
+
+
+def test_default_written_and_read_back(tmp_path):
     default = load_tokenizer()
-    assert tok.ranks == RANKS  # ranks -> tokenizer.json -> ranks
+    write_hf_tokenizer(default, tmp_path, model_max_length=4096)
+    doc = json.loads((tmp_path / "tokenizer.json").read_text())
+    assert json.loads((tmp_path / "tokenizer_config.json").read_text()) == {
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>",
+        "clean_up_tokenization_spaces": False, "model_max_length": 4096}
+    assert len(doc["model"]["merges"]) == len(RANKS) - 256 and not doc["model"]["ignore_merges"]
+    tok = check_rewrites(default, tmp_path)
     assert (tok.bos_id, tok.eos_id, tok.vocab_size) == (1792, 1793, 2048)
-    assert tok.fingerprint == default.fingerprint == "6b80717cc6a880f8"  # shards stay valid
+    assert tok.fingerprint == "6b80717cc6a880f8"  # shards stay valid
     check_matches_reference(tok, doc)
     for text in texts():
         assert tok.encode(text, True, True) == default.encode(text, True, True)
 
 
+def shuffled_ranks():
+    """The merge tokens in a random order: tiktoken then builds some tokens only through parts of
+    higher rank, and some never (emitted only as a whole piece: ignore_merges)."""
+    by_rank = sorted(RANKS, key=RANKS.get)
+    merged = by_rank[256:]
+    random.Random(1).shuffle(merged)
+    return {t: i for i, t in enumerate(by_rank[:256] + merged)}
+
+
+def test_ranks_built_through_later_tokens_or_never(tmp_path):
+    tok = Tokenizer(shuffled_ranks(), "shuffled")
+    doc = doc_of(tok)
+    assert doc["model"]["ignore_merges"] and 1300 < len(doc["model"]["merges"]) < len(RANKS) - 256
+    check_matches_reference(tok, doc)
+    check_rewrites(tok, tmp_path)
+
+
+def test_what_the_writer_refuses():
+    with pytest.raises(ValueError, match=r"^t: EOS id 5 is not a special token; tokenizer_config.json names BOS"):
+        hf_tokenizer_files(Tokenizer(RANKS, "t", special_tokens={"<|begin_of_text|>": 1792}, eos_id=5))
+    token = sorted(RANKS, key=RANKS.get)[300]
+    with pytest.raises(ValueError, match=r"^t: id 2048 decodes to the bytes of token id 300; a tokenizer.json vocab"):
+        hf_tokenizer_files(Tokenizer(RANKS, "t", decode_only={2048: token}))
+    with pytest.raises(ValueError, match=r"^t: token b'.+' is emitted only as a whole piece \(HF's ignore_merges\), "
+                                         r"which would emit the decode-only id 2048 too$"):
+        hf_tokenizer_files(Tokenizer(shuffled_ranks(), "t", decode_only={2048: b"<|pad|>"}))
+
+
 def test_all_split_merges_with_ignore_merges(tmp_path):
-    doc = hf_doc(RANKS, all_split_merges(RANKS), llama3_specials(len(RANKS)), ignore_merges=True)
+    doc = doc_of(load_tokenizer())
+    doc["model"]["merges"] = [[key(a), key(b)] for a, b in all_split_merges(RANKS)]
+    doc["model"]["ignore_merges"] = True
     assert len(doc["model"]["merges"]) > len(RANKS) - 256  # several merges per token
     tok = load_tokenizer(write(tmp_path / "t", doc) / "tokenizer.json")
     assert tok.ranks == RANKS
@@ -201,22 +211,21 @@ def test_all_split_merges_with_ignore_merges(tmp_path):
 def test_gpt2_byte_level_nfc_and_specials_anywhere(tmp_path):
     ids = shifted_ids(3)
     added = {"<s>": 0, "</s>": 1, "<pad>": 2, "<|endoftext|>": 5000, "<|im_start|>": 5001}
-    doc = hf_doc(ids, canonical_merges(RANKS), added, pre_tokenizer=byte_level(True),
-                 normalizer={"type": "NFC"})
-    tok = load_tokenizer(write(tmp_path / "t", doc))
+    doc = doc_of(Tokenizer(ids, patterns=(GPT2_PATTERN,), special_tokens=added, bos_id=0, eos_id=1, nfc=True))
+    doc["pre_tokenizer"] = byte_level(True)
+    tok = load_tokenizer(write(tmp_path / "t", doc))  # no tokenizer_config.json
     assert tok.ranks == ids and tok.vocab_size == 5002
     assert tok.special_tokens == added and (tok.bos_id, tok.eos_id) == (0, 1)  # by their names
     check_matches_reference(tok, doc, round_trip=False)  # NFC changes text
     assert tok.decode(tok.encode("plain ascii\n", True, True)) == "<s>plain ascii\n</s>"
     with pytest.raises(ValueError, match="token id 4000 is outside the vocabulary .* or has no token"):
         tok.decode([4000])
+    check_rewrites(tok, tmp_path / "again")
 
 
 def test_sequence_of_splits_deepseek_style(tmp_path):
-    ids = shifted_ids(3)
     added = {"<｜begin▁of▁sentence｜>": 0, "<｜end▁of▁sentence｜>": 1, "<｜▁pad▁｜>": 2}
-    steps = [split_step(DIGITS), split_step(CJK), split_step(REST), byte_level(False)]
-    doc = hf_doc(ids, canonical_merges(RANKS), added, pre_tokenizer={"type": "Sequence", "pretokenizers": steps})
+    doc = doc_of(Tokenizer(shifted_ids(3), patterns=(DIGITS, CJK, REST), special_tokens=added, bos_id=0, eos_id=1))
     doc["model"]["vocab"].update(added)  # HF's trainer lists specials in the vocab too
     config = {"bos_token": {"__type": "AddedToken", "content": "<｜begin▁of▁sentence｜>"},
               "eos_token": {"__type": "AddedToken", "content": "<｜end▁of▁sentence｜>"}}
@@ -225,25 +234,26 @@ def test_sequence_of_splits_deepseek_style(tmp_path):
     check_matches_reference(tok, doc)
     long = "x" + " " * (2 * _MAX_RUN_CHARS) + "7" * 10
     assert tok.decode(tok.encode(long, False, False)) == long
+    check_rewrites(tok, tmp_path / "again")
 
 
 def test_single_split_that_leaves_gaps(tmp_path):
     # REST alone matches no digits: HF keeps digit runs as pieces, tiktoken alone would skip them.
-    pre = {"type": "Sequence", "pretokenizers": [split_step(REST), byte_level(False)]}
-    doc = hf_doc(RANKS, canonical_merges(RANKS), llama3_specials(len(RANKS)), pre_tokenizer=pre)
-    check_matches_reference(load_tokenizer(write(tmp_path / "t", doc)), doc)
+    tok = Tokenizer(RANKS, patterns=(REST,))
+    check_matches_reference(check_rewrites(tok, tmp_path), doc_of(tok))
 
 
 def test_bytes_without_tokens_are_dropped(tmp_path):
     # Like torchtitan's test tokenizer: some bytes (here space, controls, 0x80-0xBF) have no token.
-    dropped = {*range(0x21), *range(0x7F, 0xC0)}
-    ids = {t: r for t, r in RANKS.items() if not dropped & set(t)}
-    merges = [(a, b) for a, b in canonical_merges(RANKS) if a + b in ids]
-    doc = hf_doc(ids, merges, {"<|endoftext|>": 1792})
-    tok = load_tokenizer(write(tmp_path / "t", doc))
+    dropped = bytes([*range(0x21), *range(0x7F, 0xC0)])
+    ids = {t: r for t, r in RANKS.items() if not set(dropped) & set(t)}
+    doc = doc_of(Tokenizer(ids, special_tokens={"<|endoftext|>": 1792}, bos_id=1792, eos_id=1792,
+                           dropped_bytes=dropped))
+    tok = load_tokenizer(write(tmp_path / "t", doc))  # no tokenizer_config.json
     assert tok.eos_id == tok.bos_id == 1792  # no BOS named anywhere: EOS serves as both
     check_matches_reference(tok, doc, round_trip=False)
     assert tok.decode(tok.encode("a b\tc", False, False)) == "abc"
+    check_rewrites(tok, tmp_path / "again")
 
 
 def _pair_whose_bytes_end(ranks, doc, parts_wanted):
@@ -262,10 +272,12 @@ def _pair_whose_bytes_end(ranks, doc, parts_wanted):
 
 @pytest.mark.parametrize("parts, ignore_merges", [(2, False), (3, False), (3, True), (2, True)])
 def test_tokens_the_merges_never_build(tmp_path, parts, ignore_merges):
-    base = hf_doc(RANKS, canonical_merges(RANKS), llama3_specials(len(RANKS)))
-    a, b = _pair_whose_bytes_end(RANKS, base, parts)
-    ids = {**RANKS, a + b: 2048}  # merge (a, b) is listed but HF's BPE never lines a and b up
-    doc = hf_doc(ids, canonical_merges(RANKS) + [(a, b)], llama3_specials(len(RANKS)), ignore_merges=ignore_merges)
+    doc = doc_of(load_tokenizer())
+    a, b = _pair_whose_bytes_end(RANKS, doc, parts)
+    # merge (a, b) is listed but HF's BPE never lines a and b up
+    doc["model"]["vocab"][key(a + b)] = 2048
+    doc["model"]["merges"].append([key(a), key(b)])
+    doc["model"]["ignore_merges"] = ignore_merges
     folder = write(tmp_path / "t", doc)
     if parts == 2 and ignore_merges:
         with pytest.raises(ValueError, match=r"tokenizer.json: token .* is not built by the merges, but ignore_merges"):
@@ -280,15 +292,15 @@ def test_tokens_the_merges_never_build(tmp_path, parts, ignore_merges):
 
 def test_ids_out_of_merge_order_are_refused(tmp_path):
     tokens = sorted(RANKS, key=RANKS.get)
-    ids = {**RANKS, tokens[300]: 301, tokens[301]: 300}
-    doc = hf_doc(ids, canonical_merges(RANKS), {})
+    doc = doc_of(load_tokenizer())
+    doc["model"]["vocab"].update({key(tokens[300]): 301, key(tokens[301]): 300})
     with pytest.raises(ValueError, match=r"tokenizer.json: token ids do not follow merge order \(merge #44 makes"):
         load_tokenizer(write(tmp_path / "t", doc))
 
 
 def _small_doc():
-    return hf_doc(RANKS, canonical_merges(RANKS), {"<|begin_of_text|>": 1792, "<|end_of_text|>": 1793,
-                                                   "<|eot_id|>": 1794})
+    return doc_of(Tokenizer(RANKS, special_tokens={"<|begin_of_text|>": 1792, "<|end_of_text|>": 1793,
+                                                   "<|eot_id|>": 1794}))
 
 
 @pytest.mark.parametrize("config, model_config, expected", [
@@ -318,6 +330,7 @@ def test_config_tokens_missing_from_tokenizer_json_are_appended(tmp_path):
     assert tok.decode([1792, 1793]) == "<|pad|><|begin_of_text|>"
     other = load_tokenizer(write(tmp_path / "u", _small_doc()))
     assert len({tok.fingerprint, other.fingerprint, load_tokenizer().fingerprint}) == 3
+    check_rewrites(tok, tmp_path / "again")
 
 
 def test_folder_prefers_tokenizer_json(tmp_path):

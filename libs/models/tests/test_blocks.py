@@ -51,8 +51,8 @@ def reference():
     [
         ("full", "op", ["0", "1", "2", "3"], True),
         ("selective", "op", ["0", "1", "2", "3"], False),
-        ("selective", "2", ["0", "2"], True),
-        ("selective", 3, ["0", "3"], True),
+        ("selective", "2", ["1", "3"], True),  # the 2nd and 4th block, as torchtitan
+        ("selective", 3, ["2"], True),
     ],
 )
 def test_checkpointing_keeps_loss_and_grads_and_wraps_the_expected_blocks(

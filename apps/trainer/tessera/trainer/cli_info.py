@@ -17,7 +17,7 @@ from tessera.trainer.config import ConfigError, JobConfig, get_key
 from tessera.trainer.config_keys import HELP, OLDER_TORCHTITAN_KEYS, REFUSED, TESSERA_KEYS
 
 TRAINER_VERSION = "0.9.0"
-LIBRARIES = ("mesh", "models", "data", "fsdp", "tp", "pp", "cp", "ckpt", "float8")
+LIBRARIES = ("mesh", "models", "data", "fsdp", "tp", "pp", "cp", "ep", "ckpt", "float8")
 
 USAGE = """usage: trainer [--nproc N] [--check [--check_world_size N]] [--job.config_file F] [--section.key VALUE ...]
        trainer --help [SECTION]    the config keys (of one section), their defaults and meanings

@@ -5,9 +5,9 @@
   whole model on this rank) or pipelined (tessera.pp's schedule, loss on the last stage); a
   context-parallel variant (sequence shards) is another function of the same shape;
 - `make_train_step`: micro-batches with gradient sync on the last, clipping across every
-  parallel dimension (pipeline stages included), the optimizers' step when the norm is finite,
-  then the post-optimizer hooks (float8 scale precompute, MoE router-bias updates) and the lr
-  schedule.
+  parallel dimension (pipeline stages included), the optimizers' step when the norm is finite
+  (decided on the device for fused optimizers), then the post-optimizer hooks (float8 scale
+  precompute, MoE router-bias updates) and the lr schedule.
 """
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ class StepResult:
     loss: torch.Tensor  # this rank's mean loss over the step's micro-batches (on the device)
     grad_norm: torch.Tensor  # global norm before clipping, every parallel dimension included
     lr: float  # the lr the step used
-    skipped: bool  # non-finite gradient norm: the optimizer step was left out
+    skipped: torch.Tensor  # 1.0 (on the device) when the norm was not finite and the optimizer step left out, else 0.0
 
 
 def make_train_step(
@@ -195,10 +195,18 @@ def make_train_step(
     plan: JobPlan, post_optimizer_hooks: Sequence[Callable[[nn.Module], None]] = (), pp_mesh=None,
 ) -> Callable[[Iterator[tuple[torch.Tensor, torch.Tensor]]], StepResult]:
     """parts: the model or this rank's pipeline stages, one optimizer each; pp_mesh (pipeline
-    parallel) joins the stages' gradient norms."""
+    parallel) joins the stages' gradient norms.
+
+    A non-finite gradient norm skips the optimizer step: parameters, moments and step counts stay
+    as they were (one bad batch must not poison the weights). Fused optimizers decide that on
+    the device, through the `found_inf` tensor they take (GradScaler's mechanism), so the step
+    reads nothing back and the host queues the next one at once; the post-optimizer hooks then
+    run on every step (on a skipped one they see unchanged weights). Other implementations read
+    the norm's finiteness each step and leave the step and the hooks out on the host."""
     sync = gradient_sync(parts, pipelined=plan.pipeline is not None)
     accumulation, max_norm, device = plan.batch.accumulation, plan.config.training.max_norm, plan.device
     params = [p for part in parts for p in part.parameters()]
+    on_device = all(optimizer.defaults.get("fused") for optimizer in optimizers)
 
     def train_step(batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
         loss = torch.zeros((), device=device)
@@ -208,8 +216,11 @@ def make_train_step(
             loss += forward_backward(inputs.to(device), labels.to(device))
         grad_norm = fsdp.clip_grad_norm_(params, max_norm, pp_mesh=pp_mesh, error_if_nonfinite=False)
         lr = scheduler.get_last_lr()[0]
-        skipped = not torch.isfinite(grad_norm)  # one bad batch must not poison the weights
-        if not skipped:
+        skipped = (~torch.isfinite(grad_norm)).float()
+        if on_device:
+            for optimizer in optimizers:
+                optimizer.found_inf = skipped
+        if on_device or not skipped.item():
             for optimizer in optimizers:
                 optimizer.step()
             for hook in post_optimizer_hooks:

@@ -376,15 +376,16 @@ def _train(plan: JobPlan, info) -> list[dict]:
                 if profiler is not None:
                     profiler.step()
                 timer.step_done()
-                if step % config.metrics.log_freq == 0 or step == training.steps:
+                # as torchtitan: step 1 logs and validates too, and a checkpoint comes before validation
+                if step == 1 or step % config.metrics.log_freq == 0 or step == training.steps:
                     history.append(log(step, result))
-                    timer.restart()
-                if config.validation.enable and step % config.validation.freq == 0:
-                    history.append(run_validation(step))
                     timer.restart()
                 if config.profiling.enable_memory_snapshot and step % config.profiling.profile_freq == 0:
                     _save_memory_snapshot(config, dump, info.rank, step)
                 checkpointer.after_step(step, last_step=step == training.steps)
+                if config.validation.enable and (step == 1 or step % config.validation.freq == 0):
+                    history.append(run_validation(step))
+                    timer.restart()
                 stopping, save_failed = any_rank(device, stop.received is not None, checkpointer.save_failed())
                 if save_failed:
                     checkpointer.close()  # every rank raises the background save's error now, not a save later

@@ -3,6 +3,7 @@ sharded, exactly resumable (and prefetched) batches."""
 
 from tessera.data.datasets import TextDataset, iter_documents, load_dataset
 from tessera.data.held_out import HELD_OUT_FRACTION, split_held_out
+from tessera.data.hf_tokenizer import hf_tokenizer_files, write_hf_tokenizer
 from tessera.data.loader import PackedLoader, build_dataloader
 from tessera.data.mixture import parse_mixture
 from tessera.data.peers import Peers, distributed_peers
@@ -30,6 +31,7 @@ __all__ = [
     "Tokenizer",
     "build_dataloader",
     "distributed_peers",
+    "hf_tokenizer_files",
     "iter_documents",
     "load_dataset",
     "load_tokenizer",
@@ -38,5 +40,6 @@ __all__ = [
     "pretokenize",
     "read_ranks",
     "split_held_out",
+    "write_hf_tokenizer",
     "write_ranks",
 ]

@@ -3,10 +3,12 @@
 Sources accepted by `load_dataset`:
 - None or "default": the embedded Python standard-library corpus (no download).
 - a `.txt` or `.md` file: one document per block of lines; blank lines separate blocks.
-- a folder: every `.txt` / `.md` file below it (recursive, sorted by relative path) is one
-  document, and every JSON-lines file below it adds its documents.
-- a `.jsonl`, `.jsonl.gz` or `.json` file: one JSON object per line, the document in `text_field`
-  (`.json` as Hugging Face's `datasets` reads it, e.g. torchtitan's `tests/assets/c4_test/data.json`).
+- a folder of JSON-lines files (a local copy of a Hugging Face text dataset such as c4): every
+  JSON-lines file below it (recursive, sorted by relative path), its other files (README.md)
+  ignored; a folder without any: every `.txt` / `.md` file below it is one document.
+- a `.jsonl`, `.jsonl.gz`, `.json` or `.json.gz` file: one JSON object per line, the document in
+  `text_field` (`.json` as Hugging Face's `datasets` reads it, e.g. torchtitan's
+  `tests/assets/c4_test/data.json`; `.json.gz` as c4's shards).
 - a folder of token shards written by `tools/pretokenize` (see `tessera.data.shards`).
 """
 
@@ -24,7 +26,7 @@ from typing import IO, Iterator
 from tessera.data.shards import ShardDataset, is_shard_folder, open_shards
 
 _TEXT_SUFFIXES = (".txt", ".md")
-_JSON_LINES_SUFFIXES = (".jsonl", ".jsonl.gz", ".json")
+_JSON_LINES_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz")
 _DEFAULT_NAMES = (None, "default")
 _DEFAULT_ASSET = "stdlib_corpus.jsonl.gz"
 
@@ -65,13 +67,12 @@ def source_files(source: str | os.PathLike | None) -> list[Path]:
     if not path.exists():
         raise FileNotFoundError(f"dataset path not found: {path}")
     if path.is_dir():
-        return sorted(
-            (p for p in path.rglob("*") if p.is_file() and (p.suffix in _TEXT_SUFFIXES or _is_json_lines(p))),
-            key=lambda p: p.relative_to(path).as_posix(),
-        )
+        files = sorted((p for p in path.rglob("*") if p.is_file()), key=lambda p: p.relative_to(path).as_posix())
+        json_lines = [p for p in files if _is_json_lines(p)]
+        return json_lines or [p for p in files if p.suffix in _TEXT_SUFFIXES]
     if not _is_json_lines(path) and path.suffix not in _TEXT_SUFFIXES:
         raise ValueError(
-            f"unsupported dataset file {path}: expected .txt, .md, .jsonl, .jsonl.gz, .json or a folder"
+            f"unsupported dataset file {path}: expected .txt, .md, .jsonl, .jsonl.gz, .json, .json.gz or a folder"
         )
     return [path]
 

@@ -16,6 +16,12 @@ then kept as a rank when HF's run on its bytes ends in 3+ parts (no pair of part
 concatenates to it) and none of its bytes is dropped, otherwise the file is refused.
 Byte-level characters missing from the vocab are dropped by HF (no unk token): their bytes are
 reported in `dropped_bytes` and removed per word by the caller.
+
+Writing (`hf_tokenizer_files`) is the converse: ids are the ranks and each token's one merge is
+the last merge of tiktoken's BPE on the token's own bytes. By the span argument above, applied to
+tiktoken, two adjacent parts that concatenate to a rank are always that rank's last-merge pair,
+so HF with these merges takes tiktoken's steps; tokens that BPE never builds (tiktoken emits
+them only for a whole piece) get no merge and `ignore_merges`.
 """
 
 from __future__ import annotations
@@ -26,8 +32,12 @@ import os
 import re
 from collections import Counter
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import regex
+
+if TYPE_CHECKING:
+    from tessera.data.tokenizer import Tokenizer
 
 # The split HF's ByteLevel pre-tokenizer applies when use_regex is true (GPT-2's pattern).
 GPT2_SPLIT_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -51,6 +61,7 @@ def byte_level_chars() -> list[str]:
 # that encoding the result as Latin-1 fails exactly for keys that are not byte-level text.
 _TO_BYTES = {ord(c): b for b, c in enumerate(byte_level_chars())}
 _TO_BYTES.update({c: 0x100 for c in range(0x100) if c not in _TO_BYTES})
+_TO_CHARS = dict(enumerate(byte_level_chars()))  # byte (as a Latin-1 character) -> alphabet character
 
 
 @dataclass(frozen=True)
@@ -327,3 +338,95 @@ def _bos_eos(path: str, folder: str, special_tokens: dict[str, int], named: dict
             "or a special token like <|end_of_text|>)"
         )
     return (found["bos"] if found["bos"] is not None else found["eos"]), found["eos"]
+
+
+def hf_tokenizer_files(tokenizer: Tokenizer, model_max_length: int | None = None) -> dict[str, bytes]:
+    """`tokenizer` as a Hugging Face tokenizer.json and tokenizer_config.json (name -> content), so
+    that `tokenizers` and transformers' AutoTokenizer give its ids (its special-token strings inside
+    text aside, which HF splits out) and `read_hf_tokenizer` gives it back: same ranks, split
+    patterns, specials, BOS/EOS and fingerprint. HF's `encode` with special tokens prepends BOS, as
+    every training document starts with it. Raises ValueError for what the format cannot hold."""
+    names = {i: t for t, i in tokenizer.special_tokens.items()}
+    for role, token_id in (("BOS", tokenizer.bos_id), ("EOS", tokenizer.eos_id)):
+        if token_id not in names:
+            raise ValueError(f"{tokenizer.name}: {role} id {token_id} is not a special token; tokenizer_config.json "
+                             "names BOS and EOS by their special-token text")
+    bos = names[tokenizer.bos_id]
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": names[tokenizer.eos_id],
+              "clean_up_tokenization_spaces": False}
+    if model_max_length is not None:
+        config["model_max_length"] = model_max_length
+    doc = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+                          "normalized": False, "special": True} for i, t in sorted(names.items())],
+        "normalizer": {"type": "NFC"} if tokenizer.nfc else None,
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            *({"type": "Split", "pattern": {"Regex": p}, "behavior": "Isolated", "invert": False}
+              for p in tokenizer.patterns),
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+        ]},
+        "post_processor": {
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                     {"SpecialToken": {"id": bos, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {bos: {"id": bos, "ids": [tokenizer.bos_id], "tokens": [bos]}},
+        },
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": _bpe_model(tokenizer),
+    }
+    return {name: (json.dumps(content, ensure_ascii=False, indent=2) + "\n").encode()
+            for name, content in (("tokenizer.json", doc), ("tokenizer_config.json", config))}
+
+
+def write_hf_tokenizer(tokenizer: Tokenizer, folder: str | os.PathLike, model_max_length: int | None = None) -> None:
+    """Write `hf_tokenizer_files(tokenizer, model_max_length)` into `folder` (created if needed)."""
+    os.makedirs(folder, exist_ok=True)
+    for name, content in hf_tokenizer_files(tokenizer, model_max_length).items():
+        with open(os.path.join(folder, name), "wb") as f:
+            f.write(content)
+
+
+def _bpe_model(tokenizer: Tokenizer) -> dict:
+    """HF's BPE model: vocab = ranks (+ ids only decoded), one merge per token built by BPE."""
+    ranks = tokenizer.ranks
+    merges, unbuilt = [], []
+    for token, _ in sorted(ranks.items(), key=lambda item: item[1]):
+        if len(token) > 1:
+            pair = _last_merge(token, ranks)
+            if pair is None:
+                unbuilt.append(token)
+            else:  # the "a b" format: byte-level keys hold no space, and every tokenizers version reads it
+                merges.append(f"{_key(pair[0])} {_key(pair[1])}")
+    vocab = {_key(token): i for token, i in ranks.items()}
+    for i, data in sorted(tokenizer.decode_only.items()):
+        if _key(data) in vocab:
+            raise ValueError(f"{tokenizer.name}: id {i} decodes to the bytes of token id {vocab[_key(data)]}; "
+                             "a tokenizer.json vocab holds each token once")
+        vocab[_key(data)] = i
+    if unbuilt and tokenizer.decode_only:
+        raise ValueError(f"{tokenizer.name}: token {unbuilt[0]!r} is emitted only as a whole piece (HF's ignore_merges), "
+                         f"which would emit the decode-only id {min(tokenizer.decode_only)} too")
+    return {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+            "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": bool(unbuilt),
+            "vocab": dict(sorted(vocab.items(), key=lambda item: item[1])), "merges": merges}
+
+
+def _key(data: bytes) -> str:
+    """The byte-level vocab key of `data` (the inverse of `_key_bytes`)."""
+    return data.decode("latin-1").translate(_TO_CHARS)
+
+
+def _last_merge(token: bytes, ranks: dict[bytes, int]) -> tuple[bytes, bytes] | None:
+    """The last pair tiktoken's BPE joins on `token`'s own bytes (lowest rank of the concatenation
+    first, leftmost on ties); None when it stops short of the token."""
+    parts = [token[i : i + 1] for i in range(len(token))]
+    while len(parts) > 2:
+        rank, i = min((ranks.get(a + b, math.inf), i) for i, (a, b) in enumerate(zip(parts, parts[1:])))
+        if rank >= ranks[token]:
+            return None
+        parts[i : i + 2] = [parts[i] + parts[i + 1]]
+    return (parts[0], parts[1])

@@ -47,8 +47,8 @@ def apply_activation_checkpointing(
     mode (one of ``AC_MODES``): "none" leaves the model as it is; "full" recomputes every block;
     "selective" with option "op" wraps every block but keeps the outputs of matmuls and attention
     (the costly ops) and recomputes only the cheap ones (norms, activations, elementwise), and
-    with an integer option N (2 or "2") fully checkpoints every N-th block (indices 0, N, 2N, ...
-    in ``model.layers`` order) and leaves the others alone. ``option`` only matters for
+    with an integer option N (2 or "2") fully checkpoints every N-th block (as torchtitan: the
+    N-th, 2N-th, ... of ``model.layers``, indices N-1, 2N-1, ...) and leaves the others alone. ``option`` only matters for
     "selective". ValueError naming the culprit for an unknown mode or option.
 
     The keywords are torch.utils.checkpoint's: RNG state matters only to blocks with dropout
@@ -71,7 +71,7 @@ def apply_activation_checkpointing(
     elif mode == "selective":
         every_n = _every_n(option)
     for index, (name, block) in enumerate(model.layers.named_children()):
-        if index % every_n == 0:
+        if (index + 1) % every_n == 0:
             wrapped = checkpoint_wrapper(block, preserve_rng_state=preserve_rng_state, **contexts)
             model.layers.register_module(name, wrapped)
 

@@ -27,7 +27,7 @@ llama2_flavors: dict[str, ModelArgs] = {
 }
 
 llama3_flavors: dict[str, ModelArgs] = {
-    "debugmodel": ModelArgs(**_DEBUG, rope_theta=500000.0),
+    "debugmodel": ModelArgs(**_DEBUG, rope_theta=500000.0, rope_scaling=LLAMA3_1_SCALING),  # torchtitan's: 3.1 scaling
     # Llama 3.2: tied input/output embeddings.
     "1B": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5,
                     multiple_of=256, rope_scaling=LLAMA3_2_SCALING, tie_embeddings=True, **_LLAMA3),

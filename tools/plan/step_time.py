@@ -1,0 +1,231 @@
+"""The step-time model (README.md, "Step-time model"): seconds of one training step on the busiest
+pipeline rank = compute (a stated share of the dtype's peak; float8 linears at the float8 peak,
+plus their casts) + the schedule's bubble + exposed communication: TP and CP collectives on the
+critical path, FSDP/HSDP collectives behind the compute of the neighbouring unit (FSDP2's
+prefetch) with NCCL's ring latency, pipeline transfers on the fill and drain chain.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from tessera.float8 import Float8Options
+from tessera.float8.convert import selected
+from tessera.trainer.float8_converter import SECTIONS, float8_options
+from tessera.trainer.plan import JobPlan
+
+import formulas
+from gpus import GPU
+from schedules import SCHEDULES
+
+# NCCL's ring cost model (NVIDIA/nccl src/graph/tuning.cc, Ring/Simple): a collective's latency is
+# a base plus one hardware latency per ring step, NVLink or network; all-gather and reduce-scatter
+# take n - 1 steps (nodes - 1 of them between nodes), all-reduce twice as many.
+NCCL_BASE_S = 8.4e-6
+NCCL_NVLINK_STEP_S = 3.4e-6
+NCCL_NET_STEP_S = 9.6e-6
+# Share of the bandwidth time of collectives running under compute that costs the compute
+# nothing: fitted to torchtitan's Llama 3.1 8B runs on 8 and 128 H100s (README.md, "Overlap").
+OVERLAP = 0.97
+# HBM bytes per element of each operand (input, weight, output gradient) of a float8 linear per
+# micro-batch: amax read (2), cast read + write (2 + 1), float8 transpose for backward (1 + 1).
+FLOAT8_CAST_BYTES = 7
+
+
+def ring_seconds(nbytes: float, ranks: int, nodes: int, gpu: GPU, all_reduce: bool = False) -> tuple[float, float]:
+    """(latency, bandwidth time) of one ring collective whose gathered (or reduced) buffer is
+    `nbytes`, over `ranks` GPUs on `nodes` nodes: (n-1)/n of the buffer through each GPU's link,
+    NVLink within a node, its NIC across nodes; all-reduce twice."""
+    if ranks <= 1 or nbytes <= 0:
+        return 0.0, 0.0
+    times = 2 if all_reduce else 1
+    step = NCCL_NET_STEP_S if nodes > 1 else NCCL_NVLINK_STEP_S
+    latency = NCCL_BASE_S + times * ((ranks - nodes) * NCCL_NVLINK_STEP_S + (nodes - 1) * step)
+    bandwidth = (gpu.inter_node_gbps if nodes > 1 else gpu.intra_node_gbps) * 1e9
+    return latency, times * nbytes * (ranks - 1) / ranks / bandwidth
+
+
+def group_nodes(ranks: int, stride: int, gpu: GPU) -> int:
+    """Nodes a group of `ranks` GPUs `stride` ranks apart spans (mesh dims are laid out row-major)."""
+    return max(1, math.ceil(ranks * stride / gpu.gpus_per_node))
+
+
+@dataclasses.dataclass
+class Work:
+    """One rank's compute in one step, seconds: forward, input-gradient backward (AC recompute
+    included), weight-gradient backward, float8 casts; over `microbatches` micro-batches."""
+
+    forward: float
+    backward: float
+    weights: float
+    casts: float
+    microbatches: int
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.backward + self.weights + self.casts
+
+
+def float8_of(config, dims) -> Float8Options | None:
+    """The float8 converter's options as the trainer resolves them for this layout, or None."""
+    names = [n for n in config.model.converters if n in SECTIONS]
+    return float8_options(config, dims, names[0]) if names else None
+
+
+def float8_linears(options: Float8Options | None, a) -> frozenset[str]:
+    """Names within a block (and "output") of the linears the converter swaps: tessera.float8's
+    own rule, on the full (pre-TP) shapes."""
+    if options is None:
+        return frozenset()
+    shapes = {f"layers.0.{k}": (i, o) for k, (o, i, _) in formulas.block_linears(a).items()} | {"output": (a.dim, a.vocab_size)}
+    return frozenset(name.removeprefix("layers.0.") for name, (i, o) in shapes.items()
+                     if selected(name, torch.nn.Linear(i, o, bias=False, device="meta"), options))
+
+
+def work(a, seq_len: int, tokens: float, microbatches: int, blocks: float, head: float, tp: int, cp: int,
+         recompute: float, fp8: frozenset[str], dtype: str, gpu: GPU, efficiency: float) -> Work:
+    """Compute of a rank holding `blocks` blocks and `head` output projections (fractions allowed:
+    the planner's bound uses the average rank) for `tokens` tokens of its data-parallel rank per
+    step in `microbatches` micro-batches; `recompute`: share of the blocks whose forward AC
+    reruns. FLOPs as the model spec counts them (6 per weight per token: 2 forward, 2 input
+    gradient, 2 weight gradient), except attention, whose causal mask halves the spec's
+    12·heads·head_dim·seq (a third of it forward, two thirds input gradient)."""
+    peak = {True: gpu.tflops.get("float8", 0) * 1e12 * efficiency, False: gpu.tflops[dtype] * 1e12 * efficiency}
+    rank_tokens = tokens / cp / tp
+    blocks_linear = sum(6 * o * i * rank_tokens * blocks / peak[n in fp8] for n, (o, i, _) in formulas.block_linears(a).items())
+    linear = blocks_linear + 6 * a.vocab_size * a.dim * rank_tokens * head / peak["output" in fp8]
+    attention = 6 * a.n_heads * a.head_dim * seq_len * rank_tokens * blocks / peak[False]
+    rows = tokens / cp / microbatches  # a linear's rows per micro-batch (sequence-parallel inputs gathered)
+    operands = sum(blocks * (rows * (i if s else i / tp) + o * i / tp + rows * (o / tp if s == 0 else o))
+                   for n, (o, i, s) in formulas.block_linears(a).items() if n in fp8)
+    if "output" in fp8:
+        operands += head * (rows * a.dim + a.dim * a.vocab_size / tp + rows * a.vocab_size / tp)
+    casts = FLOAT8_CAST_BYTES * operands * microbatches / (gpu.hbm_tbps * 1e12)
+    return Work(forward=(linear + attention) / 3, backward=linear / 3 + 2 * attention / 3 + recompute * (blocks_linear + attention) / 3,
+                weights=linear / 3, casts=casts, microbatches=microbatches)
+
+
+def recompute_share(ac, blocks: float) -> float:
+    """Share of a rank's blocks whose forward AC reruns: all (full), none (none; selective "op"
+    keeps every matmul and attention output, so it reruns only cheap elementwise ops), every
+    N-th (selective N)."""
+    if ac.mode == "full":
+        return 1.0
+    if ac.mode == "selective" and ac.selective_ac_option != "op":
+        return math.ceil(blocks / int(ac.selective_ac_option)) / max(blocks, 1)
+    return 0.0
+
+
+def rank_work(plan: JobPlan, pp_rank: int, gpu: GPU, efficiency: float) -> Work:
+    modules = formulas.stage_modules(plan, pp_rank)
+    blocks = sum(m.startswith("layers.") for m in modules)
+    batch, micro = plan.batch, plan.pipeline.microbatches if plan.pipeline else 1
+    return work(plan.model_args, batch.seq_len, batch.local * batch.seq_len * batch.accumulation, micro * batch.accumulation,
+                blocks, "output" in modules, plan.dims.tp, plan.dims.cp,
+                recompute_share(plan.config.activation_checkpoint, blocks),
+                float8_linears(float8_of(plan.config, plan.dims), plan.model_args),
+                str(plan.param_dtype).removeprefix("torch."), gpu, efficiency)
+
+
+def bubble(schedule: str | None, pp: int, v: int, w: Work) -> float:
+    """The schedule's idle seconds per step, from one micro-batch's forward, input-gradient
+    (with the casts) and weight-gradient times on the rank."""
+    if schedule is None:
+        return 0.0
+    m = w.microbatches
+    return SCHEDULES[schedule].idle(pp, v, w.forward / m, (w.backward + w.casts) / m, w.weights / m)
+
+
+def step_time(plan: JobPlan, gpu: GPU, efficiency: float) -> dict[str, float]:
+    """Seconds of one step, by part, on the pp rank whose total is largest."""
+    return max((_rank_step(plan, r, gpu, efficiency) for r in range(plan.dims.pp)), key=lambda p: p["total"])
+
+
+def _rank_step(plan: JobPlan, pp_rank: int, gpu: GPU, efficiency: float) -> dict[str, float]:
+    dims, batch = plan.dims, plan.batch
+    w = rank_work(plan, pp_rank, gpu, efficiency)
+    est = formulas.estimate_rank(plan, pp_rank)
+    options = float8_of(plan.config, plan.dims)
+    fp8 = float8_linears(options, plan.model_args)
+    blocks = sum(m.startswith("layers.") for m in formulas.stage_modules(plan, pp_rank))
+    micro = plan.pipeline.microbatches if plan.pipeline else 1
+    one = batch.local * batch.seq_len // micro // dims.cp * plan.model_args.dim * plan.param_dtype.itemsize  # one micro-batch's hidden states
+    out = {"compute": w.total,
+           "bubble": bubble(plan.pipeline and plan.pipeline.schedule, dims.pp, len(formulas.local_stages(plan, pp_rank)), w)}
+    # TP collectives, each a block input's or output's hidden states (float8 styles gather the
+    # block inputs in float8), and CP's K/V gathers (per block and pass): synchronous, exposed
+    out["tp"] = 0.0
+    for kind in ("all_gather", "reduce_scatter"):
+        nbytes = est.comm.get((kind, "tp"), 0)
+        count = round(nbytes / one) if nbytes else 0
+        halved = kind == "all_gather" and fp8 and options.recipe_name == "tensorwise"
+        lat, bw = ring_seconds(one / (2 if halved else 1), dims.tp, group_nodes(dims.tp, 1, gpu), gpu)
+        out["tp"] += count * (lat + bw)
+    out["cp"] = 0.0
+    for kind in ("all_gather", "reduce_scatter"):
+        nbytes, count = est.comm.get((kind, "cp"), 0), 2 * blocks * w.microbatches
+        if nbytes:
+            lat, bw = ring_seconds(nbytes / count, dims.cp, group_nodes(dims.cp, dims.tp, gpu), gpu)
+            out["cp"] += count * (lat + bw)
+    out["fsdp"] = _fsdp_exposed(plan, pp_rank, est, w, fp8 if options and options.enable_fsdp_float8_all_gather else frozenset(), gpu)
+    out["pp"] = _pipeline_exposed(plan, one / dims.tp, gpu)
+    out["total"] = sum(out.values())
+    return out
+
+
+def _fsdp_exposed(plan: JobPlan, pp_rank: int, est, w: Work, fp8_gathered: frozenset[str], gpu: GPU) -> float:
+    """FSDP2 gathers unit i+1 while unit i computes forward, and in backward gathers the next
+    unit and reduce-scatters (HSDP: then all-reduces across replicas) the last one behind the
+    current unit's backward: each unit exposes max(0, its collectives - that compute); the first
+    gather and the last reduction have nothing to hide behind; of the bandwidth time that hides,
+    1 - OVERLAP still slows compute. Per accumulation round; a pipeline gathers its stages once
+    and reduces once per step, behind one micro-batch's compute."""
+    dims = plan.dims
+    shard = dims.dp_shard * dims.cp if dims.fsdp_enabled else 1
+    if shard <= 1 and dims.dp_replicate <= 1:
+        return 0.0
+    units = sum(m.startswith("layers.") for m in formulas.stage_modules(plan, pp_rank)) + 1  # blocks + the root's
+    rounds = 1 if plan.pipeline else plan.batch.accumulation
+    compute_f = w.forward / w.microbatches / units
+    compute_b = (w.backward + w.weights + w.casts) / w.microbatches / units
+    gathered = est.params // formulas.F32 * shard * plan.param_dtype.itemsize  # a forward's gathers
+    back_gathered = est.comm.get(("all_gather", "fsdp"), 0) / rounds - gathered  # resharded ones, again in backward
+    if fp8_gathered:
+        scale = 1 - _linear_share(plan.model_args, fp8_gathered) / 2
+        gathered, back_gathered = gathered * scale, back_gathered * scale
+    nodes = group_nodes(shard, dims.tp, gpu)
+    ag = ring_seconds(gathered / units, shard, nodes, gpu)
+    ag_back = ring_seconds(back_gathered / units, shard, nodes, gpu)
+    rs = ring_seconds(est.comm.get(("reduce_scatter", "fsdp"), 0) / units, shard, nodes, gpu)
+    ar = ring_seconds(est.comm.get(("all_reduce", "dp_replicate"), 0) / units, dims.dp_replicate,
+                      group_nodes(dims.dp_replicate, shard * dims.tp, gpu), gpu, all_reduce=True)
+    exposed = hidden = 0.0
+    for last in [False] * (rounds - 1) + [True]:
+        reduce = (rs, ar) if last else ()
+        forward_t, backward_t = sum(ag), sum(ag_back) + sum(sum(c) for c in reduce)
+        exposed += forward_t + (units - 1) * max(0.0, forward_t - compute_f)
+        exposed += sum(sum(c) for c in reduce) + (units - 1) * max(0.0, backward_t - compute_b)
+        hidden += (units - 1) * (min(ag[1], compute_f) + min(ag_back[1] + sum(c[1] for c in reduce), compute_b))
+    return exposed + (1 - OVERLAP) * hidden
+
+
+def _linear_share(a, names: frozenset[str]) -> float:
+    """Share of a block's weights in the named linears."""
+    linears = formulas.block_linears(a)
+    return sum(o * i for n, (o, i, _) in linears.items() if n in names) / sum(o * i for o, i, _ in linears.values())
+
+
+def _pipeline_exposed(plan: JobPlan, transfer: float, gpu: GPU) -> float:
+    """Stage-to-stage transfers (`transfer` bytes each) hide behind compute in the steady state;
+    the first micro-batch's activations on their way through every stage boundary, and the last
+    one's gradients on the way back, do not: 2 x (stages - 1) transfers, across nodes when a pp
+    rank's peers are a node or more apart (pp is the outermost mesh dim)."""
+    if plan.pipeline is None:
+        return 0.0
+    across = plan.world_size // plan.dims.pp >= gpu.gpus_per_node
+    bandwidth = (gpu.inter_node_gbps if across else gpu.intra_node_gbps) * 1e9
+    latency = NCCL_BASE_S + (NCCL_NET_STEP_S if across else NCCL_NVLINK_STEP_S)
+    return 2 * (len(plan.pipeline.parts) - 1) * (latency + transfer / bandwidth)
