@@ -39,6 +39,12 @@ def test_schedule_shorter_than_training_stays_at_the_floor():
     assert f == pytest.approx([0.5, 1.0, 1.0, 0.55, 0.1, 0.1, 0.1])
 
 
+def test_no_decay_phase_keeps_the_full_lr_past_the_schedule():
+    f = [lr_factor(s, total_steps=4, warmup_steps=4, decay_ratio=None, decay_type="linear", min_lr_factor=0.0)
+         for s in range(1, 8)]
+    assert f == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0, 1.0, 1.0])
+
+
 def test_warmup_longer_than_the_schedule_is_cut():
     assert factors(3, warmup_steps=5) == pytest.approx([1 / 3, 2 / 3, 1.0])
 

@@ -133,12 +133,14 @@ def die_with_launcher() -> None:
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
-def any_rank(device: str, *flags: bool) -> list[bool]:
-    """For each flag, whether any rank raised it: one all-reduce for all of them (collective),
-    so every rank acts on them at the same step."""
-    raised = torch.tensor([float(flag) for flag in flags], device=device)
-    if dist.is_initialized():
-        dist.all_reduce(raised, op=dist.ReduceOp.MAX)
+def any_rank(group: dist.ProcessGroup | None, *flags: bool) -> list[bool]:
+    """For each host-side flag, whether any rank raised it: one all-reduce for all of them over
+    ``group`` (collective; a gloo group, so host memory and no wait for the device's queued
+    work), so every rank acts on them at the same step. One process: the flags themselves."""
+    if not dist.is_initialized():
+        return list(flags)
+    raised = torch.tensor([float(flag) for flag in flags])
+    dist.all_reduce(raised, op=dist.ReduceOp.MAX, group=group)
     return [bool(flag) for flag in raised.tolist()]
 
 

@@ -12,12 +12,13 @@ import json
 from pathlib import Path
 
 from tessera.ckpt.hf import INDEX_FILE, SINGLE_FILE
+from tessera.data import hf_tokenizer_files
 from tessera.models import ARGS_FILE, CONFIG_FILE, ModelSpec, args_record, read_hf_config
 from tessera.trainer.config import ConfigError, JobConfig, user_input
 
 # The flavor name that takes the architecture from <model.hf_assets_path>/config.json.
 FROM_HF_CONFIG = "from_hf_config"
-# A Hugging Face tokenizer's files, copied beside an export when the run's tokenizer has them.
+# A Hugging Face tokenizer's files, copied beside an export when the run's tokenizer is a tokenizer.json.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 
 
@@ -80,14 +81,17 @@ def _token_ids(config: JobConfig, tokenizer) -> dict:
     return {key: value for key, value in ids.items() if value is not None}
 
 
-def _tokenizer_files(source: str | None) -> dict[str, Path]:
-    """The tokenizer's own files: a folder's Hugging Face tokenizer files, or the one file."""
-    if not source:
-        return {}
-    path = Path(source)
-    if path.is_file():
-        return {path.name: path}
-    return {name: path / name for name in TOKENIZER_FILES if (path / name).is_file()}
+def _tokenizer_files(source: str | None, tokenizer, context: int) -> dict[str, Path | bytes]:
+    """The run's tokenizer for an export. A Hugging Face tokenizer.json (the file given, or the one
+    a folder holds, which load_tokenizer prefers) is copied as tokenizer.json with the HF files
+    beside it; the embedded default and tokenizer.model files, tiktoken's format that transformers
+    cannot read, are written as tokenizer.json + tokenizer_config.json giving the same ids."""
+    path = Path(source) if source else None
+    json_file = path / "tokenizer.json" if path is not None and path.is_dir() else path
+    if json_file is None or json_file.suffix != ".json" or not json_file.is_file():
+        return hf_tokenizer_files(tokenizer, model_max_length=context)
+    folder = json_file.parent
+    return {**{name: folder / name for name in TOKENIZER_FILES if (folder / name).is_file()}, "tokenizer.json": json_file}
 
 
 def export_files(config: JobConfig, spec: ModelSpec, args, tokenizer, tokenizer_source: str | None) -> tuple[dict, dict]:
@@ -104,4 +108,5 @@ def export_files(config: JobConfig, spec: ModelSpec, args, tokenizer, tokenizer_
     if spec.hf_config is None:
         return dcp, {}
     hf_config = spec.hf_config.config_from_args(architecture, dtype=config.checkpoint.export_dtype, **ids)
-    return dcp, {CONFIG_FILE: (json.dumps(hf_config, indent=2) + "\n").encode(), **_tokenizer_files(tokenizer_source)}
+    tokenizer_files = _tokenizer_files(tokenizer_source, tokenizer, architecture.max_seq_len)
+    return dcp, {CONFIG_FILE: (json.dumps(hf_config, indent=2) + "\n").encode(), **tokenizer_files}

@@ -28,7 +28,7 @@ def lr_factor(
     if step <= warmup:
         return step / warmup
     decay_start = total_steps + 1 - decay  # the last step at the full lr
-    if step <= decay_start:
+    if step <= decay_start or decay == 0:  # no decay phase: full lr to the end and past it
         return 1.0
     progress = min((step - decay_start) / decay, 1.0)
     if decay_type == "linear":

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from tessera import cp, ep, pp, tp
-from tessera.data import load_tokenizer
+from tessera.data import load_tokenizer, parse_mixture
 from tessera.fsdp import MIXED_PRECISION_DTYPES
 from tessera.mesh import MeshLayout, ParallelDims, device_type, mesh_layout, resolve_parallel_dims
 from tessera.models import ModelSpec, get_model_spec
@@ -111,6 +111,17 @@ def dataset_source(section) -> str | None:
     raise ConfigError(f"dataset {name!r} not found{where}: use 'default', c4_test, or a file or folder path")
 
 
+def _validation_source(config: JobConfig) -> str | None:
+    """validation.dataset "default" (no dataset_path): documents held out of the training data —
+    of the training dataset, or of a mixture's first one; else what the section names."""
+    section, training = config.validation, config.training
+    if section.dataset_path or section.dataset != "default":
+        return dataset_source(section)
+    if training.dataset_mixture:
+        return parse_mixture(training.dataset_mixture)[0][0]
+    return dataset_source(training)
+
+
 def tokenizer_source(config: JobConfig) -> str | None:
     """What the run tokenises with: model.tokenizer_path, else the Hugging Face folder's
     tokenizer, else (None) the embedded BPE."""
@@ -151,7 +162,7 @@ def make_plan(config: JobConfig, world_size: int, device: str | None = None, *, 
         loss_parallel=dims.tp_enabled and not par.disable_loss_parallel,
         converters=converters, pipeline=_pipeline(config, spec, args, dims), tp_styles=styles, flops_per_token=_flops_per_token(config, spec, args),
         dataset=dataset_source(training),
-        validation_dataset=dataset_source(config.validation) if config.validation.enable else None,
+        validation_dataset=_validation_source(config) if config.validation.enable else None,
         notes=tuple(notes),
     )
 

@@ -24,6 +24,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from tessera import cp, fsdp, pp, tp
+from tessera.trainer.faults import TrainingError
 from tessera.trainer.plan import JobPlan
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -188,6 +189,33 @@ class StepResult:
     grad_norm: torch.Tensor  # global norm before clipping, every parallel dimension included
     lr: float  # the lr the step used
     skipped: torch.Tensor  # 1.0 (on the device) when the norm was not finite and the optimizer step left out, else 0.0
+
+
+class SkippedSteps:
+    """Optimizer steps skipped for a non-finite gradient norm, counted on the device: `add` reads
+    nothing back, `check` (at log steps) reads the count once."""
+
+    def __init__(self, limit: int, device: str) -> None:
+        self.limit, self.reported = limit, 0
+        self.count = torch.zeros((), device=device)
+        self.latest_norm = torch.zeros((), device=device)  # the norm of the latest skipped step
+
+    def add(self, result: StepResult) -> None:
+        self.count += result.skipped
+        self.latest_norm = torch.where(result.skipped.bool(), result.grad_norm, self.latest_norm)
+
+    def check(self, step: int) -> str | None:
+        """TrainingError once more than `limit` steps were skipped (training.max_skipped_steps);
+        else a line about the steps skipped since the last check, or None."""
+        count = int(self.count.item())
+        if count > self.limit:
+            raise TrainingError(f"step {step}: gradient norm {self.latest_norm.item()}; {count} optimizer steps skipped, "
+                                f"more than training.max_skipped_steps = {self.limit}")
+        new, self.reported = count - self.reported, count
+        if not new:
+            return None
+        return (f"step {step}: {new} optimizer step(s) skipped since the last log for a non-finite gradient norm "
+                f"(latest {self.latest_norm.item()}; {count} in this run)")
 
 
 def make_train_step(

@@ -31,13 +31,13 @@ from tessera.trainer.checkpointing import Checkpointer
 from tessera.trainer.config import JobConfig, to_dict, user_input
 from tessera.trainer.family_hooks import FamilyHooks
 from tessera.trainer.faults import (
-    StopSignals, TrainingError, any_rank, inject_fault, stalled_collective, tighten_timeouts,
+    StopSignals, any_rank, inject_fault, stalled_collective, tighten_timeouts,
 )
 from tessera.trainer.lr_schedule import LockstepSchedulers, build_lr_scheduler
 from tessera.trainer.metrics import MetricLogger, StepTimer, all_reduce_mean, memory_gib, peak_tflops
 from tessera.trainer.parallelize import ParallelModel, build_parallel_model
 from tessera.trainer.plan import JobPlan, make_plan, tokenizer_source, validation_shape
-from tessera.trainer.step import StepResult, build_loss, make_train_step, step_functions
+from tessera.trainer.step import SkippedSteps, StepResult, build_loss, make_train_step, step_functions
 
 
 def _seed_everything(seed: int, deterministic: bool, warn_only: bool = False) -> None:
@@ -350,7 +350,10 @@ def _train(plan: JobPlan, info) -> list[dict]:
         logger.scalars(step, {"validation_loss": val_loss})
         return {"step": step, "validation_loss": val_loss}
 
-    history, skipped, step = [], 0, start_step
+    history, step = [], start_step
+    # the per-step flags travel over gloo in host memory: no wait for the device's queued work
+    host_group = (None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")) if dist.is_initialized() else None
+    skips = SkippedSteps(training.max_skipped_steps, device)
     batches = _user_batches(loader)
     stop = StopSignals(config.job.stop_grace_seconds)
     gc.disable()  # collected every gc_freq steps instead, at the same point on every rank
@@ -366,18 +369,15 @@ def _train(plan: JobPlan, info) -> list[dict]:
                     gc.collect(1)
                 inject_fault(config.debug, info.rank, step, config.comm.train_timeout_seconds)
                 result = train_step(batches)
-                if result.skipped:
-                    skipped += 1
-                    if skipped > training.max_skipped_steps:
-                        raise TrainingError(f"step {step}: gradient norm {result.grad_norm.item()}; {skipped} optimizer steps "
-                                            f"skipped, more than training.max_skipped_steps = {training.max_skipped_steps}")
-                    if is_logging_rank:
-                        print(f"step {step}: gradient norm {result.grad_norm.item()}, optimizer step skipped", flush=True)
+                skips.add(result)  # ordinary steps read nothing back from the device: only log steps do
                 if profiler is not None:
                     profiler.step()
                 timer.step_done()
                 # as torchtitan: step 1 logs and validates too, and a checkpoint comes before validation
                 if step == 1 or step % config.metrics.log_freq == 0 or step == training.steps:
+                    skipped = skips.check(step)
+                    if skipped and is_logging_rank:
+                        print(skipped, flush=True)
                     history.append(log(step, result))
                     timer.restart()
                 if config.profiling.enable_memory_snapshot and step % config.profiling.profile_freq == 0:
@@ -386,7 +386,7 @@ def _train(plan: JobPlan, info) -> list[dict]:
                 if config.validation.enable and (step == 1 or step % config.validation.freq == 0):
                     history.append(run_validation(step))
                     timer.restart()
-                stopping, save_failed = any_rank(device, stop.received is not None, checkpointer.save_failed())
+                stopping, save_failed = any_rank(host_group, stop.received is not None, checkpointer.save_failed())
                 if save_failed:
                     checkpointer.close()  # every rank raises the background save's error now, not a save later
                 if step < training.steps and stopping:

@@ -426,7 +426,7 @@ def _last_merge(token: bytes, ranks: dict[bytes, int]) -> tuple[bytes, bytes] | 
     parts = [token[i : i + 1] for i in range(len(token))]
     while len(parts) > 2:
         rank, i = min((ranks.get(a + b, math.inf), i) for i, (a, b) in enumerate(zip(parts, parts[1:])))
-        if rank >= ranks[token]:
+        if rank == math.inf:
             return None
         parts[i : i + 2] = [parts[i] + parts[i + 1]]
     return (parts[0], parts[1])
