@@ -187,3 +187,19 @@ def test_experimental_keys_of_older_configs_still_work(tmp_path, capsys):
     plan = make_plan(config, 2, "cpu")
     assert [sum(n.startswith("layers.") for n in part) for part in plan.pipeline.parts] == [3, 3]
     assert plan.pipeline.microbatches == 2 and plan.pipeline.reshard_after_forward == "never"
+
+
+def test_stages_initialised_apart_get_a_seed_per_pipeline_rank():
+    # off CPU each rank initialises its own stages: the same seed everywhere would give layers in
+    # different stages identical weights
+    from types import SimpleNamespace
+
+    from tessera.trainer.config import load_config
+    from tessera.trainer.parallelize import init_seed
+    from tessera.trainer.plan import make_plan
+
+    config = load_config(["--parallelism.pipeline_parallel_degree", "2", "--debug.seed", "7", "--training.seq_len", "32"])
+    gpu_plan, cpu_plan = make_plan(config, 2, "cuda", check_only=True), make_plan(config, 2, "cpu")
+    seeds = [init_seed(gpu_plan, SimpleNamespace(pp=SimpleNamespace(get_local_rank=lambda r=r: r))) for r in (0, 1)]
+    assert seeds == [7, 8]
+    assert init_seed(cpu_plan, SimpleNamespace(pp=SimpleNamespace(get_local_rank=lambda: 1))) is None

@@ -110,6 +110,16 @@ def _expert_placement(experts: nn.Module, meshes: Meshes):
         blocks[0].register_forward_pre_hook(lambda module, args: (args[0].clone(), *args[1:]))
 
 
+def init_seed(plan: JobPlan, meshes: Meshes | None) -> int | None:
+    """The seed to initialise this rank's pipeline stages with, when they are initialised apart
+    (meta-built, off CPU): debug.seed + the pipeline rank, as torchtitan, so stages on different
+    pipeline ranks do not draw the same weights. None: nothing to reseed (on CPU the whole model
+    was initialised before the cut)."""
+    if plan.device == "cpu" or plan.pipeline is None or meshes is None or meshes.pp is None:
+        return None
+    return plan.config.debug.seed + meshes.pp.get_local_rank()
+
+
 def materialise(model: nn.Module, plan: JobPlan) -> None:
     """Allocates and initialises a meta-built model; FSDP-offloaded parameters live on CPU."""
     if plan.device != "cpu":
@@ -139,6 +149,9 @@ def build_parallel_model(plan: JobPlan, meshes: Meshes | None, loss_fn: LossFn) 
         )
         parts = pipeline.parts
         del model  # each part is a copy holding its own stage
+    seed = init_seed(plan, meshes)
+    if seed is not None:
+        torch.manual_seed(seed)
     for part in parts:
         materialise(part, plan)
     return ParallelModel(parts, pipeline)
