@@ -231,15 +231,23 @@ def comm_bytes(plan: JobPlan, local_elements: int, kept: int, blocks: int, modul
         out[("all_gather", "cp")] = gathered * (1 + (plan.config.activation_checkpoint.mode == "full"))
         out[("reduce_scatter", "cp")] = gathered
     if dims.tp > 1:
-        recompute = plan.config.activation_checkpoint.mode != "none"
-        per_block = 2 * tokens * plan.model_args.dim * e  # two gathered block inputs (attention, ffn)
-        ends = tokens * plan.model_args.dim * e * (("tok_embeddings" in modules) + ("output" in modules))
-        # recompute regathers both inputs but stops before the block's last reduce-scatter
-        out[("all_gather", "tp")] = int(per_block * blocks * (2 + recompute) + ends)
-        out[("reduce_scatter", "tp")] = int(per_block * blocks * (2 + recompute / 2) + ends)
+        ends = ("tok_embeddings" in modules) + ("output" in modules)
+        gathered, scattered = tp_bytes(tokens * plan.model_args.dim * e, blocks, ends,
+                                       plan.config.activation_checkpoint.mode != "none")
+        out[("all_gather", "tp")], out[("reduce_scatter", "tp")] = int(gathered), int(scattered)
     if dims.pp > 1:  # per micro-batch, each stage boundary to another rank: activations forward, gradients back
         out[("send_recv", "pp")] = int(2 * _pipeline_hops(plan, pp_rank) * tokens * plan.model_args.dim // dims.tp * e)
     return out
+
+
+def tp_bytes(hidden: float, blocks: float, ends: float, recompute: bool) -> tuple[float, float]:
+    """(all-gather, reduce-scatter) buffer bytes of sequence-parallel TP per step: each block
+    gathers its two inputs (attention, feed-forward) and reduce-scatters its two outputs in
+    forward, the reverse in backward, and recompute regathers both inputs but stops before the
+    block's last reduce-scatter; the embedding and the head one each. `hidden`: the bytes of the
+    step's hidden states on this rank (tokens x dim x element size)."""
+    per_block = 2 * hidden
+    return per_block * blocks * (2 + recompute) + hidden * ends, per_block * blocks * (2 + recompute / 2) + hidden * ends
 
 
 def _pipeline_hops(plan: JobPlan, pp_rank: int) -> int:

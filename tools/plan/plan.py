@@ -141,10 +141,14 @@ def lower_bound(layout: Layout, ac: str, args, gpu: GPU, a, fp8: frozenset[str])
     blocks = a.n_layers / layout.pp
     accumulation = args.global_batch // (layout.local * layout.dp_replicate * layout.dp_shard)
     micro = (layout.local if layout.pp > 1 else 1) * accumulation
-    w = step_time.work(a, args.seq_len, layout.local * args.seq_len * accumulation, micro, blocks, 1 / layout.pp, layout.tp,
-                       layout.cp, step_time.recompute_share(ActivationCheckpoint(mode=ac), blocks),
-                       fp8 if layout.float8 else frozenset(), "bfloat16", gpu, args.efficiency)
-    return w.total + step_time.bubble(layout.schedule, layout.pp, layout.stages_per_rank, w)
+    tokens = layout.local * args.seq_len * accumulation
+    fp8 = fp8 if layout.float8 else frozenset()
+    w = step_time.work(a, args.seq_len, tokens, micro, blocks, 1 / layout.pp, layout.tp, layout.cp,
+                       step_time.recompute_share(ActivationCheckpoint(mode=ac), blocks), fp8, "bfloat16", gpu, args.efficiency)
+    hidden = tokens / layout.cp * a.dim * 2  # bf16 hidden states of the step
+    tp = step_time.tp_seconds(*formulas.tp_bytes(hidden, blocks, 2 / layout.pp, ac != "none"), hidden / micro, layout.tp,
+                              bool(fp8), gpu) if layout.tp > 1 else 0.0
+    return w.total + step_time.bubble(layout.schedule, layout.pp, layout.stages_per_rank, w) + tp
 
 
 def search(args, gpu: GPU) -> tuple[list[Candidate], int, int]:
@@ -184,10 +188,11 @@ def _evaluate(layout: Layout, ac: str, args, gpu: GPU, plans: dict) -> Candidate
     if plans[layout] is None:
         return None
     plan = dataclasses.replace(plans[layout], config=load_config(flags))  # the job plan does not depend on the AC mode
-    peak = max(formulas.estimate_rank(plan, r).peak for r in range(layout.pp))
+    estimates = [formulas.estimate_rank(plan, r) for r in range(layout.pp)]
+    peak = max(e.peak for e in estimates)
     if peak > args.memory_fraction * gpu.memory_gib * GIB:
         return None
-    parts = step_time.step_time(plan, gpu, args.efficiency)
+    parts = step_time.step_time(plan, gpu, args.efficiency, estimates)
     return Candidate(layout, ac, flags, plan, peak, parts["total"], parts)
 
 
@@ -218,7 +223,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
                         help="the run's tokenizer (the shipped configs' path); missing here: the flavor's vocabulary")
     parser.add_argument("--global_batch", type=int, default=None, help="sequences per step (default: one per GPU)")
     parser.add_argument("--top", type=int, default=3)
-    parser.add_argument("--efficiency", type=float, default=0.5, help="share of peak FLOPs compute reaches")
+    parser.add_argument("--efficiency", type=float, default=0.35, help="share of the bf16 peak compute reaches (README)")
     parser.add_argument("--memory_fraction", type=float, default=0.9, help="share of GPU memory a plan may use")
 
     parser.error = lambda message: (_ for _ in ()).throw(ConfigError(message))  # one line, exit 2

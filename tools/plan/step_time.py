@@ -30,6 +30,9 @@ NCCL_NET_STEP_S = 9.6e-6
 # Share of the bandwidth time of collectives running under compute that costs the compute
 # nothing: fitted to torchtitan's Llama 3.1 8B runs on 8 and 128 H100s (README.md, "Overlap").
 OVERLAP = 0.97
+# float8 matmuls reach a smaller share of their peak than bf16 ones: the ratio fitted to
+# torchtitan's Llama 3.1 8B FSDP 8 runs with and without float8 (README.md, "Efficiency").
+FLOAT8_EFFICIENCY = 0.76
 # HBM bytes per element of each operand (input, weight, output gradient) of a float8 linear per
 # micro-batch: amax read (2), cast read + write (2 + 1), float8 transpose for backward (1 + 1).
 FLOAT8_CAST_BYTES = 7
@@ -93,7 +96,7 @@ def work(a, seq_len: int, tokens: float, microbatches: int, blocks: float, head:
     reruns. FLOPs as the model spec counts them (6 per weight per token: 2 forward, 2 input
     gradient, 2 weight gradient), except attention, whose causal mask halves the spec's
     12·heads·head_dim·seq (a third of it forward, two thirds input gradient)."""
-    peak = {True: gpu.tflops.get("float8", 0) * 1e12 * efficiency, False: gpu.tflops[dtype] * 1e12 * efficiency}
+    peak = {True: gpu.tflops.get("float8", 0) * 1e12 * efficiency * FLOAT8_EFFICIENCY, False: gpu.tflops[dtype] * 1e12 * efficiency}
     rank_tokens = tokens / cp / tp
     blocks_linear = sum(6 * o * i * rank_tokens * blocks / peak[n in fp8] for n, (o, i, _) in formulas.block_linears(a).items())
     linear = blocks_linear + 6 * a.vocab_size * a.dim * rank_tokens * head / peak["output" in fp8]
@@ -139,15 +142,26 @@ def bubble(schedule: str | None, pp: int, v: int, w: Work) -> float:
     return SCHEDULES[schedule].idle(pp, v, w.forward / m, (w.backward + w.casts) / m, w.weights / m)
 
 
-def step_time(plan: JobPlan, gpu: GPU, efficiency: float) -> dict[str, float]:
-    """Seconds of one step, by part, on the pp rank whose total is largest."""
-    return max((_rank_step(plan, r, gpu, efficiency) for r in range(plan.dims.pp)), key=lambda p: p["total"])
+def tp_seconds(gathered: float, scattered: float, one: float, tp: int, float8_gather: bool, gpu: GPU) -> float:
+    """TP's collectives, each moving one micro-batch's hidden states (`one` bytes; float8 styles
+    gather the block inputs in float8): synchronous with the layer that needs them, exposed."""
+    total = 0.0
+    for nbytes, halved in ((gathered, float8_gather), (scattered, False)):
+        latency, bandwidth = ring_seconds(one / (2 if halved else 1), tp, group_nodes(tp, 1, gpu), gpu)
+        total += nbytes / one * (latency + bandwidth) if nbytes else 0.0
+    return total
 
 
-def _rank_step(plan: JobPlan, pp_rank: int, gpu: GPU, efficiency: float) -> dict[str, float]:
+def step_time(plan: JobPlan, gpu: GPU, efficiency: float, estimates: list | None = None) -> dict[str, float]:
+    """Seconds of one step, by part, on the pp rank whose total is largest (`estimates`: each pp
+    rank's formulas.estimate_rank, if already made)."""
+    estimates = estimates or [formulas.estimate_rank(plan, r) for r in range(plan.dims.pp)]
+    return max((_rank_step(plan, r, est, gpu, efficiency) for r, est in enumerate(estimates)), key=lambda p: p["total"])
+
+
+def _rank_step(plan: JobPlan, pp_rank: int, est, gpu: GPU, efficiency: float) -> dict[str, float]:
     dims, batch = plan.dims, plan.batch
     w = rank_work(plan, pp_rank, gpu, efficiency)
-    est = formulas.estimate_rank(plan, pp_rank)
     options = float8_of(plan.config, plan.dims)
     fp8 = float8_linears(options, plan.model_args)
     blocks = sum(m.startswith("layers.") for m in formulas.stage_modules(plan, pp_rank))
@@ -155,15 +169,9 @@ def _rank_step(plan: JobPlan, pp_rank: int, gpu: GPU, efficiency: float) -> dict
     one = batch.local * batch.seq_len // micro // dims.cp * plan.model_args.dim * plan.param_dtype.itemsize  # one micro-batch's hidden states
     out = {"compute": w.total,
            "bubble": bubble(plan.pipeline and plan.pipeline.schedule, dims.pp, len(formulas.local_stages(plan, pp_rank)), w)}
-    # TP collectives, each a block input's or output's hidden states (float8 styles gather the
-    # block inputs in float8), and CP's K/V gathers (per block and pass): synchronous, exposed
-    out["tp"] = 0.0
-    for kind in ("all_gather", "reduce_scatter"):
-        nbytes = est.comm.get((kind, "tp"), 0)
-        count = round(nbytes / one) if nbytes else 0
-        halved = kind == "all_gather" and fp8 and options.recipe_name == "tensorwise"
-        lat, bw = ring_seconds(one / (2 if halved else 1), dims.tp, group_nodes(dims.tp, 1, gpu), gpu)
-        out["tp"] += count * (lat + bw)
+    out["tp"] = tp_seconds(est.comm.get(("all_gather", "tp"), 0), est.comm.get(("reduce_scatter", "tp"), 0), one,
+                           dims.tp, bool(fp8) and options.recipe_name == "tensorwise", gpu)
+    # CP's K/V gathers, per block and pass: synchronous with attention, exposed
     out["cp"] = 0.0
     for kind in ("all_gather", "reduce_scatter"):
         nbytes, count = est.comm.get((kind, "cp"), 0), 2 * blocks * w.microbatches

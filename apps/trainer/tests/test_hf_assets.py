@@ -1,9 +1,11 @@
 """A Hugging Face model folder (model.hf_assets_path) through the trainer in one process: the
 architecture from its config.json (model.flavor = "from_hf_config"), the weights from its
-safetensors with no checkpoint.initial_load_path, the export's config.json and tokenizer files,
-the args record beside DCP checkpoints, and the plan's one-line refusals."""
+safetensors with no checkpoint.initial_load_path, the export's config.json and tokenizer files
+(a tokenizer.json copied, tiktoken's formats written as one), the args record beside DCP
+checkpoints, and the plan's one-line refusals."""
 
 import json
+import shutil
 from importlib import resources
 from pathlib import Path
 
@@ -11,10 +13,13 @@ import pytest
 import torch
 
 from tessera.ckpt import load_hf, read_dcp, save_hf
-from tessera.data import load_tokenizer
+from tessera.ckpt.folders import write_extra_files
+from tessera.data import Tokenizer, load_dataset, load_tokenizer, write_hf_tokenizer
 from tessera.models import get_model_spec, read_args_record
 from tessera.trainer.config import load_config
+from tessera.trainer.hf_assets import export_files
 from tessera.trainer.main import main
+from tessera.trainer.plan import tokenizer_source
 from tessera.trainer.train import train
 
 torch.set_num_threads(1)
@@ -70,11 +75,48 @@ def test_architecture_and_weights_come_from_the_folder_and_the_export_describes_
     assert spec.hf_config.args_from_config(written) == args  # context 256 (not seq_len 32), intermediate_size 96
     assert (written["architectures"], written["torch_dtype"]) == (["LlamaForCausalLM"], "float32")
     assert (written["bos_token_id"], written["eos_token_id"]) == (5, [6, 7])  # the folder's, eos list included
-    assert (export / "tokenizer.model").read_bytes() == TOKENIZER.read_bytes()
+    assert not (export / "tokenizer.model").exists()  # tiktoken's format: written as a tokenizer.json
+    assert json.loads((export / "tokenizer_config.json").read_text())["model_max_length"] == 256
+    text = load_dataset()[0][:2000]
+    assert load_tokenizer(export).encode(text, True, True) == load_tokenizer(TOKENIZER).encode(text, True, True)
 
     for step_dir in ("step-1", "step-1-model"):  # the full checkpoint and the final model-only export
         found_spec, found_args, record = read_args_record(folder / step_dir)
         assert (found_spec.name, found_args, record["flavor"]) == ("llama3", args, "from_hf_config")
+
+
+@pytest.mark.parametrize("given", ["default", "tokenizer.model", "folder with tokenizer.model", "tokenizer.json",
+                                   "folder with tokenizer.json"])
+def test_the_export_holds_the_runs_tokenizer_as_tokenizer_json(tmp_path, given):
+    hf = tmp_path / "tok"
+    hf.mkdir()
+    if "tokenizer.json" in given:  # a GPT-2-like layout, unlike the default's
+        ranks = load_tokenizer().ranks
+        write_hf_tokenizer(Tokenizer(ranks, special_tokens={"<|endoftext|>": len(ranks)}, bos_id=len(ranks),
+                                     eos_id=len(ranks)), hf)
+        (hf / "special_tokens_map.json").write_text("{}")
+    else:
+        shutil.copyfile(TOKENIZER, hf / "tokenizer.model")
+    source = {"default": None, "tokenizer.model": hf / "tokenizer.model", "tokenizer.json": hf / "tokenizer.json"}
+    source = source.get(given, hf)
+    config = load_config(["--model.tokenizer_path", str(source)] if source else [])
+    run_tokenizer = load_tokenizer(tokenizer_source(config))
+    spec = get_model_spec(config.model.name)
+    _, files = export_files(config, spec, spec.flavors[config.model.flavor], run_tokenizer, tokenizer_source(config))
+    export = tmp_path / "export"
+    export.mkdir()
+    write_extra_files(export, files)
+
+    copied = {name: path for name, path in files.items() if isinstance(path, Path)}
+    names = ["config.json", "tokenizer.json", "tokenizer_config.json"]
+    if "tokenizer.json" in given:  # the HF files as they are
+        assert copied == {name: hf / name for name in (*names[1:], "special_tokens_map.json")}
+    else:  # written from the run's tokenizer, no tokenizer.model
+        assert not copied and sorted(export.iterdir()) == [export / name for name in names]
+    exported = load_tokenizer(export)
+    text = load_dataset()[0][:2000] + " <|endoftext|> café 世界"
+    assert exported.fingerprint == run_tokenizer.fingerprint
+    assert exported.encode(text, True, True) == run_tokenizer.encode(text, True, True)
 
 
 def test_named_flavor_loads_a_folder_of_its_shape(tmp_path):
@@ -82,7 +124,9 @@ def test_named_flavor_loads_a_folder_of_its_shape(tmp_path):
     debug = spec.flavors["debugmodel"]
     change = {"hidden_size": debug.dim, "num_hidden_layers": debug.n_layers, "num_attention_heads": debug.n_heads,
               "num_key_value_heads": debug.n_heads, "head_dim": debug.head_dim, "intermediate_size": debug.ffn_hidden_dim,
-              "rope_parameters": {"rope_type": "default", "rope_theta": debug.rope_theta}}
+              "rope_parameters": {"rope_type": "llama3", "rope_theta": debug.rope_theta, "factor": 8.0,
+                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                  "original_max_position_embeddings": 8192}}
     config, weights = tiny_hf_folder(tmp_path / "hf", **change)
     history = hf_run(tmp_path / "run", tmp_path / "hf", "--training.steps", "1", "--optimizer.lr", "0",
                      "--checkpoint.enable", "true", "--checkpoint.interval", "1")

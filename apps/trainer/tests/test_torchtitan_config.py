@@ -214,3 +214,109 @@ def test_validation_shape_of_its_own(tmp_path):
     with pytest.raises(ConfigError, match="validation.local_batch_size / validation.seq_len other than training's"):
         make_plan(load_config([*SMALL, "--validation.enable", "true", "--validation.seq_len", "64",
                                "--parallelism.context_parallel_degree", "2"]), 2)
+
+
+# The layout of torchtitan 0.2.2's llama3 debug_model.toml, key for key (values as shipped).
+TORCHTITAN_DEBUG_TOML = """
+[job]
+dump_folder = "./outputs"
+description = "Llama 3 debug training"
+print_config = false
+
+[profiling]
+enable_profiling = false
+save_traces_folder = "profile_trace"
+profile_freq = 10
+enable_memory_snapshot = false
+save_memory_snapshot_folder = "memory_snapshot"
+
+[metrics]
+log_freq = 1
+disable_color_printing = false
+enable_tensorboard = false
+save_tb_folder = "tb"
+enable_wandb = false
+
+[model]
+name = "llama3"
+flavor = "debugmodel"
+hf_assets_path = "./tests/assets/tokenizer"
+
+[optimizer]
+name = "AdamW"
+lr = 8e-4
+eps = 1e-8
+
+[lr_scheduler]
+warmup_steps = 2
+decay_ratio = 0.8
+decay_type = "linear"
+min_lr_factor = 0.0
+
+[training]
+local_batch_size = 8
+seq_len = 2048
+max_norm = 1.0
+steps = 10
+dataset = "c4_test"
+
+[parallelism]
+data_parallel_replicate_degree = 1
+data_parallel_shard_degree = -1
+fsdp_reshard_after_forward = "default"
+tensor_parallel_degree = 1
+enable_async_tensor_parallel = false
+pipeline_parallel_degree = 1
+pipeline_parallel_schedule = "Interleaved1F1B"
+context_parallel_degree = 1
+
+[checkpoint]
+enable = false
+folder = "checkpoint"
+interval = 10
+last_save_model_only = false
+export_dtype = "float32"
+async_mode = "disabled"
+
+[activation_checkpoint]
+mode = "selective"
+selective_ac_option = '2'
+
+[compile]
+enable=false
+components = ["model", "loss"]
+
+[quantize.linear.float8]
+enable_fsdp_float8_all_gather = false
+precompute_float8_dynamic_scale_for_fsdp = false
+filter_fqns = ["output"]
+
+[validation]
+enable = false
+dataset = "c4_validation"
+freq = 5
+steps = 10
+"""
+
+
+def test_torchtitan_debug_config_and_assets_train_unchanged(tmp_path, monkeypatch):
+    """A torchtitan checkout's layout: its config, a Hugging Face tokenizer.json folder and the
+    c4_test JSON lines, read from where the user stands. The file is untouched; the command line
+    cuts the run to 2 steps of one sequence (CI's CPU time)."""
+    from tessera.data import iter_documents, load_tokenizer, write_hf_tokenizer
+
+    (tmp_path / "train_configs").mkdir()
+    (tmp_path / "train_configs" / "debug_model.toml").write_text(TORCHTITAN_DEBUG_TOML)
+    write_hf_tokenizer(load_tokenizer(), tmp_path / "tests/assets/tokenizer")
+    c4 = tmp_path / "tests/assets/c4_test"
+    c4.mkdir(parents=True)
+    documents = [text for _, text in zip(range(200), iter_documents(None))]
+    (c4 / "data.json").write_text("".join(json.dumps({"text": text}) + "\n" for text in documents))
+    monkeypatch.setenv("BUILD_WORKING_DIRECTORY", str(tmp_path))
+    config = load_config(["--job.config_file", "train_configs/debug_model.toml", "--training.steps", "2",
+                          "--training.local_batch_size", "1"])
+    plan = make_plan(config, 1)
+    assert plan.dataset == str(c4) and config.model.hf_assets_path == str(tmp_path / "tests/assets/tokenizer")
+    history = train(config)
+    assert [h["step"] for h in history] == [1, 2] and all(0 < h["loss"] < 10 for h in history)
+    assert (tmp_path / "outputs").is_dir()

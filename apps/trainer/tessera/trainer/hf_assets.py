@@ -90,8 +90,8 @@ def _tokenizer_files(source: str | None, tokenizer, context: int) -> dict[str, P
     json_file = path / "tokenizer.json" if path is not None and path.is_dir() else path
     if json_file is None or json_file.suffix != ".json" or not json_file.is_file():
         return hf_tokenizer_files(tokenizer, model_max_length=context)
-    folder = json_file.parent
-    return {**{name: folder / name for name in TOKENIZER_FILES if (folder / name).is_file()}, "tokenizer.json": json_file}
+    beside = {name: json_file.parent / name for name in TOKENIZER_FILES if (json_file.parent / name).is_file()}
+    return {**beside, "tokenizer.json": json_file}
 
 
 def export_files(config: JobConfig, spec: ModelSpec, args, tokenizer, tokenizer_source: str | None) -> tuple[dict, dict]:

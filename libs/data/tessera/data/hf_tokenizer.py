@@ -408,8 +408,8 @@ def _bpe_model(tokenizer: Tokenizer) -> dict:
                              "a tokenizer.json vocab holds each token once")
         vocab[_key(data)] = i
     if unbuilt and tokenizer.decode_only:
-        raise ValueError(f"{tokenizer.name}: token {unbuilt[0]!r} is emitted only as a whole piece (HF's ignore_merges), "
-                         f"which would emit the decode-only id {min(tokenizer.decode_only)} too")
+        raise ValueError(f"{tokenizer.name}: token {unbuilt[0]!r} is emitted only as a whole piece (HF's "
+                         f"ignore_merges), which would emit the decode-only id {min(tokenizer.decode_only)} too")
     return {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
             "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": bool(unbuilt),
             "vocab": dict(sorted(vocab.items(), key=lambda item: item[1])), "merges": merges}
@@ -424,9 +424,16 @@ def _last_merge(token: bytes, ranks: dict[bytes, int]) -> tuple[bytes, bytes] | 
     """The last pair tiktoken's BPE joins on `token`'s own bytes (lowest rank of the concatenation
     first, leftmost on ties); None when it stops short of the token."""
     parts = [token[i : i + 1] for i in range(len(token))]
+    pairs = [ranks.get(a + b, math.inf) for a, b in zip(parts, parts[1:])]  # rank of each adjacent pair
     while len(parts) > 2:
-        rank, i = min((ranks.get(a + b, math.inf), i) for i, (a, b) in enumerate(zip(parts, parts[1:])))
+        rank = min(pairs)
         if rank == math.inf:
             return None
+        i = pairs.index(rank)
         parts[i : i + 2] = [parts[i] + parts[i + 1]]
+        del pairs[i]
+        if i > 0:
+            pairs[i - 1] = ranks.get(parts[i - 1] + parts[i], math.inf)
+        if i < len(pairs):
+            pairs[i] = ranks.get(parts[i] + parts[i + 1], math.inf)
     return (parts[0], parts[1])

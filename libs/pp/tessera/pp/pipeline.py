@@ -65,6 +65,37 @@ class Pipeline:
         return loss
 
 
+class _BufferKeepingStage(PipelineStage):
+    """A PipelineStage whose shape inference leaves the module's buffers as it found them.
+
+    Before its first step, torch 2.13 infers what the stages exchange by running each stage's
+    forward and backward once more: on the first micro-batch at the first stage, on uninitialized
+    memory of the right shape at the others. Buffers a forward updates (an MoE layer's tokens per
+    expert, running statistics) kept that extra run, so the later stages counted garbage: the
+    router bias then moved differently from run to run. Values are put back in place once the
+    inference is done (after its backward, which uses the forward's saved tensors)."""
+
+    _kept: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def _prepare_forward_infra(self, num_microbatches, args, kwargs=None, has_backward=False):
+        self._kept = [(buffer, buffer.detach().clone()) for buffer in self.submod.buffers()]
+        result = super()._prepare_forward_infra(num_microbatches, args, kwargs, has_backward)
+        if not has_backward:
+            self._restore_buffers()
+        return result
+
+    def _prepare_backward_infra(self, *args, **kwargs):
+        result = super()._prepare_backward_infra(*args, **kwargs)
+        self._restore_buffers()
+        return result
+
+    @torch.no_grad()
+    def _restore_buffers(self) -> None:
+        for buffer, value in self._kept or ():
+            buffer.copy_(value)
+        self._kept = None
+
+
 def _send(tensor: torch.Tensor, group: dist.ProcessGroup, to: int) -> None:
     """A tensor of a shape and dtype the receiver does not know: a header first."""
     header = torch.tensor([_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape], device=tensor.device)
@@ -106,7 +137,7 @@ def build_pipeline(
     for stage_id in local:
         part = parallelize(keep_only(model, parts[stage_id], layers))
         modules.append(part)
-        stages.append(PipelineStage(part, stage_id, len(parts), torch.device(device), group=pp_mesh.get_group()))
+        stages.append(_BufferKeepingStage(part, stage_id, len(parts), torch.device(device), group=pp_mesh.get_group()))
 
     def micro_batch_loss(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return loss_fn(output, labels) / n_microbatches
