@@ -39,7 +39,7 @@ _OP_RULES = (
     ("scaled_dot_product", "attention"), ("ScaledDotProduct", "attention"),
     ("aten::linear", "matmul"), ("aten::matmul", "matmul"), ("aten::mm", "matmul"), ("aten::addmm", "matmul"),
     ("aten::bmm", "matmul"), ("MmBackward", "matmul"), ("AddmmBackward", "matmul"), ("BmmBackward", "matmul"),
-    ("rms_norm", "norms"), ("RmsNorm", "norms"), ("layer_norm", "norms"),
+    ("rms_norm", "norms"), ("RmsNorm", "norms"), ("RMSNorm", "norms"), ("layer_norm", "norms"),
     ("cross_entropy", "loss"), ("log_softmax", "loss"), ("nll_loss", "loss"), ("LogSoftmax", "loss"), ("NllLoss", "loss"),
     ("aten::embedding", "embedding"), ("EmbeddingBackward", "embedding"),
     ("_foreach_norm", "grad clip"), ("linalg_vector_norm", "grad clip"),

@@ -22,9 +22,10 @@ from profile_split import annotate
 def _tessera_regions() -> dict:
     import tessera.fsdp as fsdp
     import tessera.models.llama.model as llama
+    import tessera.models.rms_norm as rms_norm
     import tessera.trainer.step as step
 
-    return {"rope": (llama, "apply_rotary_emb"), "swiglu": (llama.FeedForward, "forward"),
+    return {"norms": (rms_norm.RMSNorm, "forward"), "rope": (llama, "apply_rotary_emb"), "swiglu": (llama.FeedForward, "forward"),
             "residual": (llama.TransformerBlock, "forward"), "attention": (llama.Attention, "forward"),
             "loss": (step, "cross_entropy"), "grad clip": (fsdp, "clip_grad_norm_")}
 

@@ -51,8 +51,10 @@ class Layout:
     local: int
 
     @property
-    def degrees(self) -> tuple[int, int, int, int, int]:
-        return self.dp_replicate, self.dp_shard, self.cp, self.tp, self.pp
+    def key(self) -> tuple[int, int, int, int]:
+        """What makes layouts distinct in the ranking: (data-parallel, cp, tp, pp) degrees; FSDP
+        against HSDP, like the schedule, float8, AC and batch, is a variant of one."""
+        return self.dp_replicate * self.dp_shard, self.cp, self.tp, self.pp
 
     def flags(self, args, ac: str) -> list[str]:
         par = "--parallelism."
@@ -109,11 +111,11 @@ def _torch_accepts(schedule: str | None, pp: int, microbatches: int) -> bool:
 def layouts(args, gpu: GPU):
     """Every layout to try, with the AC modes: TP within a node, CP from LONG_CONTEXT on, each
     pipeline schedule with each stages-per-rank count the layers allow, FSDP or HSDP over the
-    rest, float8 where the GPU has it; local batch: 1-8 sequences without a pipeline, else the
+    rest, float8 where the GPU has it; local batch: 1-16 sequences without a pipeline, else the
     whole data-parallel share in one pass of micro-batches of one sequence (more micro-batches
     only shrink a bubble while the held activations stay capped, GPipe's aside)."""
     layers = get_model_spec(args.model).flavors[args.flavor].n_layers
-    for tp in (t for t in (1, 2, 4, 8) if t <= gpu.gpus_per_node):
+    for tp in (t for t in args.tp if t <= gpu.gpus_per_node):
         for cp in (1, 2, 4, 8) if args.seq_len >= LONG_CONTEXT else (1,):
             for pp in (1, 2, 4, 8, 16):
                 if args.gpus % (tp * cp * pp) or (pp > 1 and layers < 2 * pp):
@@ -122,7 +124,7 @@ def layouts(args, gpu: GPU):
                     (s.name, v, layers_per_stage(s.name, pp, v, layers)) for s in SCHEDULES.values() for v in s.stages_per_rank]
                 for replicate, shard in _shard_options(args.gpus // (tp * cp * pp), tp * cp, gpu):
                     dp = replicate * shard
-                    locals_ = (1, 2, 4, 8) if pp == 1 else (args.global_batch // dp,)
+                    locals_ = (1, 2, 4, 8, 16) if pp == 1 else (args.global_batch // dp,)
                     for schedule, v, per_stage in pipelines:
                         for local in locals_:
                             if per_stage is False or not local or args.global_batch % (local * dp) \
@@ -152,9 +154,9 @@ def lower_bound(layout: Layout, ac: str, args, gpu: GPU, a, fp8: frozenset[str])
 
 
 def search(args, gpu: GPU) -> tuple[list[Candidate], int, int]:
-    """The best `args.top` distinct layouts (by degrees; each with its best schedule, batch,
-    float8 and AC), exactly: layouts are tried in order of their lower bound and the search stops
-    once that bound reaches the top's slowest. Returns (them, layouts enumerated, evaluated)."""
+    """The best `args.top` distinct layouts (Layout.key; each with its best variant), exactly:
+    layouts are tried in order of their lower bound and the search stops once that bound reaches
+    the top's slowest. Returns (them, layouts enumerated, evaluated)."""
     a = get_model_spec(args.model).flavors[args.flavor]  # the vocab of the flavor's tokenizer, as a check-only plan's
     options = step_time.float8_of(load_config(["--model.converters=float8"]), resolve_parallel_dims(1))
     fp8 = step_time.float8_linears(options, a)
@@ -169,10 +171,12 @@ def search(args, gpu: GPU) -> tuple[list[Candidate], int, int]:
         top = sorted(c.step_s for c in best.values())[:args.top]
         if len(top) == args.top and bound >= top[-1]:
             break
+        if layout.key in best and bound >= best[layout.key].step_s:  # cannot improve its layout
+            continue
         candidate = _evaluate(layout, ac, args, gpu, plans)
         evaluated += 1
-        if candidate and (layout.degrees not in best or candidate.step_s < best[layout.degrees].step_s):
-            best[layout.degrees] = candidate
+        if candidate and (layout.key not in best or candidate.step_s < best[layout.key].step_s):
+            best[layout.key] = candidate
     found = sorted(best.values(), key=lambda c: (c.step_s, c.peak))[:args.top]
     return found, enumerated, evaluated
 
@@ -223,6 +227,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
                         help="the run's tokenizer (the shipped configs' path); missing here: the flavor's vocabulary")
     parser.add_argument("--global_batch", type=int, default=None, help="sequences per step (default: one per GPU)")
     parser.add_argument("--top", type=int, default=3)
+    parser.add_argument("--tp", default="1,2,4,8", help="tensor-parallel degrees to try (comma-separated)")
     parser.add_argument("--efficiency", type=float, default=0.35, help="share of the bf16 peak compute reaches (README)")
     parser.add_argument("--memory_fraction", type=float, default=0.9, help="share of GPU memory a plan may use")
 
@@ -239,6 +244,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
             raise ConfigError(f"--{name} {getattr(args, name)} must be >= 1")
     if not 0 < args.efficiency <= 1 or not 0 < args.memory_fraction <= 1:
         raise ConfigError("--efficiency and --memory_fraction must be within (0, 1]")
+    try:
+        args.tp = tuple(int(t) for t in args.tp.split(","))
+    except ValueError:
+        raise ConfigError(f"--tp {args.tp!r} is not a comma-separated list of degrees") from None
+    if any(t < 1 for t in args.tp):
+        raise ConfigError(f"--tp {args.tp} must be >= 1")
     args.global_batch = args.global_batch or args.gpus
     return args
 

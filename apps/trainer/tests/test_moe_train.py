@@ -65,10 +65,11 @@ def test_deepseek_v3_expert_parallel_matches_single_process(tmp_path, layout):
         0, 1, [*argv, "--job.dump_folder", str(tmp_path / "single"), "--training.local_batch_size", str(dp * local)])
     per_rank = run_on_ranks(_train_rank, ranks, [*argv, *extra, "--job.dump_folder", str(tmp_path / layout),
                                                 "--training.local_batch_size", str(local)])
-    # 4 pipeline micro-batches sum the gradients in another order: measured 1.3e-5 on step 2's norm
-    tol = 5e-5 if "pp2" in layout else 1e-5
     for history, _ in per_rank:
         for step, ref in zip(history, reference):
             assert step["loss"] == pytest.approx(ref["loss"], rel=1e-5)
-            assert step["grad_norm"] == pytest.approx(ref["grad_norm"], rel=tol)
+            assert step["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+            # each rank reports its own stages' layers; the pipeline's shape inference counts no tokens
+            loads = {key: value for key, value in step.items() if key.startswith("moe/")}
+            assert loads and loads == {key: ref[key] for key in loads}
     assert_params_close(per_rank[0][1], reference_params, 1e-5, layout)

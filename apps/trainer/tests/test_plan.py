@@ -51,6 +51,12 @@ def test_plan_resolves_layout_batch_and_model():
         (1, ["--training.dataset", "c4"], "dataset 'c4' is allenai/c4 on the Hugging Face hub"),
         (1, ["--model.tokenizer_path", "/no/such/tokenizer.model"], "/no/such/tokenizer.model"),
         (1, ["--job.dump_folder", "/etc/hostname"], "job.dump_folder /etc/hostname is not a folder"),
+        (2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "DualPipeV",
+             "--training.local_batch_size", "4", "--activation_checkpoint.mode", "selective"],
+         "activation_checkpoint selective 'op' with schedule DualPipeV fails"),
+        (2, ["--parallelism.expert_parallel_degree", "2"], "expert_parallel_degree 2: llama3/debugmodel has no experts"),
+        (3, ["--model.name", "deepseek_v3", "--parallelism.expert_parallel_degree", "3"],
+         "^8 experts do not divide over expert parallel degree 3$"),
     ],
 )
 def test_every_user_error_comes_from_the_plan(world_size, argv, message):

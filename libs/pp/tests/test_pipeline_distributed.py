@@ -1,5 +1,5 @@
 """Every schedule, and PP x FSDP, against the same model trained in one process (same seed, same
-global batch): losses, gradient norms and final parameters agree to fp32 rounding (1e-5)."""
+global batch): losses, gradient norms, final parameters and buffers agree to fp32 rounding (1e-5)."""
 
 import csv
 
@@ -20,12 +20,18 @@ TOL = 1e-5
 
 
 class Block(nn.Module):
+    """``seen`` sums the block's inputs, as running statistics or an MoE router's token counts
+    update a buffer in forward: it must end as in one process, whatever the schedule runs."""
+
     def __init__(self):
         super().__init__()
         self.norm = nn.RMSNorm(DIM)
         self.ff = nn.Linear(DIM, DIM)
+        self.register_buffer("seen", torch.zeros(DIM))
 
     def forward(self, x):
+        with torch.no_grad():
+            self.seen += x.sum((0, 1))
         return x + self.ff(torch.tanh(self.norm(x)))
 
 
@@ -107,6 +113,9 @@ def _train(mesh, schedule, dp_rank=0, dp=1, fsdp_mesh=None, reshard=False, csv_f
         opt.step()
         opt.zero_grad()
     state = {k: _full(v).detach() for part in pipe.parts for k, v in part.state_dict().items()}
+    if fsdp_mesh is not None:  # each data-parallel rank saw its share of the batch
+        for key in [k for k in state if k.endswith(".seen")]:
+            dist.all_reduce(state[key], group=fsdp_mesh.get_group())
     return losses, norms, state
 
 

@@ -254,6 +254,12 @@ def _pipeline(config: JobConfig, spec: ModelSpec, args, dims: ParallelDims) -> P
     if schedule == "DualPipeV" and microbatches < len(parts):
         raise ConfigError(f"DualPipeV needs at least as many micro-batches as stages: local_batch_size {local} / "
                           f"pipeline_parallel_microbatch_size {size} = {microbatches} < {len(parts)} stages")
+    ac = config.activation_checkpoint
+    if ac.mode == "selective" and ac.selective_ac_option == "op" and pp.splits_backward(schedule):
+        # measured (torch 2.13): the weight-gradient pass is a second backward through each block,
+        # and op-level checkpointing allows one ("Trying to backward an extra time")
+        raise ConfigError(f"activation_checkpoint selective 'op' with schedule {schedule} fails in torch 2.13: its "
+                          "weight-gradient pass backpropagates each block twice; use mode full or selective_ac_option N")
     reshard = par.fsdp_reshard_after_forward
     if reshard == "always" and pp.splits_backward(schedule):
         # measured: FSDP resharding after forward under these schedules trains with wrong gradients

@@ -66,6 +66,7 @@ def _profiler(config: JobConfig, dump: Path, rank: int, device: str, start_step:
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     # each cycle's trace is written by export() before the next starts: clearing is what we want
     warnings.filterwarnings("ignore", message="Warning: Profiler clears events at the end of each cycle")
+    warnings.filterwarnings("ignore", message="Profiler won't be using warmup")  # profiler_warmup 0 asks for that
 
     def export(p):
         if p.step_num % prof.profile_freq:  # the run ended inside a cycle: no partial trace

@@ -10,7 +10,7 @@ import functools
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
 AC_MODES = ("none", "full", "selective")
 _CHECKPOINT_DEFAULTS = {"early_stop": True, "determinism_check": "default", "debug": False}
@@ -24,6 +24,10 @@ _SAVED_OPS = {
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,
 }
+
+
+_PROFILER_OPS = {torch.ops.profiler._record_function_enter_new.default, torch.ops.profiler._record_function_exit.default,
+                 torch.ops.profiler._record_function_exit._RecordFunction}
 
 
 def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -68,6 +72,9 @@ def apply_activation_checkpointing(
     every_n = 1
     if mode == "selective" and option == "op":
         contexts["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
+        # profiler marks are bookkeeping, not computation: hooks inside a block (FSDP on its experts)
+        # place a different number of them in forward and recomputation, which SAC would count
+        SAC_IGNORED_OPS.update(_PROFILER_OPS)
     elif mode == "selective":
         every_n = _every_n(option)
     for index, (name, block) in enumerate(model.layers.named_children()):

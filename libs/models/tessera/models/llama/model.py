@@ -28,6 +28,7 @@ from torch import nn
 from tessera.models.attention import CausalSDPA
 from tessera.models.llama.args import ModelArgs
 from tessera.models.llama.rope import apply_rotary_emb, precompute_freqs_cis
+from tessera.models.rms_norm import RMSNorm
 
 BASE_INIT_STD = 0.02
 
@@ -99,9 +100,9 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, layer_id: int, args: ModelArgs):
         super().__init__()
-        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = Attention(args)
-        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
         # Std of the projections writing into the residual stream (wo, w2, w3), scaled down
         # with depth so the residual's variance does not grow with the number of layers.
@@ -131,7 +132,7 @@ class Transformer(nn.Module):
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
-        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self._tie_output()
         # Not persistent: derived from args, so checkpoints need not carry it.
