@@ -85,7 +85,7 @@ def estimate_rank(plan: JobPlan, pp_rank: int = 0) -> FormulaEstimate:
     if dims.tp > 1 and fsdp == 1 and "tok_embeddings" in modules:
         grads += F32 * a.vocab_size // dims.tp * a.dim  # measured: the vocab-parallel embedding's gradient storage is twice its size
     b = plan.pipeline.microbatches if plan.pipeline else 1
-    logits_grad = F32 * plan.batch.local * plan.batch.seq_len // b * a.vocab_size // dims.tp if "output" in modules else 0
+    logits_grad = F32 * _microbatch_tokens(plan) * a.vocab_size // dims.tp if "output" in modules else 0
     # backward: gradients take the place of the activations they free; the largest moment is its
     # start (the logits' gradient) with a checkpointed block rebuilt, or the optimizer step
     # (gradients + foreach AdamW's parameter-sized temporaries)
@@ -123,10 +123,17 @@ def _compute_bytes(plan: JobPlan) -> int:
     return plan.param_dtype.itemsize
 
 
+def _microbatch_tokens(plan: JobPlan) -> int:
+    """Tokens of one micro-batch on a rank: its local batch over the pipeline micro-batches,
+    its share of each sequence under context parallel."""
+    b = plan.pipeline.microbatches if plan.pipeline else 1
+    return plan.batch.local * plan.batch.seq_len // b // plan.dims.cp
+
+
 def block_activations(plan: JobPlan, mode: str) -> float:
     """Bytes one block keeps per micro-batch for backward under AC `mode` (README: the derivation)."""
-    a, t, b = plan.model_args, plan.dims.tp, plan.pipeline.microbatches if plan.pipeline else 1
-    tokens = plan.batch.local * plan.batch.seq_len // b
+    a, t, cp = plan.model_args, plan.dims.tp, plan.dims.cp
+    tokens = _microbatch_tokens(plan)
     h, q, kv, f, e = a.dim, a.n_heads * a.head_dim, a.kv_heads * a.head_dim, a.ffn_hidden_dim, _compute_bytes(plan)
     small = tokens * F32 * 2 / t + tokens * a.n_heads // t * F32  # RMSNorm rstd x2, attention logsumexp
     gathered_inputs = 2 * h * (t - 1) / t  # under sequence parallel the linears keep the gathered norm outputs
@@ -134,7 +141,9 @@ def block_activations(plan: JobPlan, mode: str) -> float:
         return tokens * e * h / t
     if mode == "selective":  # the matmul and attention outputs (option "op"); blocks' input
         return tokens * e * (h / t + (2 * q + 2 * kv + 2 * f) / t + 2 * h) + tokens * a.n_heads // t * F32
-    return tokens * e * ((5 * h + 5 * q + 4 * f) / t + gathered_inputs) + small
+    # context parallel: attention keeps the K and V (heads repeated) it gathered from the other cp ranks
+    gathered_kv = 2 * q / t * (cp - 1)
+    return tokens * e * ((5 * h + 5 * q + 4 * f) / t + gathered_inputs + gathered_kv) + small
 
 
 def _recompute_bytes(plan: JobPlan) -> float:
@@ -161,8 +170,7 @@ def _microbatch_activations(plan: JobPlan, modules: list[str]) -> float:
         out = full * block_activations(plan, "full") + (blocks - full) * block_activations(plan, "none")
     else:
         out = blocks * block_activations(plan, mode)
-    b = plan.pipeline.microbatches if plan.pipeline else 1
-    tokens = plan.batch.local * plan.batch.seq_len // b
+    tokens = _microbatch_tokens(plan)
     if "output" in modules:  # final norm in/out (+ its gathered output), then fp32 logits and log-softmax
         out += tokens * e * (3 * a.dim / t + a.dim * (t - 1) / t) + tokens * a.vocab_size / t * (8 + (e if e != F32 else 0))
     if "tok_embeddings" in modules:
@@ -232,22 +240,23 @@ def comm_bytes(plan: JobPlan, local_elements: int, kept: int, blocks: int, modul
         out[("reduce_scatter", "cp")] = gathered
     if dims.tp > 1:
         ends = ("tok_embeddings" in modules) + ("output" in modules)
-        gathered, scattered = tp_bytes(tokens * plan.model_args.dim * e, blocks, ends,
-                                       plan.config.activation_checkpoint.mode != "none")
+        gathered, scattered = tp_bytes(tokens * plan.model_args.dim * e, blocks, ends, plan.config.activation_checkpoint.mode)
         out[("all_gather", "tp")], out[("reduce_scatter", "tp")] = int(gathered), int(scattered)
     if dims.pp > 1:  # per micro-batch, each stage boundary to another rank: activations forward, gradients back
         out[("send_recv", "pp")] = int(2 * _pipeline_hops(plan, pp_rank) * tokens * plan.model_args.dim // dims.tp * e)
     return out
 
 
-def tp_bytes(hidden: float, blocks: float, ends: float, recompute: bool) -> tuple[float, float]:
+def tp_bytes(hidden: float, blocks: float, ends: float, ac_mode: str) -> tuple[float, float]:
     """(all-gather, reduce-scatter) buffer bytes of sequence-parallel TP per step: each block
     gathers its two inputs (attention, feed-forward) and reduce-scatters its two outputs in
-    forward, the reverse in backward, and recompute regathers both inputs but stops before the
-    block's last reduce-scatter; the embedding and the head one each. `hidden`: the bytes of the
-    step's hidden states on this rank (tokens x dim x element size)."""
+    forward, the reverse in backward; recompute regathers both inputs and, under full AC, stops
+    before the block's last reduce-scatter (selective AC saves no collective: both rerun); the
+    embedding and the head one each. `hidden`: the bytes of the step's hidden states on this rank
+    (tokens x dim x element size)."""
     per_block = 2 * hidden
-    return per_block * blocks * (2 + recompute) + hidden * ends, per_block * blocks * (2 + recompute / 2) + hidden * ends
+    regather, rescatter = {"none": (0, 0), "full": (1, 0.5)}.get(ac_mode, (1, 1))
+    return per_block * blocks * (2 + regather) + hidden * ends, per_block * blocks * (2 + rescatter) + hidden * ends
 
 
 def _pipeline_hops(plan: JobPlan, pp_rank: int) -> int:

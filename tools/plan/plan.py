@@ -37,7 +37,7 @@ LONG_CONTEXT = 32768  # context parallel is tried from this seq_len on
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """One way to run the job, short of the AC mode (which the job plan does not check)."""
+    """One way to run the job, short of the AC mode."""
 
     dp_replicate: int
     dp_shard: int
@@ -148,7 +148,7 @@ def lower_bound(layout: Layout, ac: str, args, gpu: GPU, a, fp8: frozenset[str])
     w = step_time.work(a, args.seq_len, tokens, micro, blocks, 1 / layout.pp, layout.tp, layout.cp,
                        step_time.recompute_share(ActivationCheckpoint(mode=ac), blocks), fp8, "bfloat16", gpu, args.efficiency)
     hidden = tokens / layout.cp * a.dim * 2  # bf16 hidden states of the step
-    tp = step_time.tp_seconds(*formulas.tp_bytes(hidden, blocks, 2 / layout.pp, ac != "none"), hidden / micro, layout.tp,
+    tp = step_time.tp_seconds(*formulas.tp_bytes(hidden, blocks, 2 / layout.pp, ac), hidden / micro, layout.tp,
                               bool(fp8), gpu) if layout.tp > 1 else 0.0
     return w.total + step_time.bubble(layout.schedule, layout.pp, layout.stages_per_rank, w) + tp
 
@@ -164,7 +164,7 @@ def search(args, gpu: GPU) -> tuple[list[Candidate], int, int]:
     enumerated = len(queue)
     heapq.heapify(queue)
     best: dict[tuple, Candidate] = {}
-    plans: dict[Layout, JobPlan | None] = {}
+    plans: dict[tuple[Layout, str], JobPlan | None] = {}
     evaluated = 0
     while queue:
         bound, _, layout, ac = heapq.heappop(queue)
@@ -184,14 +184,14 @@ def search(args, gpu: GPU) -> tuple[list[Candidate], int, int]:
 def _evaluate(layout: Layout, ac: str, args, gpu: GPU, plans: dict) -> Candidate | None:
     """The trainer's job plan for the layout (None: refused) and, if the peak fits, its time."""
     flags = layout.flags(args, ac)
-    if layout not in plans:
+    if (layout, ac) not in plans:
         try:
-            plans[layout] = make_plan(load_config(flags), args.gpus, "cuda", check_only=True)
+            plans[layout, ac] = make_plan(load_config(flags), args.gpus, "cuda", check_only=True)
         except ConfigError:
-            plans[layout] = None
-    if plans[layout] is None:
+            plans[layout, ac] = None
+    plan = plans[layout, ac]
+    if plan is None:
         return None
-    plan = dataclasses.replace(plans[layout], config=load_config(flags))  # the job plan does not depend on the AC mode
     estimates = [formulas.estimate_rank(plan, r) for r in range(layout.pp)]
     peak = max(e.peak for e in estimates)
     if peak > args.memory_fraction * gpu.memory_gib * GIB:

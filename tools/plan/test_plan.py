@@ -1,40 +1,165 @@
-"""The planner against public recipes, and one-line errors for bad input."""
+"""The planner against public recipes and torchtitan's measurements, its schedule, collective and
+float8 arithmetic against the sources it cites, the flags it prints against the trainer's job
+plan, and one-line errors for bad input."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
+from tessera.trainer.config import load_config
+from tessera.trainer.plan import make_plan
+
 import plan
+import step_time
+from gpus import GPUS
+from schedules import SCHEDULES, layers_per_stage
+
+H100 = GPUS["h100"]
 
 
-def _degrees(c):
-    return c.plan.dims.dp_shard, c.plan.dims.tp, c.plan.dims.pp
+def _search(*argv: str) -> list:
+    args = plan.parse(list(argv))
+    return plan.search(args, GPUS[args.gpu])[0]
 
 
-@pytest.mark.parametrize("flavor, gpus, recipe", [
-    ("8B", 8, (8, 1, 1)),  # torchtitan: FSDP 8 on one H100 node
-    ("70B", 256, (32, 8, 1)),  # FSDP 32 x TP 8
+def _time(flavor: str, gpus: int, global_batch: int, layout: plan.Layout, ac: str) -> float:
+    """The model's step seconds of one layout, memory not checked (torchtitan ran 96 GB parts)."""
+    args = plan.parse(["--flavor", flavor, "--gpus", str(gpus), "--global_batch", str(global_batch), "--memory_fraction", "1"])
+    return plan._evaluate(layout, ac, args, dataclasses.replace(H100, memory_gib=1e6), {}).step_s
+
+
+def _fsdp(dp: int, tp: int = 1, local: int = 1, float8: bool = True) -> plan.Layout:
+    return plan.Layout(1, dp, 1, tp, 1, None, 1, None, float8, local)
+
+
+def _pipelined(dp: int, tp: int, pp: int, schedule: str, v: int, per_stage, local: int) -> plan.Layout:
+    return plan.Layout(1, dp, 1, tp, pp, schedule, v, per_stage, True, local)
+
+
+def test_8b_on_8_gpus_is_fsdp_first():
+    """torchtitan's 8B recipe: FSDP 8 on one H100 node."""
+    assert _search("--flavor", "8B", "--gpus", "8")[0].layout.key == (8, 1, 1, 1)
+
+
+def test_70b_on_256_gpus():
+    """torchtitan's 70B recipe, FSDP 32 x TP 8 (global batch 512, its own), is second once TP is
+    8 as there; over all TP degrees TP 4 layouts lead, as in NVIDIA NeMo's 70B recipe (TP 4 x PP 4):
+    TP's per-GPU traffic grows as (tp - 1) at a fixed global batch (README)."""
+    assert (32, 1, 8, 1) in [c.layout.key for c in _search("--flavor", "70B", "--gpus", "256", "--global_batch", "512",
+                                                           "--tp", "8")[:3]]
+
+
+def test_405b_on_512_gpus_recipe_rank_is_stated(capsys):
+    """torchtitan's 405B recipe, FSDP 8 x TP 8 x PP 8 (global batch 256, its own): with TP 8 as in
+    every public 405B recipe it ranks 4th, within 1 % of the 3rd and 5 % behind the best (FSDP 64
+    x TP 8); README says why the model prefers less pipeline here."""
+    found = _search("--flavor", "405B", "--gpus", "512", "--global_batch", "256", "--tp", "8", "--top", "5")
+    keys = [c.layout.key for c in found]
+    rank = keys.index((8, 1, 8, 8)) + 1
+    recipe = found[rank - 1]
+    print(f"405B FSDP 8 x TP 8 x PP 8: rank {rank}, {recipe.step_s / found[0].step_s - 1:+.1%} vs the best; "
+          f"best schedule {recipe.layout.schedule} x {recipe.layout.stages_per_rank}")
+    assert rank <= 4 and recipe.step_s < 1.01 * found[2].step_s
+
+
+@pytest.mark.parametrize("name, flavor, gpus, global_batch, layout, ac, measured, tolerance", [
+    # torchtitan benchmarks/llama3_h100_202412_torchtitan.md (tokens/s/GPU, H100 96 GB, compile)
+    ("8B FSDP 128", "8B", 128, 256, _fsdp(128, local=2, float8=False), "selective", 6514, 0.02),
+    ("8B FSDP 128 float8", "8B", 128, 256, _fsdp(128, local=2), "selective", 8380, 0.02),
+    ("70B FSDP 32 x TP 8 float8", "70B", 256, 512, _fsdp(32, 8, 16), "full", 829, 0.25),
+    ("405B 3D 1F1B float8", "405B", 512, 256, _pipelined(8, 8, 8, "1F1B", 1, None, 32), "full", 100, 0.10),
+    ("405B 3D Interleaved1F1B float8", "405B", 512, 256, _pipelined(8, 8, 8, "Interleaved1F1B", 2, None, 32), "full", 128, 0.15),
 ])
-def test_public_recipes_in_top_3(flavor, gpus, recipe):
-    args = plan.parse(["--flavor", flavor, "--gpus", str(gpus), "--gpu", "h100"])
-    top = plan.candidates(args, plan.GPUS["h100"])[:3]
-    assert recipe in [_degrees(c) for c in top]
+def test_against_torchtitan_measurements(name, flavor, gpus, global_batch, layout, ac, measured, tolerance):
+    """Throughput the model predicts against torchtitan's published runs it was not fitted to
+    (the fit: 8B FSDP 8 with and without float8; README "Against measurements")."""
+    predicted = global_batch * 8192 / _time(flavor, gpus, global_batch, layout, ac) / gpus
+    print(f"{name}: predicted {predicted:.0f}, measured {measured} tokens/s/GPU ({predicted / measured - 1:+.1%})")
+    assert abs(predicted / measured - 1) < tolerance
 
 
-def test_405b_recipe_fits_and_its_rank_is_stated(capsys):
-    """FSDP 8 x TP 8 x PP 8 on 512 H100s fits; the step-time model ranks it below layouts without a
-    pipeline (its 1F1B bubble costs more than the FSDP traffic it saves): stated, not hidden."""
-    args = plan.parse(["--flavor", "405B", "--gpus", "512", "--gpu", "h100", "--global_batch", "64"])
-    found = plan.candidates(args, plan.GPUS["h100"])
-    ranks = [i for i, c in enumerate(found, 1) if _degrees(c) == (8, 8, 8)]
-    print(f"405B FSDP 8 x TP 8 x PP 8: rank {ranks[0]} of {len(found)}")
-    assert ranks
+def test_interleaving_and_zero_bubble_beat_1f1b_for_the_405b_recipe():
+    """torchtitan measured Interleaved1F1B 1.28x faster than 1F1B on the 405B recipe; the model
+    orders the schedules the same way (by less: README)."""
+    times = {(s, v): _time("405B", 512, 256, _pipelined(8, 8, 8, s, v, per, 32), "full") for s, v, per in (
+        ("1F1B", 1, None), ("Interleaved1F1B", 2, None), ("Interleaved1F1B", 4, 4), ("ZBVZeroBubble", 2, None))}
+    assert times[("1F1B", 1)] > times[("Interleaved1F1B", 2)] > times[("Interleaved1F1B", 4)] > times[("ZBVZeroBubble", 2)]
+
+
+def test_schedule_bubbles_are_the_papers():
+    """At T_F = T_B = T_W (the papers' comparison): 1F1B and GPipe (pp-1)/m of the compute,
+    interleaving / v, ZB-H1 (InterleavedZeroBubble) a third of 1F1B, ZB-V zero."""
+    pp, m, t = 8, 32, 1.0
+    compute = m * 3 * t
+    assert SCHEDULES["1F1B"].idle(pp, 1, t, t, t) / compute == SCHEDULES["GPipe"].idle(pp, 1, t, t, t) / compute == 7 / 32
+    assert SCHEDULES["Interleaved1F1B"].idle(pp, 4, t, t, t) / compute == pytest.approx(7 / 32 / 4)
+    assert SCHEDULES["InterleavedZeroBubble"].idle(pp, 2, t, t, t) == pytest.approx(SCHEDULES["1F1B"].idle(pp, 1, t, t, t) / 3 / 2)
+    assert SCHEDULES["ZBVZeroBubble"].idle(pp, 2, t, t, t) == 0
+    assert SCHEDULES["ZBVZeroBubble"].idle(pp, 2, t, 2 * t, t) == pytest.approx(7 * t / 2)  # recompute in B: no longer zero
+
+
+@pytest.mark.parametrize("schedule, pp, v, layers, expected", [
+    ("Interleaved1F1B", 8, 2, 126, None), ("Interleaved1F1B", 8, 4, 126, 4), ("InterleavedZeroBubble", 2, 4, 80, 11),
+    ("ZBVZeroBubble", 4, 2, 32, None), ("1F1B", 4, 1, 32, None), ("Interleaved1F1B", 4, 4, 80, False),
+])
+def test_layers_per_stage_gives_v_stages_per_rank_in_the_job_plan(schedule, pp, v, layers, expected):
+    """The stages-per-rank count reaches the trainer through pipeline_parallel_layers_per_stage;
+    its job plan (for 405B, 70B, 8B) then has pp x v stages, or no value gives v (False)."""
+    assert layers_per_stage(schedule, pp, v, layers) == expected
+    if expected is not False:
+        flavor = {126: "405B", 80: "70B", 32: "8B"}[layers]
+        flags = [f"--model.flavor={flavor}", f"--parallelism.pipeline_parallel_degree={pp}",
+                 f"--parallelism.pipeline_parallel_schedule={schedule}", f"--training.local_batch_size={pp}"]
+        flags += [f"--parallelism.pipeline_parallel_layers_per_stage={expected}"] if expected else []
+        assert len(make_plan(load_config(flags), pp * 8, "cuda", check_only=True).pipeline.parts) == pp * v
+
+
+def test_hsdp_cp_float8_flags_are_what_the_trainer_runs():
+    """An HSDP x CP x TP layout with float8, as printed, gives the trainer's job plan those degrees,
+    the float8 converter and FSDP's float8 all-gather."""
+    args = plan.parse(["--flavor", "8B", "--gpus", "64", "--seq_len", "65536", "--global_batch", "16"])
+    layout = plan.Layout(dp_replicate=2, dp_shard=4, cp=4, tp=2, pp=1, schedule=None, stages_per_rank=1,
+                         layers_per_stage=None, float8=True, local=2)
+    p = make_plan(load_config(layout.flags(args, "full")), 64, "cuda", check_only=True)
+    assert (p.dims.dp_replicate, p.dims.dp_shard, p.dims.cp, p.dims.tp) == (2, 4, 4, 2)
+    assert [c.name for c in p.converters] == ["float8"] and p.config.float8.enable_fsdp_float8_all_gather
+    assert ("--parallelism.context_parallel_degree=4" in layout.flags(args, "full")
+            and (2, 4) in plan._shard_options(8, 8, H100))  # each replica sharded over 4 whole nodes
+
+
+def test_cp_is_tried_from_32k():
+    args = plan.parse(["--flavor", "8B", "--gpus", "16", "--seq_len", "32768", "--global_batch", "16"])
+    assert {layout.cp for layout, _ in plan.layouts(args, H100)} == {1, 2, 4, 8}
+    args = plan.parse(["--flavor", "8B", "--gpus", "16", "--global_batch", "16"])
+    assert {layout.cp for layout, _ in plan.layouts(args, H100)} == {1}
+
+
+def test_ring_latency_is_nccls_and_fsdp_exposure_grows_with_nodes():
+    """NCCL's tuning model for a ring all-gather of 64 ranks on 64 nodes: 8.4 + 63 x 9.6 us; on
+    one node of 8: 8.4 + 7 x 3.4 us. FSDP's exposed time grows with the nodes in its ring."""
+    assert step_time.ring_seconds(1, 64, 64, H100)[0] == pytest.approx((8.4 + 63 * 9.6) * 1e-6)
+    assert step_time.ring_seconds(1, 8, 1, H100)[0] == pytest.approx((8.4 + 7 * 3.4) * 1e-6)
+    assert step_time.ring_seconds(1e9, 8, 1, H100)[1] == pytest.approx(1e9 * 7 / 8 / 450e9)
+    exposed = [_time("8B", g, g, _fsdp(g, float8=False), "selective") for g in (8, 64, 512)]
+    assert exposed[0] < exposed[1] < exposed[2]
+
+
+def test_float8_where_the_gpu_has_it():
+    """Dense datasheet peaks: float8 twice bf16 on H100/H200/B200; A100 has none, and the planner
+    tries float8 only where there is one."""
+    for name in ("h100", "h200", "b200"):
+        assert GPUS[name].tflops["float8"] == pytest.approx(2 * GPUS[name].tflops["bfloat16"], rel=1e-3)
+    args = plan.parse(["--flavor", "8B", "--gpus", "8", "--gpu", "a100"])
+    assert not any(layout.float8 for layout, _ in plan.layouts(args, GPUS["a100"]))
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--flavor", "9B", "--gpus", "8"], "--flavor '9B' is not a flavor of llama3"),
     (["--flavor", "8B", "--gpus", "0"], "--gpus 0 must be >= 1"),
     (["--flavor", "8B", "--gpus", "8", "--gpu", "tpu"], "--gpu 'tpu' is not one of"),
+    (["--flavor", "8B", "--gpus", "8", "--tp", "two"], "--tp 'two' is not a comma-separated list"),
     (["--flavor", "8B"], "the following arguments are required: --gpus"),
     (["--flavor", "405B", "--gpus", "1"], "no layout of llama3/405B fits 1 x H100 SXM"),
 ])

@@ -53,7 +53,9 @@ def _check_runs(per_rank, reference, reference_params):
         joined = {}
         for rank_results in per_rank:
             numbers, params = rank_results[name]
-            _assert_close(numbers, reference if "accumulation" not in name else reference[:-1], name)
+            # accumulation runs validate other batches (see below): their training numbers only
+            want = reference if "accumulation" not in name else [n for n in reference if isinstance(n, tuple)]
+            _assert_close(numbers, want, name)
             joined.update(params)
         assert_params_close(joined, reference_params, 1e-5, name)
 

@@ -107,3 +107,14 @@ def test_no_aux_loss_without_grad():
     with torch.no_grad():
         layer(torch.randn(1, 3, 8))
     assert layer.aux_loss.item() == 0.0
+
+
+def test_evaluation_forwards_do_not_count_toward_the_load():
+    layer, x = skewed_layer_and_tokens()
+    with torch.no_grad():
+        layer.eval()
+        layer(x)  # validation: the bias must follow the training tokens only
+        assert not layer.tokens_per_expert.any()
+        layer.train()
+        layer(x)
+    assert layer.tokens_per_expert.sum() == 4 * 64 * 2

@@ -78,8 +78,9 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, dim)
         weights, experts, scores = self.router(tokens, self.expert_bias)
         counts = expert_counts(experts, self.args.n_experts)
-        with torch.no_grad():
-            self.tokens_per_expert += counts
+        if self.training:  # the bias follows the training tokens' load, not validation's
+            with torch.no_grad():
+                self.tokens_per_expert += counts
         order = torch.argsort(experts.flatten(), stable=True)
         routed = self.experts(tokens[order // self.args.top_k], counts)
         out = combine(routed, order, weights)
