@@ -96,7 +96,8 @@ def work(a, seq_len: int, tokens: float, microbatches: int, blocks: float, head:
     reruns. FLOPs as the model spec counts them (6 per weight per token: 2 forward, 2 input
     gradient, 2 weight gradient), except attention, whose causal mask halves the spec's
     12·heads·head_dim·seq (a third of it forward, two thirds input gradient)."""
-    peak = {True: gpu.tflops.get("float8", 0) * 1e12 * efficiency * FLOAT8_EFFICIENCY, False: gpu.tflops[dtype] * 1e12 * efficiency}
+    peak = {True: gpu.tflops.get("float8", 0) * 1e12 * efficiency * FLOAT8_EFFICIENCY,
+            False: gpu.tflops[dtype] * 1e12 * efficiency}
     rank_tokens = tokens / cp / tp
     blocks_linear = sum(6 * o * i * rank_tokens * blocks / peak[n in fp8] for n, (o, i, _) in formulas.block_linears(a).items())
     linear = blocks_linear + 6 * a.vocab_size * a.dim * rank_tokens * head / peak["output" in fp8]
@@ -107,7 +108,8 @@ def work(a, seq_len: int, tokens: float, microbatches: int, blocks: float, head:
     if "output" in fp8:
         operands += head * (rows * a.dim + a.dim * a.vocab_size / tp + rows * a.vocab_size / tp)
     casts = FLOAT8_CAST_BYTES * operands * microbatches / (gpu.hbm_tbps * 1e12)
-    return Work(forward=(linear + attention) / 3, backward=linear / 3 + 2 * attention / 3 + recompute * (blocks_linear + attention) / 3,
+    recomputed = recompute * (blocks_linear + attention) / 3  # the blocks' forward, again
+    return Work(forward=(linear + attention) / 3, backward=linear / 3 + 2 * attention / 3 + recomputed,
                 weights=linear / 3, casts=casts, microbatches=microbatches)
 
 
@@ -117,8 +119,8 @@ def recompute_share(ac, blocks: float) -> float:
     N-th (selective N)."""
     if ac.mode == "full":
         return 1.0
-    if ac.mode == "selective" and ac.selective_ac_option != "op":
-        return math.ceil(blocks / int(ac.selective_ac_option)) / max(blocks, 1)
+    if ac.mode == "selective" and ac.selective_ac_option != "op":  # the N-th, 2N-th, ... block (as formulas)
+        return (blocks // int(ac.selective_ac_option)) / max(blocks, 1)
     return 0.0
 
 
@@ -164,20 +166,16 @@ def _rank_step(plan: JobPlan, pp_rank: int, est, gpu: GPU, efficiency: float) ->
     w = rank_work(plan, pp_rank, gpu, efficiency)
     options = float8_of(plan.config, plan.dims)
     fp8 = float8_linears(options, plan.model_args)
-    blocks = sum(m.startswith("layers.") for m in formulas.stage_modules(plan, pp_rank))
-    micro = plan.pipeline.microbatches if plan.pipeline else 1
-    one = batch.local * batch.seq_len // micro // dims.cp * plan.model_args.dim * plan.param_dtype.itemsize  # one micro-batch's hidden states
+    a, e, micro = plan.model_args, plan.param_dtype.itemsize, plan.pipeline.microbatches if plan.pipeline else 1
+    one = batch.local * batch.seq_len // micro // dims.cp * a.dim * e  # a micro-batch's hidden states on the rank
+    kv = batch.local * batch.seq_len // micro * a.n_heads * a.head_dim // dims.tp * e  # its gathered K (or V)
     out = {"compute": w.total,
            "bubble": bubble(plan.pipeline and plan.pipeline.schedule, dims.pp, len(formulas.local_stages(plan, pp_rank)), w)}
     out["tp"] = tp_seconds(est.comm.get(("all_gather", "tp"), 0), est.comm.get(("reduce_scatter", "tp"), 0), one,
                            dims.tp, bool(fp8) and options.recipe_name == "tensorwise", gpu)
-    # CP's K/V gathers, per block and pass: synchronous with attention, exposed
-    out["cp"] = 0.0
-    for kind in ("all_gather", "reduce_scatter"):
-        nbytes, count = est.comm.get((kind, "cp"), 0), 2 * blocks * w.microbatches
-        if nbytes:
-            lat, bw = ring_seconds(nbytes / count, dims.cp, group_nodes(dims.cp, dims.tp, gpu), gpu)
-            out["cp"] += count * (lat + bw)
+    # CP's K and V gathers (dK, dV reduce-scatters), each a whole sequence's: synchronous with attention, exposed
+    lat, bw = ring_seconds(kv, dims.cp, group_nodes(dims.cp, dims.tp, gpu), gpu)
+    out["cp"] = sum(est.comm.get((kind, "cp"), 0) for kind in ("all_gather", "reduce_scatter")) / kv * (lat + bw)
     out["fsdp"] = _fsdp_exposed(plan, pp_rank, est, w, fp8 if options and options.enable_fsdp_float8_all_gather else frozenset(), gpu)
     out["pp"] = _pipeline_exposed(plan, one / dims.tp, gpu)
     out["total"] = sum(out.values())
