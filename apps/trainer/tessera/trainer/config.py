@@ -634,10 +634,16 @@ def _read_experimental(config: JobConfig) -> None:
         moved.append("pipeline_parallel_microbatches")
     if old.pipeline_parallel_split_points:
         moved.append("pipeline_parallel_split_points")
-    if moved and os.environ.get("RANK", "0") == "0":
-        print(f"note: config keys experimental.{{{', '.join(moved)}}} are deprecated; read as their [parallelism] "
-              "equivalents (microbatches -> pipeline_parallel_microbatch_size, split_points -> module_fqns_per_model_part)",
-              file=sys.stderr, flush=True)
+    if moved:
+        note(f"config keys experimental.{{{', '.join(moved)}}} are deprecated; read as their [parallelism] "
+             "equivalents (microbatches -> pipeline_parallel_microbatch_size, split_points -> module_fqns_per_model_part)")
+
+
+def note(message: str) -> None:
+    """A remark on the config, once per job: by the process that reads it first — `--nproc`'s
+    launcher (its ranks then stay quiet), else rank 0."""
+    if os.environ.get("RANK", "0") == "0" and "TESSERA_LAUNCHER_PID" not in os.environ:
+        print(f"note: {message}", file=sys.stderr, flush=True)
 
 
 def validate(config: JobConfig, accepted: frozenset[str] = frozenset()) -> None:
@@ -710,10 +716,9 @@ def validate(config: JobConfig, accepted: frozenset[str] = frozenset()) -> None:
     grouped = [(f"quantize.grouped_mm.{kind}", ("quantize", "grouped_mm", kind)) for kind in ("float8", "mx")]
     for name, path in [*float8_converter.SECTIONS.items(), (float8_converter.MX_NAME, float8_converter.MX_SECTION), *grouped]:
         section = float8_converter.section_of(config, path)
-        if section != type(section)() and name not in config.model.converters and os.environ.get("RANK", "0") == "0":
+        if section != type(section)() and name not in config.model.converters:
             # torchtitan's configs carry the section whether or not the converter runs
-            print(f"note: config section [{'.'.join(path)}] has no effect: model.converters does not list {name!r}",
-                  file=sys.stderr, flush=True)
+            note(f"config section [{'.'.join(path)}] has no effect: model.converters does not list {name!r}")
 
 
 def get_key(config: JobConfig, dotted: str) -> typing.Any:
