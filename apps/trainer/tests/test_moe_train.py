@@ -74,3 +74,10 @@ def test_deepseek_v3_expert_parallel_matches_single_process(tmp_path, layout):
             assert loads and loads == {key: ref[key] for key in loads}
     joined = {key: value for _, params in per_rank for key, value in params.items()}
     assert_params_close(joined, reference_params, 1e-5, layout)
+
+
+def test_forced_load_balance_gives_every_expert_the_same_load(tmp_path):
+    history, _ = _train_rank(0, 1, [*BASE, *FAMILIES["deepseek_v3"], "--job.dump_folder", str(tmp_path),
+                                    "--debug.moe_force_load_balance", "true", "--training.steps", "1"])
+    loads = {key: value for key, value in history[-1].items() if key.startswith("moe/")}
+    assert loads and all(value == 1.0 for key, value in loads.items() if key.endswith("/imbalance"))

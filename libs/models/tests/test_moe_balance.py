@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from tessera.models.moe import (
-    MoE, MoEArgs, expert_load, load_imbalance, sequence_balance_loss, set_aux_loss_scale, update_expert_bias,
+    MoE, MoEArgs, expert_load, force_load_balance, load_imbalance, sequence_balance_loss, set_aux_loss_scale,
+    update_expert_bias,
 )
 
 
@@ -118,3 +119,11 @@ def test_evaluation_forwards_do_not_count_toward_the_load():
         layer.train()
         layer(x)
     assert layer.tokens_per_expert.sum() == 4 * 64 * 2
+
+
+def test_forced_load_balance_routes_round_robin():
+    layer, x = skewed_layer_and_tokens()
+    force_load_balance(nn.ModuleDict({"0": layer}))
+    with torch.no_grad():
+        layer(x)
+    assert torch.equal(layer.tokens_per_expert, torch.full((8,), 4 * 64 * 2 // 8))  # skewed input, even load

@@ -198,7 +198,6 @@ REFUSED = {
     "parallelism.pipeline_parallel_expert_parallel_overlap": _NO_EP,
     "parallelism.expert_tensor_parallel_degree": _NO_EP,
     "parallelism.expert_parallel_comm_backend": "only 'standard' (all_to_all_single): DeepEP is not part of Tessera",
-    "debug.moe_force_load_balance": _NO_EP,
     "comm.mode": _ESTIMATE,
     "quantize.linear.mx.mxfp8_dim1_cast_kernel_choice": "torchao 0.18's MXFP8 training config chooses the cast kernel itself",
     "memory_estimation.enable": _ESTIMATE,

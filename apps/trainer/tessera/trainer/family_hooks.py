@@ -19,6 +19,8 @@ class FamilyHooks:
         hooks = plan.spec.step_hooks
         for part in parts:
             hooks.set_loss_scale(part, 1 / plan.batch.accumulation)
+            if plan.config.debug.moe_force_load_balance:
+                hooks.force_load_balance(part)
         self._after = hooks.after_optimizer_step
         # ranks whose tokens differ: their expert loads add up (a model-parallel rank sees its peers')
         self._group = meshes.loss.get_group() if meshes.loss is not None else None

@@ -306,6 +306,8 @@ def _check_tensor_parallel(config: JobConfig, spec: ModelSpec, args, dims: Paral
 
 
 def _check_expert_parallel(config: JobConfig, spec: ModelSpec, args, dims: ParallelDims) -> None:
+    if config.debug.moe_force_load_balance and not spec.n_experts(args):
+        raise ConfigError(f"debug.moe_force_load_balance: {spec.name}/{config.model.flavor} has no experts")
     if not dims.ep_enabled:
         return
     experts = spec.n_experts(args)

@@ -21,6 +21,10 @@ def _no_step(model: nn.Module, group: Any) -> dict:
     return {}
 
 
+def _no_force(model: nn.Module) -> None:
+    pass
+
+
 @dataclass(frozen=True)
 class StepHooks:
     """A family's part in each training step, for state outside the parameters (MoE routers).
@@ -32,10 +36,13 @@ class StepHooks:
         rank, for the model or each pipeline stage; ``group`` spans the ranks that see different
         tokens (data and context parallel; None alone). Returns readings for metrics (MoE: each
         layer's tokens per expert), read by the trainer at log steps only.
+    force_load_balance(model): a debugging switch for benchmarks: MoE routers send tokens to
+        experts round-robin, so every expert gets the same load.
     """
 
     set_loss_scale: Callable[[nn.Module, float], None] = _no_loss_scale
     after_optimizer_step: Callable[[nn.Module, Any], dict] = _no_step
+    force_load_balance: Callable[[nn.Module], None] = _no_force
 
 
 NO_STEP_HOOKS = StepHooks()

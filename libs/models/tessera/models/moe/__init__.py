@@ -4,7 +4,9 @@ and the sequence-wise balance loss."""
 
 from tessera.models.moe.args import SCORE_FUNCS, MoEArgs
 from tessera.models.moe.aux_loss import attach_aux_loss, sequence_balance_loss
-from tessera.models.moe.balance import expert_load, load_imbalance, moe_layers, set_aux_loss_scale, update_expert_bias
+from tessera.models.moe.balance import (
+    expert_load, force_load_balance, load_imbalance, moe_layers, set_aux_loss_scale, update_expert_bias,
+)
 from tessera.models.moe.experts import (
     GroupedExperts, experts_grouped_mm, experts_loop, grouped_mm_supported, run_experts,
 )
@@ -22,6 +24,7 @@ __all__ = [
     "expert_counts",
     "expert_load",
     "expert_scores",
+    "force_load_balance",
     "experts_grouped_mm",
     "experts_loop",
     "grouped_mm_supported",

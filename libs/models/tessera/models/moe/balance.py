@@ -50,6 +50,12 @@ def update_expert_bias(model: nn.Module, group: dist.ProcessGroup | None = None)
     return dict(zip(layers, loads))
 
 
+def force_load_balance(model: nn.Module) -> None:
+    """Every MoE router of ``model`` routes round-robin (``TopKRouter.force_load_balance``)."""
+    for layer in moe_layers(model).values():
+        layer.router.force_load_balance = True
+
+
 def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
     """The factor the trainer multiplies the training loss by before backward (1 / micro-batches
     per step): the sequence-wise balance loss's gradient gets the same (see ``aux_loss``)."""
@@ -58,4 +64,5 @@ def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
 
 
 # ModelSpec.step_hooks of the MoE families: the balance loss's scale, the router-bias update.
-MOE_STEP_HOOKS = StepHooks(set_loss_scale=set_aux_loss_scale, after_optimizer_step=update_expert_bias)
+MOE_STEP_HOOKS = StepHooks(set_loss_scale=set_aux_loss_scale, after_optimizer_step=update_expert_bias,
+                           force_load_balance=force_load_balance)

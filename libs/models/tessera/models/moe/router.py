@@ -30,12 +30,17 @@ def select_experts(scores: torch.Tensor, top_k: int, bias: torch.Tensor | None =
 
 class TopKRouter(nn.Module):
     """gate: Linear(dim -> n_experts); forward(x [N, dim], bias [E] or None) ->
-    (weights [N, top_k] float32, experts [N, top_k] long, scores [N, E] float32)."""
+    (weights [N, top_k] float32, experts [N, top_k] long, scores [N, E] float32).
+
+    ``force_load_balance`` (a debugging switch for benchmarks): slot i of the N * top_k goes to
+    expert i mod E whatever the scores, so every expert gets the same load; weights are still
+    the chosen experts' scores."""
 
     def __init__(self, dim: int, args: MoEArgs):
         super().__init__()
         self.gate = nn.Linear(dim, args.n_experts, bias=False)
         self.args = args
+        self.force_load_balance = False
 
     def init_weights(self, init_std: float) -> None:
         nn.init.trunc_normal_(self.gate.weight, mean=0.0, std=init_std)
@@ -43,7 +48,10 @@ class TopKRouter(nn.Module):
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None):
         a = self.args
         scores = expert_scores(self.gate(x), a.score_func)
-        experts = select_experts(scores, a.top_k, bias, a.n_groups, a.topk_groups, a.group_score_top)
+        if self.force_load_balance:
+            experts = torch.arange(scores.shape[0] * a.top_k, device=scores.device).remainder(a.n_experts).view(-1, a.top_k)
+        else:
+            experts = select_experts(scores, a.top_k, bias, a.n_groups, a.topk_groups, a.group_score_top)
         weights = scores.gather(-1, experts)
         if a.route_norm:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
