@@ -17,6 +17,7 @@ placements.
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 class _RMSNormCPU(torch.autograd.Function):
@@ -46,8 +47,9 @@ class RMSNorm(nn.RMSNorm):
     """`nn.RMSNorm` (same parameters and state dict) over the last dimension, with a weight."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # fake tensors (tools/estimate's trace) take the path real ones would
         fast = (x.device.type == "cpu" and self.weight is not None and len(self.normalized_shape) == 1
-                and type(x) is torch.Tensor and type(self.weight.data) is torch.Tensor)
+                and not isinstance(x, DTensor) and not isinstance(self.weight.data, DTensor))
         if not fast:
             return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
         return _RMSNormCPU.apply(x, self.weight, self.eps)
