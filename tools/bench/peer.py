@@ -28,7 +28,7 @@ COMMON = {"seq_len": "256", "local_batch_size": "8"}
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _STEP = {"tessera": re.compile(r"step\s+(\d+)/\d+\s+loss\s+([0-9.]+).*?tps\s+([0-9,]+)"),
          "torchtitan": re.compile(r"step:\s*(\d+)\s+loss:\s*([0-9.]+).*?tps:\s*([0-9,]+)")}
-_PARAMS = {"tessera": re.compile(r"tessera: \S+ ([0-9,]+) local params"),
+_PARAMS = {"tessera": re.compile(r"tessera: .*?([0-9,]+) (?:local params|parameters on this rank)"),
            "torchtitan": re.compile(r"size: ([0-9,]+) total parameters")}
 
 

@@ -130,12 +130,27 @@ def _microbatch_tokens(plan: JobPlan) -> int:
     return plan.batch.local * plan.batch.seq_len // b // plan.dims.cp
 
 
+def norm_kept(plan: JobPlan) -> int:
+    """Bytes per element an RMSNorm keeps for backward besides its output and rstd (README: measured
+    on one norm), by the code path of the plan's device: CUDA's fused kernel keeps its input; on CPU
+    tessera's RMSNorm keeps the normalized input in fp32, but a DTensor's (tensor parallel) takes
+    torch's composite, which keeps its input, the fp32 upcast of a low-precision input and the
+    normalized input before the weight."""
+    e = _compute_bytes(plan)
+    if plan.device == "cuda":
+        return e
+    if plan.dims.tp == 1:
+        return F32
+    return 2 * e + (F32 if e != F32 else 0)
+
+
 def block_activations(plan: JobPlan, mode: str) -> float:
     """Bytes one block keeps per micro-batch for backward under AC `mode` (README: the derivation)."""
     a, t, cp = plan.model_args, plan.dims.tp, plan.dims.cp
     tokens = _microbatch_tokens(plan)
     h, q, kv, f, e = a.dim, a.n_heads * a.head_dim, a.kv_heads * a.head_dim, a.ffn_hidden_dim, _compute_bytes(plan)
     small = tokens * F32 * 2 / t + tokens * a.n_heads // t * F32  # RMSNorm rstd x2, attention logsumexp
+    norms = tokens * 2 * norm_kept(plan) * h / t
     gathered_inputs = 2 * h * (t - 1) / t  # under sequence parallel the linears keep the gathered norm outputs
     if mode == "full":
         return tokens * e * h / t
@@ -143,7 +158,7 @@ def block_activations(plan: JobPlan, mode: str) -> float:
         return tokens * e * (h / t + (2 * q + 2 * kv + 2 * f) / t + 2 * h) + tokens * a.n_heads // t * F32
     # context parallel: attention keeps the K and V (heads repeated) it gathered from the other cp ranks
     gathered_kv = 2 * q / t * (cp - 1)
-    return tokens * e * ((5 * h + 5 * q + 4 * f) / t + gathered_inputs + gathered_kv) + small
+    return tokens * e * ((h + 5 * q + 4 * f) / t + gathered_inputs + gathered_kv) + norms + small
 
 
 def _recompute_bytes(plan: JobPlan) -> float:
@@ -171,8 +186,9 @@ def _microbatch_activations(plan: JobPlan, modules: list[str]) -> float:
     else:
         out = blocks * block_activations(plan, mode)
     tokens = _microbatch_tokens(plan)
-    if "output" in modules:  # final norm in/out (+ its gathered output), then fp32 logits and log-softmax
-        out += tokens * e * (3 * a.dim / t + a.dim * (t - 1) / t) + tokens * a.vocab_size / t * (8 + (e if e != F32 else 0))
+    if "output" in modules:  # final norm's output and kept bytes (+ its gathered output), then fp32 logits and log-softmax
+        out += (tokens * (e * a.dim / t + norm_kept(plan) * a.dim / t + e * a.dim * (t - 1) / t)
+                + tokens * a.vocab_size / t * (8 + (e if e != F32 else 0)))
     if "tok_embeddings" in modules:
         out += 2 * tokens * 8  # token ids and labels
     return out

@@ -5,10 +5,13 @@ against torch's FlopCounterMode, and one-line errors for bad input."""
 from __future__ import annotations
 
 import collections
+import types
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import _ComputationType, get_schedule_class
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -16,13 +19,16 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from tessera import pp
 from tessera.mesh.testing import run_on_ranks
+from tessera.models.rms_norm import RMSNorm
 from tessera.trainer.config import load_config
 from tessera.trainer.main import main as trainer_main
 from tessera.trainer.plan import make_plan
 
 import estimate
 import formulas
+import gpu_kernels
 import traced
+from live_bytes import LiveBytes
 from measure import measure_rank
 
 BASE = ["--training.seq_len", "128", "--training.local_batch_size", "4"]
@@ -76,15 +82,50 @@ def test_formula_against_trace():
                     assert f.comm[key] == n, key
 
 
-def test_formula_against_trace_hsdp():
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_formula_against_trace_hsdp(device):
     """HSDP 2 x 2 (replicas of 2-way FSDP shards): state exact, activations within 0.1 %, the
-    shards' all-gather and reduce-scatter and the replicas' all-reduce exact."""
+    shards' all-gather and reduce-scatter and the replicas' all-reduce exact; for the norm path
+    of either device."""
     argv = [*BASE, "--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]
-    plan = make_plan(load_config(argv), 4, "cpu", check_only=True)
+    plan = make_plan(load_config(argv), 4, device, check_only=True)
     t, f = traced.trace_rank(plan, 0), formulas.estimate_rank(plan)
     assert {k: getattr(t, k) for k in STATE} == {k: getattr(f, k) for k in STATE}
     assert f.activations == pytest.approx(t.activations, rel=0.001)
     assert {key: n for key, n in t.comm.items() if n > 1 << 16} == f.comm
+
+
+def test_formula_against_trace_tp_cuda():
+    """A "cuda" plan's tensor-parallel norms keep what CUDA's fused kernel keeps (less than the CPU
+    composite a "cpu" plan's DTensor norms take): activations within 0.1 % of the trace."""
+    world, degrees = LAYOUTS["tp2"]
+    traces = {}
+    for device in ("cpu", "cuda"):
+        plan = make_plan(load_config([*BASE, *degrees]), world, device, check_only=True)
+        traces[device], f = traced.trace_rank(plan, 0), formulas.estimate_rank(plan)
+        assert f.activations == pytest.approx(traces[device].activations, rel=0.001)
+    assert traces["cuda"].activations < traces["cpu"].activations
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("path", ["cpu", "composite", "fused"])
+def test_norm_kept_bytes_measured_on_one_norm(path, dtype):
+    """formulas.norm_kept against LiveBytes on one norm's forward (fake tensors): what stays
+    besides its output is T·h·norm_kept + the fp32 rstd (T·4)."""
+    tokens, dim = 64, 32
+    norm = RMSNorm(dim).to(dtype)
+    if path == "fused":
+        gpu_kernels.fused_rms_norms(norm)
+    device, tp = {"cpu": ("cpu", 1), "composite": ("cpu", 2), "fused": ("cuda", 1)}[path]
+    plan = types.SimpleNamespace(device=device, dims=types.SimpleNamespace(tp=tp), param_dtype=dtype)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        x0 = torch.ones(tokens, dim, dtype=dtype, requires_grad=True)
+        with LiveBytes() as live:
+            x = x0 * 1
+            y = norm(x) if path != "composite" else F.rms_norm(x, (dim,), norm.weight, norm.eps)
+            del x
+            kept = live.current - y.nbytes
+    assert kept == tokens * dim * formulas.norm_kept(plan) + tokens * 4
 
 
 def test_flops_formula_vs_flop_counter():

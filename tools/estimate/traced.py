@@ -4,9 +4,12 @@ weights materialised as fake tensors, then one training step (the configured mic
 clipping and AdamW) run on fake tensors while the dispatcher counts live bytes and collectives.
 
 Nothing is allocated and nothing is sent, so a 405B rank costs seconds and a few hundred MB.
-Compile is left out (it changes kernels, not what is kept). Pipeline stages are traced for their
-model state only: torch's schedules exchange shape metadata that a fake group cannot carry, so a
-stage's activations come from the closed-form formula times the schedule's micro-batches in flight.
+Compile is left out (it changes kernels, not what is kept). The model takes the code path of the
+device the plan is for: CPU fake tensors take tessera's CPU paths as real CPU tensors do, and a
+"cuda" plan's norms keep what CUDA's fused kernel keeps (gpu_kernels.py). Pipeline stages are
+traced for their model state only: torch's schedules exchange shape metadata that a fake group
+cannot carry, so a stage's activations come from the closed-form formula times the schedule's
+micro-batches in flight.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from tessera.trainer.step import cross_entropy, gradient_sync, plain_forward_bac
 from tessera.trainer.train import _optimizer
 
 from collectives import Collectives, group_dims
+from gpu_kernels import fused_rms_norms
 from live_bytes import LiveBytes
 
 
@@ -68,13 +72,16 @@ def _parts(plan: JobPlan, meshes: Meshes) -> list[torch.nn.Module]:
 
 def trace_rank(plan: JobPlan, rank: int) -> RankMemory:
     """One rank's memory and communication for one steady-state step (optimizer state present)."""
-    plan = trace_plan(plan)
+    device, plan = plan.device, trace_plan(plan)
     world = plan.world_size
     if world > 1:
         dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
     try:
         meshes = build_meshes(plan.dims, "cpu") if world > 1 else Meshes.single()
         parts = _parts(plan, meshes)
+        if device == "cuda":
+            for part in parts:
+                fused_rms_norms(part)
         with FakeTensorMode(allow_non_fake_inputs=True), LiveBytes() as live, Collectives(group_dims(meshes), live.key) as comm:
             for part in parts:
                 part.to_empty(device="cpu")
