@@ -1,7 +1,7 @@
 """Side-by-side CPU benchmarks, every figure measured in this one run (see README.md):
 
-- variants (default): Tessera's trainer against a bare PyTorch loop (the floor) on the same
-  model, data and batch; Tessera under FSDP, TP and CP on 2 local ranks; one process with
+- variants (default): Tessera's trainer against a bare PyTorch loop (the floor: the same model,
+  optimizer, clipping and batches, the batches made beforehand, a loss read at log steps only); Tessera under FSDP, TP and CP on 2 local ranks; one process with
   per-block compile, activation checkpointing (full, selective per-op) and float8 (torchao,
   emulated on CPU: a correctness path, slower than fp32 there). Each variant runs in its own
   process (peak RSS is its own); `--repeats N` runs the list N times interleaved and reports
@@ -12,7 +12,7 @@
   interleaved repeats, median tokens/s per rank and the ratio Tessera / torchtitan.
 - `--profile`: where one step goes (profile_split.py), Tessera's and (with the peer) torchtitan's.
 
-  bazel run //tools/bench -- [--steps 20] [--warmup 3] [--repeats 1] [--variants bare,tessera,...] [--section.key value ...]
+  bazel run //tools/bench -- [--steps 30] [--warmup 3] [--repeats 1] [--variants bare,tessera,...] [--section.key value ...]
   long sequences, cp 1 vs 2: --variants tessera,cp2 --training.seq_len 8192 --training.local_batch_size 1
   bazel run //tools/bench -- --peer [--peer_root DIR] [--dtypes float32,bfloat16] [--nprocs 1,2] [--repeats 2] [--steps 30]
   bazel run //tools/bench -- --profile [--peer_root DIR] [--dtypes float32,bfloat16]
@@ -56,10 +56,18 @@ def _peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def _tokens_per_second(per_step_tps: list[float], warmup: int) -> float:
-    """Tokens over time for the steps after warm-up (a mean of rates would overweight fast steps)."""
-    timed = per_step_tps[warmup:]
-    return len(timed) / sum(1.0 / tps for tps in timed)
+def timed_after(warmup: int, log_freq: int) -> int:
+    """The last untimed step: the first log step (1 and every log_freq-th) at or after the warm-up,
+    so the trainer's throughput windows (which run from one log step to the next) and the bare
+    loop's time the same steps, with the trainer's usual log frequency."""
+    return 1 if warmup <= 1 else -(-warmup // log_freq) * log_freq
+
+
+def _tokens_per_second(windows: list[tuple[int, float]]) -> float:
+    """Tokens over time for (steps, tokens/s) windows (a mean of rates would overweight fast ones)."""
+    if not windows:
+        raise SystemExit("bench: no step is timed: --steps must reach past the first log step after --warmup")
+    return sum(n for n, _ in windows) / sum(n / tps for n, tps in windows)
 
 
 def measure_bare(overrides: list[str], steps: int, warmup: int) -> dict:
@@ -88,34 +96,37 @@ def measure_bare(overrides: list[str], steps: int, warmup: int) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
                                   foreach=o.implementation == "foreach", fused=o.implementation == "fused")
     bf16 = t.mixed_precision_param == "bfloat16"
+    batches = [next(loader) for _ in range(steps)]  # made beforehand: the floor has no data pipeline
     rates = []
     for step in range(1, steps + 1):
         start = time.perf_counter()
-        inputs, labels = next(loader)
+        inputs, labels = batches[step - 1]
         with torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
             loss = F.cross_entropy(model(inputs).flatten(0, 1).float(), labels.flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if step % config.metrics.log_freq == 0:  # what the trainer reads at its log steps
+        if step == 1 or step % config.metrics.log_freq == 0:  # what the trainer reads at its log steps
             loss.item()
-        rates.append(t.local_batch_size * t.seq_len / (time.perf_counter() - start))
-    return {"tps": _tokens_per_second(rates, warmup), "rss": _peak_rss_gib()}
+        rates.append((1, t.local_batch_size * t.seq_len / (time.perf_counter() - start)))
+    return {"tps": _tokens_per_second(rates[timed_after(warmup, config.metrics.log_freq):]), "rss": _peak_rss_gib()}
 
 
 def _trainer_rank(rank: int, world_size: int, overrides: list[str], warmup: int) -> dict:
     from tessera.trainer.config import load_config
     from tessera.trainer.train import train
 
-    history = train(load_config(overrides))
+    config = load_config(overrides)
+    history = [h for h in train(config) if "tps" in h]
     warm_up = next((h["compile_warmup_s"] for h in history if "compile_warmup_s" in h), None)
-    return {"tps": _tokens_per_second([h["tps"] for h in history if "tps" in h], warmup), "rss": _peak_rss_gib(),
-            "warmup_s": warm_up}
+    first = timed_after(warmup, config.metrics.log_freq)
+    windows = [(h["step"] - before["step"], h["tps"]) for before, h in zip(history, history[1:]) if before["step"] >= first]
+    return {"tps": _tokens_per_second(windows), "rss": _peak_rss_gib(), "warmup_s": warm_up}
 
 
 def measure_tessera(overrides: list[str], steps: int, warmup: int, ranks: int) -> dict:
-    overrides = [*overrides, "--training.steps", str(steps), "--metrics.log_freq", "1"]
+    overrides = [*overrides, "--training.steps", str(steps)]
     if ranks == 1:
         return _trainer_rank(0, 1, overrides, warmup)
     from tessera.mesh.testing import run_on_ranks
@@ -163,7 +174,7 @@ def run_variants(known, overrides: list[str]) -> None:
     if floor and plain:
         print(f"framework overhead vs the bare loop: {100 * (1 - plain['tps'] / floor['tps']):+.1f}% "
               f"(medians of {known.repeats} interleaved runs)")
-    print(f"({known.steps} steps, first {known.warmup} untimed; overrides: {' '.join(overrides) or 'none'}; "
+    print(f"({known.steps} steps, timed after the first log step from step {known.warmup}; overrides: {' '.join(overrides) or 'none'}; "
           f"load average {os.getloadavg()[0]:.2f})")
 
 
@@ -228,8 +239,9 @@ def run_profile(known, overrides: list[str]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3, help="first steps left out of the timing")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="steps left out of the timing, rounded up to a log step (metrics.log_freq)")
     parser.add_argument("--repeats", type=int, default=1, help="interleaved runs of each variant (medians)")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--peer", action="store_true", help="Tessera vs torchtitan 0.2.2 (needs PEER_ROOT)")

@@ -84,7 +84,6 @@ def estimate_rank(plan: JobPlan, pp_rank: int = 0) -> FormulaEstimate:
     grads = params
     if dims.tp > 1 and fsdp == 1 and "tok_embeddings" in modules:
         grads += F32 * a.vocab_size // dims.tp * a.dim  # measured: the vocab-parallel embedding's gradient storage is twice its size
-    b = plan.pipeline.microbatches if plan.pipeline else 1
     logits_grad = F32 * _microbatch_tokens(plan) * a.vocab_size // dims.tp if "output" in modules else 0
     # backward: gradients take the place of the activations they free; the largest moment is its
     # start (the logits' gradient) with a checkpointed block rebuilt, or the optimizer step

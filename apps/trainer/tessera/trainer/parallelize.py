@@ -101,6 +101,9 @@ def _expert_placement(experts: nn.Module, meshes: Meshes):
     if meshes.expert_fsdp.size() <= local:
         return None
     return lambda param: Shard(1)
+
+
+def _copy_first_block_input(model: nn.Module) -> None:
     """Measured (torch 2.13, CPU gloo): a compiled block fed the tensor-parallel embedding's
     output directly (the local view that DTensor's to_local returns) hands that view's backward a
     plain gradient where it expects a DTensor, and backward fails; a copy taken outside the

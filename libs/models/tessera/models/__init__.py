@@ -4,6 +4,7 @@
 from tessera.models.attention import CausalSDPA
 from tessera.models.blocks import AC_MODES, apply_activation_checkpointing, apply_compile
 from tessera.models.hf_config import CONFIG_FILE, read_hf_config
+from tessera.models.rms_norm import RMSNorm
 from tessera.models.spec import (
     ARGS_FILE,
     ModelSpec,
@@ -30,6 +31,7 @@ __all__ = [
     "CONFIG_FILE",
     "CausalSDPA",
     "ModelSpec",
+    "RMSNorm",
     "StepHooks",
     "apply_activation_checkpointing",
     "apply_compile",
