@@ -231,7 +231,7 @@ def run_profile(known, overrides: list[str]) -> None:
         for which in ("tessera", "torchtitan") if root else ("tessera",):
             folder = out / f"{which}_{dtype}"
             extra = [*profiling_args(which, known.steps), *(overrides if which == "tessera" else [])]
-            launch(which, root or Path(tempfile.mkdtemp()), dtype, 1, known.steps, folder, extra, regions=True)
+            launch(which, root, dtype, 1, known.steps, folder, extra, regions=True)
             columns[f"{which} {dtype}"] = split(latest_trace(folder / "dump"))
     print(format_table(columns))
     print(f"(step {known.steps} of each run, 1 process; load average {os.getloadavg()[0]:.2f}; traces in {out})")

@@ -47,8 +47,8 @@ def _job_args(which: str, root: Path, dtype: str, nproc: int, steps: int, dump: 
         args += ["--parallelism.data_parallel_shard_degree", str(nproc)]
     if which == "torchtitan":
         return ["--job.config_file", "train_configs/debug_model.toml", "--metrics.disable_color_printing", *args]
-    return [*args, "--metrics.log_freq", "1", "--metrics.disable_color_printing", "true",
-            "--training.dataset_path", str(_jsonl(root))]
+    data = ["--training.dataset_path", str(_jsonl(root))] if root else []  # else Tessera's own corpus
+    return [*args, "--metrics.log_freq", "1", "--metrics.disable_color_printing", "true", *data]
 
 
 def _jsonl(root: Path) -> Path:
@@ -67,11 +67,12 @@ def profiling_args(which: str, step: int) -> list[str]:
     return ["--profiling.enable_profiling", "true", "--profiling.profile_freq", str(step)]
 
 
-def launch(which: str, root: Path, dtype: str, nproc: int, steps: int, out: Path, extra: list[str] = (),
+def launch(which: str, root: Path | None, dtype: str, nproc: int, steps: int, out: Path, extra: list[str] = (),
            regions: bool = False) -> str:
-    """Runs one job under torchrun; returns rank 0's output (raises with its tail on failure)."""
+    """Runs one job under torchrun (root: the peer, needed for torchtitan; Tessera reads its
+    text when there is one); returns rank 0's output (raises with its tail on failure)."""
     env = {**os.environ, "PIN": "1" if nproc > 1 else "0", "SPLIT_REGIONS": "1" if regions else "0",
-           "PEER_ROOT": str(root), "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
+           "PEER_ROOT": str(root or ""), "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
     if which == "torchtitan":  # its own venv: none of Tessera's import path
         env.pop("PYTHONPATH", None)
         env.update(TMPDIR=str(root / "tmp"), HF_HOME=str(root / "cache" / "hf"), HF_HUB_OFFLINE="1",

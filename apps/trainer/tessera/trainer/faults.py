@@ -136,8 +136,8 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 def any_rank(group: dist.ProcessGroup | None, *flags: bool) -> list[bool]:
     """For each host-side flag, whether any rank raised it: one all-reduce for all of them over
     ``group`` (collective; a gloo group, so host memory and no wait for the device's queued
-    work), so every rank acts on them at the same step. One process: the flags themselves."""
-    if not dist.is_initialized():
+    work), so every rank acts on them at the same step. A world of one: the flags themselves."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return list(flags)
     raised = torch.tensor([float(flag) for flag in flags])
     dist.all_reduce(raised, op=dist.ReduceOp.MAX, group=group)
