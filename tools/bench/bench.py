@@ -122,7 +122,9 @@ def _trainer_rank(rank: int, world_size: int, overrides: list[str], warmup: int)
     warm_up = next((h["compile_warmup_s"] for h in history if "compile_warmup_s" in h), None)
     first = timed_after(warmup, config.metrics.log_freq)
     windows = [(h["step"] - before["step"], h["tps"]) for before, h in zip(history, history[1:]) if before["step"] >= first]
-    return {"tps": _tokens_per_second(windows), "rss": _peak_rss_gib(), "warmup_s": warm_up}
+    tps = _tokens_per_second(windows)
+    return {"tps": tps, "rss": _peak_rss_gib(), "warmup_s": warm_up,
+            "step_s": config.training.local_batch_size * config.training.seq_len / tps}
 
 
 def measure_tessera(overrides: list[str], steps: int, warmup: int, ranks: int) -> dict:
@@ -170,12 +172,22 @@ def run_variants(known, overrides: list[str]) -> None:
             rates = ", ".join(f"{x['tps']:,.0f}" for x in runs[v])
             print(f"{'':34}       runs: {rates}")
         if r.get("warmup_s"):
-            print(f"{'':34}       compile warm-up (first step): {r['warmup_s']:.1f} s")
+            print(f"{'':34}       compile warm-up (first step): {r['warmup_s']:.1f} s{_pays_after(r, plain)}")
     if floor and plain:
         print(f"framework overhead vs the bare loop: {100 * (1 - plain['tps'] / floor['tps']):+.1f}% "
               f"(medians of {known.repeats} interleaved runs)")
     print(f"({known.steps} steps, timed after the first log step from step {known.warmup}; overrides: {' '.join(overrides) or 'none'}; "
           f"load average {os.getloadavg()[0]:.2f})")
+
+
+def _pays_after(compiled: dict, plain: dict | None) -> str:
+    """When compile's first step is paid back by its faster steps (one rank's steps)."""
+    if not plain or "step_s" not in plain:
+        return ""
+    saved = plain["step_s"] - compiled["step_s"]
+    if saved <= 0:
+        return "; never pays back (no faster than eager)"
+    return f"; pays back after {(compiled['warmup_s'] - plain['step_s']) / saved:,.0f} steps ({1e3 * saved:.1f} ms/step saved)"
 
 
 def _peer_or_exit(path: str | None, needed: bool):
