@@ -13,7 +13,7 @@
 - `--profile`: where one step goes (profile_split.py), Tessera's and (with the peer) torchtitan's.
 
   bazel run //tools/bench -- [--steps 30] [--warmup 3] [--repeats 1] [--variants bare,tessera,...] [--section.key value ...]
-  long sequences, cp 1 vs 2: --variants tessera,cp2 --training.seq_len 8192 --training.local_batch_size 1
+  long sequences, cp 1 vs 2: --variants tessera,cp2,cp2_alltoall --training.seq_len 8192 --training.local_batch_size 1
   bazel run //tools/bench -- --peer [--peer_root DIR] [--dtypes float32,bfloat16] [--nprocs 1,2] [--repeats 2] [--steps 30]
   bazel run //tools/bench -- --profile [--peer_root DIR] [--dtypes float32,bfloat16]
 """
@@ -35,7 +35,8 @@ VARIANTS = {
     "tessera": ("tessera trainer", 1),
     "fsdp2": ("tessera FSDP", 2),
     "tp2": ("tessera TP (SP, loss parallel)", 2),
-    "cp2": ("tessera CP (all-gather KV)", 2),
+    "cp2": ("tessera CP (ring, K/V all-gathered)", 2),
+    "cp2_alltoall": ("tessera CP (ring, K/V passed on)", 2),
     "compile": ("tessera + compile", 1),
     "ac_full": ("tessera + full AC", 1),
     "ac_op": ("tessera + selective AC (op)", 1),
@@ -45,6 +46,8 @@ LAYOUT_ARGS = {
     "fsdp2": ["--parallelism.data_parallel_shard_degree", "2"],
     "tp2": ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
     "cp2": ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
+    "cp2_alltoall": ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
+                 "--parallelism.context_parallel_rotate_method", "alltoall"],
     "compile": ["--compile.enable", "true"],
     "ac_full": ["--activation_checkpoint.mode", "full"],
     "ac_op": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import convert
@@ -156,3 +157,31 @@ def test_the_checkpoint_record_and_config_json_give_the_shape_without_flags(tmp_
     assert capsys.readouterr().err.strip() == f"convert: error: {step_dir} has no {ARGS_FILE}: pass --flavor (and --model) or --hf_config"
     assert _run("dcp-to-hf", "--hf_config", tmp_path / "alone" / "config.json", step_dir, tmp_path / "again") == 0
     assert load_hf(tmp_path / "again").keys() == load_hf(tmp_path / "hf").keys()
+
+
+@pytest.mark.parametrize("model, flavor", [("deepseek_v3", "debugmodel"), ("qwen3", "debugmodel_moe")])
+def test_moe_round_trip_writes_one_tensor_per_expert(tmp_path, model, flavor):
+    """The trainer's record gives the shape one way, the written config.json the other way back."""
+    spec = get_model_spec(model)
+    args = spec.flavors[flavor]
+    torch.manual_seed(0)
+    net = spec.build(args)
+    with torch.no_grad():
+        for tensor in net.state_dict().values():
+            tensor.normal_()
+    CheckpointManager(tmp_path / "ckpt", {"model": ModelState([net])}, interval=1,
+                      extra_files={ARGS_FILE: args_record(spec, args, flavor=flavor)}).save(1)
+    weights = net.state_dict()
+    assert _run("dcp-to-hf", tmp_path / "ckpt" / "step-1", tmp_path / "hf") == 0
+    hf = load_hf(tmp_path / "hf")
+    for expert in range(args.moe.n_experts):
+        assert torch.equal(hf[f"model.layers.1.mlp.experts.{expert}.up_proj.weight"], weights["layers.1.moe.experts.w3"][expert])
+    assert spec.hf_config.args_from_config(json.loads((tmp_path / "hf" / "config.json").read_text())) == args
+
+    assert _run("hf-to-dcp", "--model", model, tmp_path / "hf", tmp_path / "back") == 0
+    back = read_dcp(tmp_path / "back", only="model")
+    keeps_bias = model == "deepseek_v3"  # Qwen3-MoE's HF format has no router bias
+    assert back.keys() == weights.keys()
+    for key, value in weights.items():
+        expected = value if keeps_bias or not key.endswith("expert_bias") else torch.zeros_like(value)
+        assert torch.equal(back[key], expected), key

@@ -65,7 +65,57 @@ def init_stats_job(argv: list[str], world_size: int) -> dict:
             "identical": sorted(set(identical)), "shard_pairs": pairs}
 
 
-KINDS = {"train": train_job, "init_stats": init_stats_job}
+def ring_kernel_job(argv: list[str], world_size: int) -> dict:
+    """torch's ring attention (tessera.cp.RingAttention) on one rank, through the device's flash
+    kernel (CUDA: bf16; CPU: fp32) and its backward, against SDPA in fp64: the kernel calls CPU
+    CI cannot reach on CUDA. Relative error of the output and of dQ, dK, dV (GQA 2:1)."""
+    from tessera.cp import RingAttention
+
+    device = device_type()
+    if not dist.is_initialized():  # this job runs alone in its process
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1,
+                                **({"device_id": torch.device("cuda", 0)} if device == "cuda" else {}))
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 256, 64, generator=g) for h in (8, 4, 4))
+    ref = [t.double().requires_grad_() for t in (q, k, v)]
+    ours = [t.to(device, dtype).requires_grad_() for t in (q, k, v)]
+    want = torch.nn.functional.scaled_dot_product_attention(
+        ref[0], ref[1].repeat_interleave(2, 1), ref[2].repeat_interleave(2, 1), is_causal=True)
+    got = RingAttention(dist.group.WORLD, "alltoall")(*ours)
+    grad = torch.randn(want.shape, generator=g)
+    want.backward(grad.double())
+    got.backward(grad.to(device, dtype))
+    rel = lambda a, b: ((a.double().cpu() - b).norm() / b.norm()).item()  # noqa: E731
+    return {"errors": [rel(got.detach(), want.detach()), *(rel(o.grad, r.grad) for o, r in zip(ours, ref))]}
+
+
+def grouped_mm_op_job(argv: list[str], world_size: int) -> dict:
+    """tessera.float8's float8 rowwise grouped GEMMs (torch._scaled_grouped_mm: CUDA only) on a
+    GroupedExperts module against the same module in bf16: relative error of the output and of
+    the input and weight gradients (uneven groups, one empty)."""
+    from torch import nn
+
+    from tessera.float8 import GroupedMMOptions, convert_grouped_mm
+    from tessera.models.moe import GroupedExperts
+
+    counts = torch.tensor([0, 200, 37, 130, 270, 100, 120, 80], device="cuda")
+    x = torch.randn(int(counts.sum()), 256, generator=torch.Generator().manual_seed(1)).to("cuda", torch.bfloat16)
+    results = []
+    for converted in (False, True):
+        torch.manual_seed(0)
+        experts = GroupedExperts(256, 512, 8).to("cuda", torch.bfloat16)
+        experts.init_weights(0.02)
+        if converted:
+            convert_grouped_mm(nn.ModuleDict({"experts": experts}), GroupedMMOptions("fp8_rowwise"))
+        inputs = x.clone().requires_grad_()
+        out = experts(inputs, counts)
+        out.float().square().sum().backward()
+        results.append([t.float() for t in (out.detach(), inputs.grad, experts.w1.grad, experts.w2.grad, experts.w3.grad)])
+    return {"errors": [((got - want).norm() / want.norm()).item() for got, want in zip(results[1], results[0])]}
+
+
+KINDS = {"train": train_job, "init_stats": init_stats_job, "ring_kernel": ring_kernel_job, "grouped_mm_op": grouped_mm_op_job}
 
 
 def main(jobs_path: str, results_path: str) -> int:

@@ -2,10 +2,11 @@
 [--global_batch N] [--top 3] [--efficiency 0.5] [--memory_fraction 0.9]`.
 
 Enumerates layouts the trainer can run (HSDP replicas x FSDP x CP x TP x PP with each pipeline
-schedule and stages per rank, float8, AC mode, local batch), keeps those the trainer's own job
-plan accepts and whose closed-form peak (tools/estimate/formulas.py) fits, ranks them by the
-step-time model of README.md and prints the best distinct layouts with their reasoning and the
-exact trainer flags. Bad input: one line on stderr, exit 2.
+schedule and stages per rank, float8, async TP, AC mode, local batch; compiled wherever the
+trainer can compile), keeps those the trainer's own job plan accepts and whose closed-form peak
+(tools/estimate/formulas.py) fits, ranks them by the step-time model of README.md and prints the
+best distinct layouts with their reasoning and the exact trainer flags. Bad input: one line on
+stderr, exit 2.
 """
 
 from __future__ import annotations
@@ -49,11 +50,17 @@ class Layout:
     layers_per_stage: int | None
     float8: bool
     local: int
+    async_tp: bool = False  # torch's async TP (an inductor pass: compiled plans only)
+
+    @property
+    def compiled(self) -> bool:
+        """torch.compile wherever the trainer allows it (not with CP yet), as in the efficiency's fit."""
+        return self.cp == 1
 
     @property
     def key(self) -> tuple[int, int, int, int]:
         """What makes layouts distinct in the ranking: (data-parallel, cp, tp, pp) degrees; FSDP
-        against HSDP, like the schedule, float8, AC and batch, is a variant of one."""
+        against HSDP, like the schedule, float8, async TP, AC and batch, is a variant of one."""
         return self.dp_replicate * self.dp_shard, self.cp, self.tp, self.pp
 
     def flags(self, args, ac: str) -> list[str]:
@@ -65,6 +72,10 @@ class Layout:
                  f"{par}data_parallel_replicate_degree={self.dp_replicate}", f"{par}data_parallel_shard_degree={self.dp_shard}",
                  f"{par}tensor_parallel_degree={self.tp}", f"{par}context_parallel_degree={self.cp}",
                  f"{par}pipeline_parallel_degree={self.pp}", f"--activation_checkpoint.mode={ac}"]
+        if self.compiled:
+            flags.append("--compile.enable=true")
+        if self.async_tp:
+            flags.append(f"{par}enable_async_tensor_parallel=true")
         if self.schedule:
             flags.append(f"{par}pipeline_parallel_schedule={self.schedule}")
         if self.layers_per_stage:
@@ -111,9 +122,11 @@ def _torch_accepts(schedule: str | None, pp: int, microbatches: int) -> bool:
 def layouts(args, gpu: GPU):
     """Every layout to try, with the AC modes: TP within a node, CP from LONG_CONTEXT on, each
     pipeline schedule with each stages-per-rank count the layers allow, FSDP or HSDP over the
-    rest, float8 where the GPU has it; local batch: 1-16 sequences without a pipeline, else the
-    whole data-parallel share in one pass of micro-batches of one sequence (more micro-batches
-    only shrink a bubble while the held activations stay capped, GPipe's aside)."""
+    rest, float8 where the GPU has it, async TP wherever TP and compile are on (never slower in
+    the step-time model, so the synchronous variant is not tried); local batch: 1-16 sequences
+    without a pipeline, else the whole data-parallel share in one pass of micro-batches of one
+    sequence (more micro-batches only shrink a bubble while the held activations stay capped,
+    GPipe's aside)."""
     layers = get_model_spec(args.model).flavors[args.flavor].n_layers
     for tp in (t for t in args.tp if t <= gpu.gpus_per_node):
         for cp in (1, 2, 4, 8) if args.seq_len >= LONG_CONTEXT else (1,):
@@ -131,25 +144,27 @@ def layouts(args, gpu: GPU):
                                     or not _torch_accepts(schedule, pp, local):
                                 continue
                             for float8 in (False, True) if gpu.has_float8 else (False,):
-                                layout = Layout(replicate, shard, cp, tp, pp, schedule, v, per_stage, float8, local)
+                                layout = Layout(replicate, shard, cp, tp, pp, schedule, v, per_stage, float8, local,
+                                                async_tp=tp > 1 and cp == 1)
                                 for ac in AC_MODES:
                                     yield layout, ac
 
 
 def lower_bound(layout: Layout, ac: str, args, gpu: GPU, a, fp8: frozenset[str]) -> float:
-    """Compute and bubble of the average pp rank of model args `a`: no more than the step-time
-    model's total for the layout (the busiest rank computes at least the average; communication
-    only adds), so the search can skip layouts whose bound exceeds the times already found."""
+    """Compute, bubble and TP collectives of the average pp rank of model args `a`: no more than
+    the step-time model's total for the layout (the busiest rank computes at least the average, TP
+    is linear in a rank's modules, other communication only adds), so the search can skip layouts
+    whose bound exceeds the times already found."""
     blocks = a.n_layers / layout.pp
     accumulation = args.global_batch // (layout.local * layout.dp_replicate * layout.dp_shard)
     micro = (layout.local if layout.pp > 1 else 1) * accumulation
     tokens = layout.local * args.seq_len * accumulation
     fp8 = fp8 if layout.float8 else frozenset()
+    efficiency = step_time.run_efficiency(args.efficiency, layout.compiled)
     w = step_time.work(a, args.seq_len, tokens, micro, blocks, 1 / layout.pp, layout.tp, layout.cp,
-                       step_time.recompute_share(ActivationCheckpoint(mode=ac), blocks), fp8, "bfloat16", gpu, args.efficiency)
-    hidden = tokens / layout.cp * a.dim * 2  # bf16 hidden states of the step
-    tp = step_time.tp_seconds(*formulas.tp_bytes(hidden, blocks, 2 / layout.pp, ac), hidden / micro, layout.tp,
-                              bool(fp8), gpu) if layout.tp > 1 else 0.0
+                       step_time.recompute_share(ActivationCheckpoint(mode=ac), blocks), fp8, "bfloat16", gpu, efficiency)
+    tp = micro * step_time.tp_seconds(a, tokens / layout.cp / micro, 2, blocks, 1 / layout.pp, 1 / layout.pp, ac, layout.tp,
+                                      fp8, bool(fp8), layout.async_tp, step_time.peaks(gpu, "bfloat16", efficiency), gpu)
     return w.total + step_time.bubble(layout.schedule, layout.pp, layout.stages_per_rank, w) + tp
 
 
@@ -206,7 +221,9 @@ def describe(c: Candidate, gpu: GPU, rank: int) -> str:
     pipeline = f", {lay.schedule} with {lay.stages_per_rank} stage(s) per rank" if lay.schedule else ""
     tokens = c.plan.batch.global_size * c.plan.batch.seq_len
     return "\n".join([
-        f"#{rank}: {degrees}{pipeline}, {'float8' if lay.float8 else 'bf16'}, AC {c.ac}, local batch {c.plan.batch.local} "
+        f"#{rank}: {degrees}{pipeline}, {'float8' if lay.float8 else 'bf16'}, "
+        f"{('compiled + async TP' if lay.async_tp else 'compiled') if lay.compiled else 'eager'}, "
+        f"AC {c.ac}, local batch {c.plan.batch.local} "
         f"x {c.plan.batch.accumulation} step(s): {c.step_s:.2f} s/step, {tokens / c.step_s / d.world_size:,.0f} tokens/s/GPU; "
         f"peak {c.peak / GIB:.1f} of {gpu.memory_gib} GiB",
         "    why: " + ", ".join(f"{name} {p[key]:.2f} s" for key, name in (
@@ -228,7 +245,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--global_batch", type=int, default=None, help="sequences per step (default: one per GPU)")
     parser.add_argument("--top", type=int, default=3)
     parser.add_argument("--tp", default="1,2,4,8", help="tensor-parallel degrees to try (comma-separated)")
-    parser.add_argument("--efficiency", type=float, default=0.35, help="share of the bf16 peak compute reaches (README)")
+    parser.add_argument("--efficiency", type=float, default=0.35, help="share of the bf16 peak compiled compute reaches (README)")
     parser.add_argument("--memory_fraction", type=float, default=0.9, help="share of GPU memory a plan may use")
 
     parser.error = lambda message: (_ for _ in ()).throw(ConfigError(message))  # one line, exit 2

@@ -1,8 +1,9 @@
 """The step-time model (README.md, "Step-time model"): seconds of one training step on the busiest
 pipeline rank = compute (a stated share of the dtype's peak; float8 linears at the float8 peak,
-plus their casts) + the schedule's bubble + exposed communication: TP and CP collectives on the
-critical path, FSDP/HSDP collectives behind the compute of the neighbouring unit (FSDP2's
-prefetch) with NCCL's ring latency, pipeline transfers on the fill and drain chain.
+plus their casts; eager plans at EAGER_EFFICIENCY of that) + the schedule's bubble + exposed
+communication: CP collectives and synchronous TP ones on the critical path, async TP ones behind
+the matmul each is fused with, FSDP/HSDP collectives behind the compute of the neighbouring unit
+(FSDP2's prefetch) with NCCL's ring latency, pipeline transfers on the fill and drain chain.
 """
 
 from __future__ import annotations
@@ -36,6 +37,30 @@ FLOAT8_EFFICIENCY = 0.71
 # HBM bytes per element of each operand (input, weight, output gradient) of a float8 linear per
 # micro-batch: amax read (2), cast read + write (2 + 1), float8 transpose for backward (1 + 1).
 FLOAT8_CAST_BYTES = 7
+# Share of the compiled efficiency an eager model reaches: fitted to torchtitan's Llama 3.1 8B
+# FSDP 8 runs with and without torch.compile (README.md, "Constants").
+EAGER_EFFICIENCY = 0.86
+
+# Sequence-parallel TP's collectives in one block, per micro-batch, as (kind, the linears async TP
+# fuses it with, passes per AC mode). Fused: an all-gather with the matmuls consuming its result
+# (forward: the block inputs into q/k/v and w1/w3; backward: the output gradients into wo's and
+# w2's input-gradient matmuls), a reduce-scatter with the one matmul producing its input (forward:
+# wo, w2). Not fused, so exposed even under async TP: the backward reduce-scatters of the block
+# inputs' gradients, which sum q/k/v's (w1/w3's) input-gradient matmuls first, while torch's pass
+# (torch/_inductor/fx_passes/micro_pipeline_tp.py, _find_producer_matmul) takes a reduce-scatter's
+# input from a single matmul only. Passes: forward + backward, plus AC's recompute (full regathers
+# both inputs and reruns wo's reduce-scatter, selective reruns all four): formulas.tp_bytes' bytes.
+_QKV, _W13 = ("attention.wq", "attention.wk", "attention.wv"), ("feed_forward.w1", "feed_forward.w3")
+TP_FUSIONS = (
+    ("all_gather", _QKV, {"none": 1, "full": 2, "selective": 2}),
+    ("reduce_scatter", (), {"none": 1, "full": 1, "selective": 1}),  # q/k/v's input gradients, summed
+    ("reduce_scatter", ("attention.wo",), {"none": 1, "full": 2, "selective": 2}),
+    ("all_gather", ("attention.wo",), {"none": 1, "full": 1, "selective": 1}),
+    ("all_gather", _W13, {"none": 1, "full": 2, "selective": 2}),
+    ("reduce_scatter", (), {"none": 1, "full": 1, "selective": 1}),  # w1/w3's input gradients, summed
+    ("reduce_scatter", ("feed_forward.w2",), {"none": 1, "full": 1, "selective": 2}),
+    ("all_gather", ("feed_forward.w2",), {"none": 1, "full": 1, "selective": 1}),
+)
 
 
 def ring_seconds(nbytes: float, ranks: int, nodes: int, gpu: GPU, all_reduce: bool = False) -> tuple[float, float]:
@@ -88,6 +113,17 @@ def float8_linears(options: Float8Options | None, a) -> frozenset[str]:
                      if selected(name, torch.nn.Linear(i, o, bias=False, device="meta"), options))
 
 
+def compiled(config) -> bool:
+    """Whether the trainer compiles the model (async TP's fusions are an inductor pass)."""
+    return config.compile.enable and "model" in config.compile.components
+
+
+def peaks(gpu: GPU, dtype: str, efficiency: float) -> dict[bool, float]:
+    """FLOP/s a matmul reaches, by whether it runs in float8."""
+    return {True: gpu.tflops.get("float8", 0) * 1e12 * efficiency * FLOAT8_EFFICIENCY,
+            False: gpu.tflops[dtype] * 1e12 * efficiency}
+
+
 def work(a, seq_len: int, tokens: float, microbatches: int, blocks: float, head: float, tp: int, cp: int,
          recompute: float, fp8: frozenset[str], dtype: str, gpu: GPU, efficiency: float) -> Work:
     """Compute of a rank holding `blocks` blocks and `head` output projections (fractions allowed:
@@ -96,14 +132,16 @@ def work(a, seq_len: int, tokens: float, microbatches: int, blocks: float, head:
     reruns. FLOPs as the model spec counts them (6 per weight per token: 2 forward, 2 input
     gradient, 2 weight gradient), except attention, whose causal mask halves the spec's
     12·heads·head_dim·seq (a third of it forward, two thirds input gradient)."""
-    peak = {True: gpu.tflops.get("float8", 0) * 1e12 * efficiency * FLOAT8_EFFICIENCY,
-            False: gpu.tflops[dtype] * 1e12 * efficiency}
+    peak = peaks(gpu, dtype, efficiency)
     rank_tokens = tokens / cp / tp
     blocks_linear = sum(6 * o * i * rank_tokens * blocks / peak[n in fp8] for n, (o, i, _) in formulas.block_linears(a).items())
     linear = blocks_linear + 6 * a.vocab_size * a.dim * rank_tokens * head / peak["output" in fp8]
     attention = 6 * a.n_heads * a.head_dim * seq_len * rank_tokens * blocks / peak[False]
     rows = tokens / cp / microbatches  # a linear's rows per micro-batch (sequence-parallel inputs gathered)
-    operands = sum(blocks * (rows * (i if s else i / tp) + o * i / tp + rows * (o / tp if s == 0 else o))
+    # a rank casts its own part of each operand: the input shard (a colwise linear's input is cast
+    # before its float8 all-gather, a rowwise one's holds 1/tp of the features), its weight shard,
+    # and its part of the output gradient (a rowwise linear's is gathered whole)
+    operands = sum(blocks * (rows * i / tp + o * i / tp + rows * (o / tp if s == 0 else o))
                    for n, (o, i, s) in formulas.block_linears(a).items() if n in fp8)
     if "output" in fp8:
         operands += head * (rows * a.dim + a.dim * a.vocab_size / tp + rows * a.vocab_size / tp)
@@ -124,6 +162,11 @@ def recompute_share(ac, blocks: float) -> float:
     return 0.0
 
 
+def run_efficiency(efficiency: float, is_compiled: bool) -> float:
+    """`efficiency` (fitted on a compiled run) for a compiled model, EAGER_EFFICIENCY of it eager."""
+    return efficiency * (1 if is_compiled else EAGER_EFFICIENCY)
+
+
 def rank_work(plan: JobPlan, pp_rank: int, gpu: GPU, efficiency: float) -> Work:
     modules = formulas.stage_modules(plan, pp_rank)
     blocks = sum(m.startswith("layers.") for m in modules)
@@ -132,7 +175,7 @@ def rank_work(plan: JobPlan, pp_rank: int, gpu: GPU, efficiency: float) -> Work:
                 blocks, "output" in modules, plan.dims.tp, plan.dims.cp,
                 recompute_share(plan.config.activation_checkpoint, blocks),
                 float8_linears(float8_of(plan.config, plan.dims), plan.model_args),
-                str(plan.param_dtype).removeprefix("torch."), gpu, efficiency)
+                str(plan.param_dtype).removeprefix("torch."), gpu, run_efficiency(efficiency, compiled(plan.config)))
 
 
 def bubble(schedule: str | None, pp: int, v: int, w: Work) -> float:
@@ -144,13 +187,35 @@ def bubble(schedule: str | None, pp: int, v: int, w: Work) -> float:
     return SCHEDULES[schedule].idle(pp, v, w.forward / m, (w.backward + w.casts) / m, w.weights / m)
 
 
-def tp_seconds(gathered: float, scattered: float, one: float, tp: int, float8_gather: bool, gpu: GPU) -> float:
-    """TP's collectives, each moving one micro-batch's hidden states (`one` bytes; float8 styles
-    gather the block inputs in float8): synchronous with the layer that needs them, exposed."""
+def linear_seconds(a, names: tuple[str, ...], rows: float, tp: int, fp8: frozenset[str], peak: dict[bool, float]) -> float:
+    """Forward seconds of the named linears (a block's, or "output") over `rows` rows split `tp`
+    ways; an input-gradient matmul takes as long."""
+    shapes = formulas.block_linears(a) | {"output": (a.vocab_size, a.dim, 0)}
+    return sum(2 * rows * shapes[n][0] * shapes[n][1] / tp / peak[n in fp8] for n in names)
+
+
+def tp_seconds(a, rows: float, itemsize: int, blocks: float, embedding: float, head: float, ac_mode: str, tp: int,
+               fp8: frozenset[str], float8_gather: bool, async_tp: bool, peak: dict[bool, float], gpu: GPU) -> float:
+    """One micro-batch's sequence-parallel TP collectives on a rank holding `blocks` blocks and
+    `embedding`, `head` of those modules (fractions: the planner's bound), each moving the
+    micro-batch's hidden states (`rows` x dim; gathered in float8 under float8 styles).
+    Synchronous: exposed. Async TP (torch's fused all-gather-matmul / matmul-reduce-scatter, an
+    inductor pass) splits each into tp chunks run beside that many chunks of the matmul it feeds
+    (or that feeds it): the step takes max(matmul, collective + one chunk of the matmul), so what
+    exceeds (tp-1)/tp of the matmul is exposed, and 1 - OVERLAP of the bandwidth time under it
+    still slows the matmul. Those TP_FUSIONS leaves unfused, and the embedding's pair, stay exposed."""
+    if tp <= 1:
+        return 0.0
+    nodes, one = group_nodes(tp, 1, gpu), rows * a.dim * itemsize
+    cost = {kind: ring_seconds(one / (2 if float8_gather and kind == "all_gather" else 1), tp, nodes, gpu)
+            for kind in ("all_gather", "reduce_scatter")}
+    events = [(kind, names, blocks * passes[ac_mode]) for kind, names, passes in TP_FUSIONS]
+    events += [(kind, (), embedding) for kind in cost] + [(kind, ("output",), head) for kind in cost]
     total = 0.0
-    for nbytes, halved in ((gathered, float8_gather), (scattered, False)):
-        latency, bandwidth = ring_seconds(one / (2 if halved else 1), tp, group_nodes(tp, 1, gpu), gpu)
-        total += nbytes / one * (latency + bandwidth) if nbytes else 0.0
+    for kind, names, count in events:
+        latency, bandwidth = cost[kind]
+        hide = linear_seconds(a, names, rows, tp, fp8, peak) * (tp - 1) / tp if async_tp else 0.0
+        total += count * (max(0.0, latency + bandwidth - hide) + (1 - OVERLAP) * min(bandwidth, hide))
     return total
 
 
@@ -167,12 +232,17 @@ def _rank_step(plan: JobPlan, pp_rank: int, est, gpu: GPU, efficiency: float) ->
     options = float8_of(plan.config, plan.dims)
     fp8 = float8_linears(options, plan.model_args)
     a, e, micro = plan.model_args, plan.param_dtype.itemsize, plan.pipeline.microbatches if plan.pipeline else 1
-    one = batch.local * batch.seq_len // micro // dims.cp * a.dim * e  # a micro-batch's hidden states on the rank
+    rows = batch.local * batch.seq_len // micro // dims.cp  # a micro-batch's tokens on the rank (gathered)
+    one = rows * a.dim * e  # their hidden states
     kv = batch.local * batch.seq_len // micro * a.n_heads * a.head_dim // dims.tp * e  # its gathered K (or V)
+    modules = formulas.stage_modules(plan, pp_rank)
     out = {"compute": w.total,
            "bubble": bubble(plan.pipeline and plan.pipeline.schedule, dims.pp, len(formulas.local_stages(plan, pp_rank)), w)}
-    out["tp"] = tp_seconds(est.comm.get(("all_gather", "tp"), 0), est.comm.get(("reduce_scatter", "tp"), 0), one,
-                           dims.tp, bool(fp8) and options.recipe_name == "tensorwise", gpu)
+    peak = peaks(gpu, str(plan.param_dtype).removeprefix("torch."), run_efficiency(efficiency, compiled(plan.config)))
+    out["tp"] = w.microbatches * tp_seconds(
+        a, rows, e, sum(m.startswith("layers.") for m in modules), "tok_embeddings" in modules, "output" in modules,
+        plan.config.activation_checkpoint.mode, dims.tp, fp8, bool(fp8) and options.recipe_name == "tensorwise",
+        plan.config.parallelism.enable_async_tensor_parallel, peak, gpu)
     # CP's K and V gathers (dK, dV reduce-scatters), each a whole sequence's: synchronous with attention, exposed
     lat, bw = ring_seconds(kv, dims.cp, group_nodes(dims.cp, dims.tp, gpu), gpu)
     out["cp"] = sum(est.comm.get((kind, "cp"), 0) for kind in ("all_gather", "reduce_scatter")) / kv * (lat + bw)

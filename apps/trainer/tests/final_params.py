@@ -31,5 +31,5 @@ def final_params() -> Iterator[dict[str, torch.Tensor]]:
 
 def assert_params_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], atol: float, what: str) -> None:
     assert got.keys() == want.keys(), what
-    worst = max((got[key] - value).abs().max().item() for key, value in want.items())
-    assert worst <= atol, f"{what}: parameters differ by up to {worst}"
+    worst, name = max(((got[key] - value).abs().max().item(), key) for key, value in want.items())
+    assert worst <= atol, f"{what}: parameters differ by up to {worst} ({name})"

@@ -10,7 +10,7 @@ from final_params import assert_params_close, final_params
 
 from tessera.mesh.testing import run_on_ranks
 from tessera.trainer.config import ConfigError, load_config
-from tessera.trainer.plan import make_plan
+from tessera.trainer.plan import cp_gathers_kv, make_plan
 from tessera.trainer.train import train
 
 TOL = 1e-5
@@ -18,6 +18,7 @@ BASE = ["--training.seq_len", "32", "--training.mixed_precision_param", "float32
         "--training.steps", "3", "--lr_scheduler.warmup_steps", "1", "--model.flavor", "debugmodel",
         "--validation.enable", "true", "--validation.freq", "3", "--validation.steps", "1"]
 CP2 = ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
+RING = ["--parallelism.context_parallel_rotate_method", "alltoall"]  # K/V passed rank to rank, not gathered once
 
 
 def _numbers(history):
@@ -54,11 +55,14 @@ def _reference(tmp_path, local_batch, *extra):
     return _run([*BASE, *extra, "--training.local_batch_size", str(local_batch), "--job.dump_folder", str(tmp_path / "single")])
 
 
-def test_cp2_with_and_without_load_balancing_matches_one_process(tmp_path):
+def test_cp2_with_and_without_load_balancing_both_rotations_matches_one_process(tmp_path):
     runs = {
         "cp2": [*BASE, *CP2, "--training.local_batch_size", "2", "--job.dump_folder", str(tmp_path / "cp2")],
         "cp2 contiguous": [*BASE, *CP2, "--training.local_batch_size", "2", "--parallelism.context_parallel_load_balancer",
                            "none", "--job.dump_folder", str(tmp_path / "contiguous")],
+        "cp2 alltoall": [*BASE, *CP2, *RING, "--training.local_batch_size", "2", "--job.dump_folder", str(tmp_path / "ring")],
+        "cp2 alltoall contiguous": [*BASE, *CP2, *RING, "--training.local_batch_size", "2",
+                                    "--parallelism.context_parallel_load_balancer", "none", "--job.dump_folder", str(tmp_path / "ring1")],
     }
     _check(run_on_ranks(_runs, 2, runs), _reference(tmp_path, 2))
 
@@ -92,6 +96,8 @@ def test_cp2_with_fsdp2_with_tp2_and_with_pp2_matches_one_process(tmp_path):
                     "--job.dump_folder", str(tmp_path / "tp")],
         "pp2 cp2": [*BASE, *CP2, "--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4",
                     "--job.dump_folder", str(tmp_path / "pp")],
+        "fsdp2 cp2 alltoall": [*BASE, *RING, "--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree",
+                               "2", "--training.local_batch_size", "2", "--job.dump_folder", str(tmp_path / "fsdp_ring")],
     }
     _check(run_on_ranks(_runs, 4, runs), _reference(tmp_path, 4))
 
@@ -99,9 +105,23 @@ def test_cp2_with_fsdp2_with_tp2_and_with_pp2_matches_one_process(tmp_path):
 @pytest.mark.parametrize("extra, message", [
     (["--training.seq_len", "34"], r"seq_len 34 does not divide into 4 = 2 \* context_parallel_degree"),
     (["--parallelism.context_parallel_load_balancer", "ptrr"], "context_parallel_load_balancer: 'ptrr' is not one of"),
-    (["--parallelism.context_parallel_rotate_method", "alltoall"], "context_parallel_rotate_method: 'alltoall' is not one of"),
+    (["--parallelism.context_parallel_rotate_method", "ring"], "context_parallel_rotate_method: 'ring' is not one of"),
+    ([*RING, "--model.attn_mask_type", "block_causal"], "alltoall runs torch's ring on the flash kernel, which takes no document mask"),
     (["--compile.enable", "true"], "compile.enable with context_parallel_degree > 1 is not supported yet"),
 ])
 def test_bad_context_parallel_configs_name_the_key(extra, message):
     with pytest.raises(ConfigError, match=message):
         make_plan(load_config([*BASE, *CP2, *extra]), 2, "cpu")
+
+
+def test_the_kernel_follows_the_masks_and_the_device():
+    """torch's ring on the flash kernel wherever it runs; all-gather-KV for document masks and for
+    fp32 attention on CUDA, which the flash kernels do not take (alltoall there: one line)."""
+    bf16 = ["--training.mixed_precision_param", "bfloat16"]
+    assert not cp_gathers_kv(load_config([*BASE, *CP2]), "cpu")
+    assert not cp_gathers_kv(load_config([*BASE, *CP2, *bf16]), "cuda")
+    assert cp_gathers_kv(load_config([*BASE, *CP2]), "cuda")
+    assert cp_gathers_kv(load_config([*BASE, *CP2, "--model.attn_mask_type", "block_causal"]), "cpu")
+    with pytest.raises(ConfigError, match="on CUDA no fp32"):
+        make_plan(load_config([*BASE, *CP2, *RING]), 2, "cuda")
+    make_plan(load_config([*BASE, *CP2, *RING, *bf16]), 2, "cuda")

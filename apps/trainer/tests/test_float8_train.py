@@ -129,3 +129,34 @@ def test_mxfp8_emulated_converts_and_tracks_fp32(tmp_path, fp32):
 def test_mx_recipes_that_need_a_blackwell_gpu_are_refused_on_cpu():
     with pytest.raises(ConfigError, match=r"\[quantize.linear.mx\]: mx recipe_name 'mxfp8_rceil' needs torchao's triton kernels"):
         make_plan(load_config(["--model.converters", "quantize.linear.mx"]), world_size=1, device="cpu")
+
+
+MOE_MX = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--model.converters", "quantize.grouped_mm.mx",
+          "--quantize.grouped_mm.mx.fqns", "experts", "--quantize.grouped_mm.mx.recipe_name", "mxfp8_emulated_rceil",
+          "--training.dtype", "bfloat16", "--training.mixed_precision_param", "bfloat16"]
+
+
+@pytest.mark.parametrize(
+    "argv, world_size, message",
+    [
+        (["--model.converters", "quantize.grouped_mm.float8", "--quantize.grouped_mm.float8.fqns", "experts"], 1,
+         r"config section \[quantize.grouped_mm.float8\]: float8 grouped GEMMs \(torch._scaled_grouped_mm, torchao's triton "
+         r"casts\) need a CUDA GPU of compute capability >= 9.0 and have no emulated mode; on cpu the MXFP8 recipe"),
+        (["--quantize.grouped_mm.mx.recipe_name", "mxfp8"], 1,
+         r"\[quantize.grouped_mm.mx\]: mx recipe_name 'mxfp8_rceil' needs torchao's triton kernels on a CUDA GPU"),
+        (["--quantize.grouped_mm.mx.fqns", ""], 1, r"\[quantize.grouped_mm.mx\]: grouped_mm fqns is empty"),
+        (["--training.dtype", "float32"], 1, r"quantize.grouped_mm.mx needs bfloat16 experts for torch's grouped GEMMs: "
+                                             r"set training.dtype bfloat16$"),
+        (["--training.mixed_precision_param", "float32", "--parallelism.data_parallel_shard_degree", "2"], 2,
+         r"set training.mixed_precision_param bfloat16 \(FSDP computes in it\)"),
+        (["--parallelism.tensor_parallel_degree", "2"], 2,
+         r"quantize.grouped_mm.mx with parallelism.tensor_parallel_degree 2 is not supported yet"),
+        (["--parallelism.pipeline_parallel_degree", "2"], 2,
+         r"quantize.grouped_mm.mx with parallelism.pipeline_parallel_degree 2 is not supported yet"),
+        (["--compile.enable", "true"], 1, r"quantize.grouped_mm.mx with compile.enable \(model\) is not supported yet"),
+    ],
+)
+def test_grouped_mm_converters_refuse_what_they_cannot_run_in_the_plan(argv, world_size, message):
+    with pytest.raises(ConfigError, match=message) as error:
+        make_plan(load_config([*MOE_MX, *argv]), world_size=world_size, device="cpu")
+    assert "\n" not in str(error.value)

@@ -99,7 +99,7 @@ def test_the_export_holds_the_runs_tokenizer_as_tokenizer_json(tmp_path, given):
         shutil.copyfile(TOKENIZER, hf / "tokenizer.model")
     source = {"default": None, "tokenizer.model": hf / "tokenizer.model", "tokenizer.json": hf / "tokenizer.json"}
     source = source.get(given, hf)
-    config = load_config(["--model.tokenizer_path", str(source)] if source else [])
+    config = load_config(["--checkpoint.last_save_in_hf", "true", *(["--model.tokenizer_path", str(source)] if source else [])])
     run_tokenizer = load_tokenizer(tokenizer_source(config))
     spec = get_model_spec(config.model.name)
     _, files = export_files(config, spec, spec.flavors[config.model.flavor], run_tokenizer, tokenizer_source(config))

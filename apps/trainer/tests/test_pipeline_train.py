@@ -91,6 +91,9 @@ SCHEDULES_AT_PP2 = {
     # validation batches are local_batch_size sequences, other ones here: training numbers only
     # (validation stays on: it holds the same documents out of training)
     "1F1B accumulation": ["--training.local_batch_size", "2", "--training.global_batch_size", str(LOCAL_BATCH)],
+    # split backward (input, then weight gradients) twice through each selectively checkpointed block
+    "InterleavedZeroBubble selective op": ["--activation_checkpoint.mode", "selective"],
+    "DualPipeV selective op": ["--activation_checkpoint.mode", "selective"],
 }
 
 

@@ -51,17 +51,33 @@ def test_plan_resolves_layout_batch_and_model():
         (1, ["--training.dataset", "c4"], "dataset 'c4' is allenai/c4 on the Hugging Face hub"),
         (1, ["--model.tokenizer_path", "/no/such/tokenizer.model"], "/no/such/tokenizer.model"),
         (1, ["--job.dump_folder", "/etc/hostname"], "job.dump_folder /etc/hostname is not a folder"),
-        (2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "DualPipeV",
-             "--training.local_batch_size", "4", "--activation_checkpoint.mode", "selective"],
-         "activation_checkpoint selective 'op' with schedule DualPipeV fails"),
         (2, ["--parallelism.expert_parallel_degree", "2"], "expert_parallel_degree 2: llama3/debugmodel has no experts"),
         (3, ["--model.name", "deepseek_v3", "--parallelism.expert_parallel_degree", "3"],
          "^8 experts do not divide over expert parallel degree 3$"),
+        (4, ["--model.name", "deepseek_v3", "--parallelism.tensor_parallel_degree", "2",
+             "--parallelism.expert_parallel_degree", "2", "--parallelism.expert_tensor_parallel_degree", "2"],
+         "^parallelism.expert_parallel_degree 2 with tensor_parallel_degree 2 is not supported yet"),
+        (2, ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--parallelism.tensor_parallel_degree", "2",
+             "--parallelism.expert_tensor_parallel_degree", "4"],
+         "^parallelism.expert_tensor_parallel_degree 4 must be 1 or tensor_parallel_degree 2$"),
+        (2, ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--parallelism.tensor_parallel_degree", "2",
+             "--compile.enable", "true"], "^compile.enable with tensor_parallel_degree > 1 is not supported yet for qwen3/"),
     ],
 )
 def test_every_user_error_comes_from_the_plan(world_size, argv, message):
     with pytest.raises(ConfigError, match=message):
         plan(world_size, *argv)
+
+
+def test_moe_families_plan_tensor_parallel_but_not_a_replaced_colwise_style():
+    for family in (["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"], ["--model.name", "deepseek_v3"]):
+        p = plan(2, *family, "--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_tensor_parallel_degree", "2")
+        total, per_rank = parameter_counts(p)
+        assert p.dims.tp == 2 and total / 2 < per_rank < total * 0.6  # experts split, router and latents whole
+    # float8 tensorwise swaps in its own colwise style, which would all-reduce MLA's latent gradients
+    with pytest.raises(ConfigError, match=r"^model.converters \['float8'\] with tensor_parallel_degree 2: deepseek_v3's"):
+        plan(2, "--model.name", "deepseek_v3", "--parallelism.tensor_parallel_degree", "2", "--model.converters", "float8",
+             device="cuda")
 
 
 def test_a_role_no_library_styles_is_refused_by_the_plan():
@@ -83,6 +99,13 @@ def test_check_only_plan_notes_files_it_cannot_see():
     assert total == 405_853_388_800
     # TP 8 splits every matrix, FSDP 64 the rest; the norms (dim 16384, 253 of them) are only FSDP-split
     assert total / 512 < per_rank < total / 512 * 1.001
+    # torchtitan's configs name hub data (c4) or its checkout's (c4_test): noted, the plan goes on
+    for name, missing in (("c4", "allenai/c4 on the Hugging Face hub"), ("c4_test", "dataset 'c4_test' not found")):
+        config = load_config(["--training.dataset", name, "--validation.enable", "true", "--validation.dataset", "c4_validation"])
+        with pytest.raises(ConfigError, match=missing):
+            make_plan(config, 1)
+        notes = make_plan(config, 1, check_only=True).notes
+        assert any(missing in note for note in notes) and any("c4_validation" in note for note in notes), notes
 
 
 def test_check_prints_the_plan_and_exits_0(capsys):

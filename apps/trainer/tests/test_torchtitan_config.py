@@ -4,6 +4,7 @@ explains itself."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -299,19 +300,25 @@ steps = 10
 """
 
 
-def test_torchtitan_debug_config_and_assets_train_unchanged(tmp_path, monkeypatch):
-    """A torchtitan checkout's layout: its config, a Hugging Face tokenizer.json folder and the
-    c4_test JSON lines, read from where the user stands. The file is untouched; the command line
-    cuts the run to 2 steps of one sequence (CI's CPU time)."""
+def torchtitan_checkout(root: Path, config: str, toml: str) -> Path:
+    """A torchtitan checkout's layout under root: the config at its path, a Hugging Face
+    tokenizer.json folder and the c4_test JSON lines (tests/assets), as its repository holds them."""
     from tessera.data import iter_documents, load_tokenizer, write_hf_tokenizer
 
-    (tmp_path / "train_configs").mkdir()
-    (tmp_path / "train_configs" / "debug_model.toml").write_text(TORCHTITAN_DEBUG_TOML)
-    write_hf_tokenizer(load_tokenizer(), tmp_path / "tests/assets/tokenizer")
-    c4 = tmp_path / "tests/assets/c4_test"
+    (root / config).parent.mkdir(parents=True)
+    (root / config).write_text(toml)
+    write_hf_tokenizer(load_tokenizer(), root / "tests/assets/tokenizer")
+    c4 = root / "tests/assets/c4_test"
     c4.mkdir(parents=True)
     documents = [text for _, text in zip(range(200), iter_documents(None))]
     (c4 / "data.json").write_text("".join(json.dumps({"text": text}) + "\n" for text in documents))
+    return c4
+
+
+def test_torchtitan_debug_config_and_assets_train_unchanged(tmp_path, monkeypatch):
+    """The config, tokenizer and c4_test read from where the user stands. The file is untouched;
+    the command line cuts the run to 2 steps of one sequence (CI's CPU time)."""
+    c4 = torchtitan_checkout(tmp_path, "train_configs/debug_model.toml", TORCHTITAN_DEBUG_TOML)
     monkeypatch.setenv("BUILD_WORKING_DIRECTORY", str(tmp_path))
     config = load_config(["--job.config_file", "train_configs/debug_model.toml", "--training.steps", "2",
                           "--training.local_batch_size", "1"])
@@ -320,3 +327,114 @@ def test_torchtitan_debug_config_and_assets_train_unchanged(tmp_path, monkeypatc
     history = train(config)
     assert [h["step"] for h in history] == [1, 2] and all(0 < h["loss"] < 10 for h in history)
     assert (tmp_path / "outputs").is_dir()
+
+
+# torchtitan 0.2.2's torchtitan/models/deepseek_v3/train_configs/debug_model.toml, verbatim
+# (BSD-3-Clause, (c) Meta Platforms, Inc. and affiliates): 2 pipeline ranks with DualPipeV x EP 2,
+# selective 'op' checkpointing, the profiler every step.
+TORCHTITAN_DEEPSEEK_V3_DEBUG_TOML = """\
+[job]
+dump_folder = "./outputs"
+description = "DeepSeek-V3 debug training"
+print_config = false
+
+[profiling]
+enable_profiling = true
+save_traces_folder = "profile_trace"
+profile_freq = 1
+profiler_warmup = 0
+enable_memory_snapshot = false
+save_memory_snapshot_folder = "memory_snapshot"
+
+[metrics]
+log_freq = 1
+disable_color_printing = false
+enable_tensorboard = false
+save_tb_folder = "tb"
+enable_wandb = false
+
+[model]
+name = "deepseek_v3"
+flavor = "debugmodel"
+# test tokenizer, for debug purpose only
+hf_assets_path = "./tests/assets/tokenizer"
+# converters = ["float8"]
+
+[optimizer]
+name = "AdamW"
+lr = 8e-4
+eps = 1e-8
+
+[lr_scheduler]
+warmup_steps = 0  # lr scheduler warm up, normally 20% of the train steps
+decay_ratio = 0.8  # lr scheduler decay ratio, 80% of the train steps
+decay_type = "linear"
+min_lr_factor = 0.0
+
+[training]
+local_batch_size = 4
+seq_len = 4
+max_norm = 1.0  # grad norm clipping
+steps = 6
+dataset = "c4_test"  # supported datasets: c4_test (2K), c4 (177M)
+# dataset = "c4"
+
+[parallelism]
+data_parallel_replicate_degree = 1
+data_parallel_shard_degree = -1
+fsdp_reshard_after_forward = "default" # default / never / always
+tensor_parallel_degree = 1
+enable_async_tensor_parallel = false
+pipeline_parallel_degree = 2
+expert_parallel_degree = 2
+context_parallel_degree = 1
+pipeline_parallel_schedule = "DualPipeV"
+expert_tensor_parallel_degree = 1
+
+[checkpoint]
+enable = false
+folder = "checkpoint"
+interval = 10
+last_save_model_only = false
+export_dtype = "float32"
+async_mode = "disabled"  # ["disabled", "async", "async_with_pinned_mem"]
+
+[activation_checkpoint]
+mode = "selective"  # ["none", "selective", "full"]
+selective_ac_option = 'op'  # 'int' = ac every positive int layer or 'op', ac based on ops policy
+
+[compile]
+enable=false
+components = ["model", "loss"]
+
+[quantize.linear.float8]
+enable_fsdp_float8_all_gather = false
+precompute_float8_dynamic_scale_for_fsdp = false
+filter_fqns = ["output", "router.gate"]
+
+[quantize.grouped_mm.float8]
+fqns = ["experts"]
+"""
+
+
+def test_torchtitan_deepseek_v3_debug_config_runs_unchanged_on_four_processes(tmp_path, monkeypatch):
+    """Its layout (pp 2 x dp_shard 2 with EP 2 inside) on 4 local ranks from the user's folder,
+    against the same config on one process (pp and ep 1, the same global batch of 8): losses and
+    grad norms to the 4 decimals the log prints. The command line cuts the 6 steps to 2 (the
+    profiler traces every step: seconds each on CPU); test_moe_train holds this layout to 1e-5."""
+    config = "torchtitan/models/deepseek_v3/train_configs/debug_model.toml"
+    torchtitan_checkout(tmp_path, config, TORCHTITAN_DEEPSEEK_V3_DEBUG_TOML)
+    argv = ["--job.config_file", config, "--training.steps", "2"]
+    proc = subprocess.run([sys.executable, "-m", "tessera.trainer.main", "--nproc", "4", *argv], cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "cpu x4 {'pp': 2, 'dp_shard': 2}" in proc.stdout and "AC selective (op)" in proc.stdout, proc.stdout
+    logged = [tuple(map(float, m)) for m in re.findall(r"step \d/2  loss +(\S+)  grad_norm +(\S+)", proc.stdout)]
+    assert sorted(p.name for p in (tmp_path / "outputs/profile_trace").iterdir()) == ["iteration_1", "iteration_2"]
+    monkeypatch.setenv("BUILD_WORKING_DIRECTORY", str(tmp_path))
+    single = train(load_config([*argv, "--parallelism.pipeline_parallel_degree", "1", "--parallelism.expert_parallel_degree",
+                                "1", "--training.local_batch_size", "8", "--job.dump_folder", str(tmp_path / "single")]))
+    assert len(logged) == len(single) == 2
+    for (loss, norm), step in zip(logged, single):  # the log prints 4 decimals
+        assert loss == pytest.approx(step["loss"], abs=1e-4) and norm == pytest.approx(step["grad_norm"], abs=1e-4)

@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import tessera.ckpt.hf
 from tessera.ckpt import export_hf, import_hf, load_hf, save_hf
@@ -311,3 +311,71 @@ def test_import_checks_names_and_shapes_before_reading(tmp_path):
     finally:
         tessera.ckpt.hf.safe_open = _SAFE_OPEN
     assert not reads.reads  # refused before reading any data
+
+
+class Stacked(nn.Module):
+    """Tensors stacked on dim 0 from one HF tensor per slice (MoE experts), and a plain one."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows = nn.Parameter(torch.randn(5, 3, 4))  # 5 slices over 2 ranks: 3 and 2
+        self.cols = nn.Parameter(torch.randn(2, 4, 3))
+        self.gate = nn.Parameter(torch.randn(4, 4))
+
+
+def _stacked_slice(name):
+    """"experts.<i>.<key>" is slice i of <key>."""
+    parts = name.split(".")
+    return (parts[2], int(parts[1])) if parts[0] == "experts" else None
+
+
+def _stacked_folder(folder):
+    torch.manual_seed(0)
+    weights = Stacked().state_dict()
+    hf = {f"experts.{i}.{key}": weights[key][i] for key in ("rows", "cols") for i in range(len(weights[key]))}
+    save_hf({**hf, "gate": weights["gate"]}, folder, max_shard_bytes=100)
+    return weights
+
+
+def _import_stacked(rank, world_size, folder):
+    """Into rows sharded on dim 0 (expert parallel) and cols on dim 1 (FSDP over too few experts)."""
+    torch.manual_seed(1)
+    model, mesh = Stacked(), init_device_mesh("cpu", (world_size,))
+    for name, dim in (("rows", 0), ("cols", 1)):
+        setattr(model, name, nn.Parameter(distribute_tensor(getattr(model, name).detach(), mesh, [Shard(dim)])))
+    reads = _counting_reads()
+    import_hf(model, folder, lambda sd: sd, stacked=_stacked_slice)
+    tessera.ckpt.hf.safe_open = _SAFE_OPEN
+    return _packed(_full(model), dict(reads.reads), reads.peak)
+
+
+def test_stacked_slices_are_read_by_the_ranks_holding_them(tmp_path):
+    weights = _stacked_folder(tmp_path / "hf")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    results = [_unpacked(r) for r in run_on_ranks(_import_stacked, 2, tmp_path / "hf")]
+    cols = {"experts.0.cols", "experts.1.cols", "gate"}
+    for (state, reads, peak), rows in zip(results, ([0, 1, 2], [3, 4])):
+        _assert_equal(weights, state)
+        assert set(reads) == {f"experts.{i}.rows" for i in rows} | cols and set(reads.values()) == {1} and peak == 1
+    plain = Stacked()
+    import_hf(plain, tmp_path / "hf", lambda sd: sd, stacked=_stacked_slice)
+    _assert_equal(weights, plain.state_dict())
+
+
+@pytest.mark.parametrize("changes, error", [
+    ({"experts.4.rows": None}, r"'rows' has shape \(4, 3, 4\) but the model needs \(5, 3, 4\)"),
+    ({"experts.2.rows": None}, r"'rows' is stacked from slices \[0, 1, 3, 4\], not 0..3"),
+    ({"experts.1.cols": torch.zeros(4, 2)}, r"the slices of 'cols' differ in shape: \[\(4, 2\), \(4, 3\)\]"),
+])
+def test_bad_stacks_are_named_before_reading(tmp_path, changes, error):
+    folder = tmp_path / "hf"
+    _stacked_folder(folder)
+    kept = {k: v for k, v in load_hf(folder).items() if changes.get(k, 0) is not None}
+    save_hf({**kept, **{k: v for k, v in changes.items() if v is not None}}, tmp_path / "bad")
+    reads = _counting_reads()
+    try:
+        with pytest.raises(ValueError, match=error):
+            import_hf(Stacked(), tmp_path / "bad", lambda sd: sd, stacked=_stacked_slice)
+    finally:
+        tessera.ckpt.hf.safe_open = _SAFE_OPEN
+    assert not reads.reads

@@ -1,13 +1,14 @@
-"""All-gather-KV attention against full-sequence SDPA in one process: outputs and dQ/dK/dV of
+"""Context-parallel attention against full-sequence SDPA in one process: outputs and dQ/dK/dV of
 every rank's tokens equal to fp32 rounding, for cp 2 and 4, with and without load balancing,
-with GQA-shaped (repeated) K/V."""
+with grouped-query K/V (half as many heads as Q: only those travel) — for the all-gather-KV
+kernel and for torch's ring with either rotation."""
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tessera.cp import AllGatherKVAttention, check_seq_len, local_positions
+from tessera.cp import AllGatherKVAttention, RingAttention, check_seq_len, local_positions
 from tessera.mesh.testing import run_on_ranks
 
 B, H, T, D = 2, 4, 16, 8
@@ -16,29 +17,34 @@ B, H, T, D = 2, 4, 16, 8
 def _inputs():
     g = torch.Generator().manual_seed(0)
     q = torch.randn(B, H, T, D, generator=g)
-    kv = torch.randn(2, B, H // 2, T, D, generator=g).repeat_interleave(2, dim=2)  # 2 KV heads repeated, as GQA
+    kv = torch.randn(2, B, H // 2, T, D, generator=g)  # GQA: 2 K/V heads, each serving 2 query heads
     return q, kv[0], kv[1]
 
 
 def _reference():
     q, k, v = (t.clone().requires_grad_() for t in _inputs())
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    out = F.scaled_dot_product_attention(q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1), is_causal=True)
     out.backward(torch.ones_like(out))
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def _cp_rank(rank, world_size, load_balance):
+KERNELS = {"allgather_kv": AllGatherKVAttention, "ring_alltoall": lambda group, balance: RingAttention(group, "alltoall", balance),
+           "ring_allgather": lambda group, balance: RingAttention(group, "allgather", balance)}
+
+
+def _cp_rank(rank, world_size, load_balance, kernel):
     positions = local_positions(T, world_size, rank, load_balance)
     q, k, v = (t.index_select(2, positions).clone().requires_grad_() for t in _inputs())
-    out = AllGatherKVAttention(dist.group.WORLD, load_balance)(q, k, v)
+    out = KERNELS[kernel](dist.group.WORLD, load_balance)(q, k, v)
     out.backward(torch.ones_like(out))
     return positions, out.detach(), q.grad, k.grad, v.grad
 
 
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
 @pytest.mark.parametrize("cp, load_balance", [(2, True), (4, True), (2, False)])
-def test_matches_full_sequence_attention(cp, load_balance):
+def test_matches_full_sequence_attention(cp, load_balance, kernel):
     ref = _reference()
-    for positions, *got in run_on_ranks(_cp_rank, cp, load_balance):
+    for positions, *got in run_on_ranks(_cp_rank, cp, load_balance, kernel):
         for name, value, full in zip(("out", "dq", "dk", "dv"), got, ref):
             torch.testing.assert_close(value, full.index_select(2, positions), rtol=1e-5, atol=1e-6, msg=name)
 
@@ -79,23 +85,28 @@ def _model():
     return Transformer(replace(llama3_flavors["debugmodel"], dim=64, n_layers=2, n_heads=4, vocab_size=128, max_seq_len=256))
 
 
-def _activation_bytes(rank, world_size):
+def _activation_bytes(rank, world_size, rotate_method, gathered_kernel):
     from tessera.cp import apply_cp, shard_sequence
 
     tokens = torch.randint(0, 128, (1, 256), generator=torch.Generator().manual_seed(0))
     model = _model()
-    apply_cp(model, dist.group.WORLD)
+    apply_cp(model, dist.group.WORLD, rotate_method=rotate_method, gathered_kernel=gathered_kernel)
     positions = local_positions(256, world_size, rank)
     return _saved_bytes(model, shard_sequence(tokens, positions), positions)
 
 
 def test_activation_memory_per_rank_about_halves_at_cp2():
     whole = _saved_bytes(_model(), torch.randint(0, 128, (1, 256), generator=torch.Generator().manual_seed(0)))
-    per_rank = run_on_ranks(_activation_bytes, 2)
-    print(f"activation bytes kept for backward at seq 256: cp 1 {whole / 1024:.0f} KiB, "
-          f"cp 2 {[f'{b / 1024:.0f} KiB' for b in per_rank]} per rank ({max(per_rank) / whole:.2f}x)")
-    # the gathered K/V of the whole sequence stay saved for backward, so a bit more than half
-    assert max(per_rank) < 0.7 * whole
+    gathered, ring, ring_gather = (run_on_ranks(_activation_bytes, 2, method, gathered_kernel) for method, gathered_kernel in
+                                   (("allgather", True), ("alltoall", False), ("allgather", False)))
+    for name, per_rank in (("all-gather-KV", gathered), ("ring alltoall", ring), ("ring allgather", ring_gather)):
+        print(f"activation bytes kept for backward at seq 256: cp 1 {whole / 1024:.0f} KiB, cp 2 {name} "
+              f"{[f'{b / 1024:.0f} KiB' for b in per_rank]} per rank ({max(per_rank) / whole:.2f}x)")
+    # all-gather keeps the gathered K/V of the whole sequence for backward, so a bit more than half
+    assert max(gathered) < 0.7 * whole
+    # the ring keeps only the local K/V and the merged output's log-sum-exp, however K/V travel
+    assert max(ring) < max(gathered) and max(ring) < 0.6 * whole
+    assert max(ring_gather) < 0.6 * whole
 
 
 def _documents():

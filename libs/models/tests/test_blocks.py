@@ -1,5 +1,7 @@
 """Activation checkpointing and per-block compile over ``model.layers``."""
 
+import gc
+import weakref
 from dataclasses import replace
 
 import pytest
@@ -69,6 +71,68 @@ def test_checkpointing_keeps_loss_and_grads_and_wraps_the_expected_blocks(
         torch.testing.assert_close(grad, ref_grads[name], msg=name)
     # "op" keeps matmul outputs: backward runs exactly the matmuls it runs without checkpointing.
     assert (matmuls > ref_matmuls) == recomputes_matmuls, (matmuls, ref_matmuls)
+
+
+def split_backward(model, tokens, *, between_passes=None):
+    """Loss and gradients by name taken in two backward passes over one graph, as split-backward
+    pipeline schedules take them: the embedding's first (graph kept), then all the others.
+    Matmuls run in each pass; between_passes(model) runs between them."""
+    loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+    named = {name.replace("_checkpoint_wrapped_module.", ""): p for name, p in model.named_parameters()}
+    first = ["tok_embeddings.weight"]
+    with MatmulCounter() as input_pass:
+        grads = torch.autograd.grad(loss, [named[n] for n in first], retain_graph=True)
+    if between_passes:
+        between_passes(model)
+    rest = [n for n in named if n not in first]
+    with MatmulCounter() as weight_pass:
+        grads += torch.autograd.grad(loss, [named[n] for n in rest])
+    return loss, dict(zip(first + rest, grads)), (input_pass.count, weight_pass.count)
+
+
+def test_selective_op_under_split_backward_reads_its_cache_in_both_passes():
+    tokens = torch.randint(0, DEBUG.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
+    ref_loss, ref_grads, ref_matmuls = split_backward(debug_model(), tokens)
+    model = debug_model()
+    apply_activation_checkpointing(model, "selective", "op", split_backward=True)
+    loss, grads, matmuls = split_backward(model, tokens)
+    torch.testing.assert_close(loss, ref_loss)
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], msg=name)
+    assert matmuls == ref_matmuls  # both passes read the kept matmul outputs, neither recomputes them
+
+
+def test_selective_op_cache_is_freed_with_the_graph():
+    """The kept outputs stay for the weight pass and go when its backward frees the graph."""
+    model = debug_model()
+    apply_activation_checkpointing(model, "selective", "op", split_backward=True)
+    checkpoint_fn = model.layers["0"].checkpoint_fn
+    make_contexts, caches, kept = checkpoint_fn.keywords["context_fn"], [], []
+
+    def recording():
+        modes = make_contexts()
+        caches.append(modes[0].storage)
+        return modes
+
+    def weakly_after_input_pass(model):  # only weak references across the weight pass
+        kept.extend(weakref.ref(row) for row in caches.pop().values() if row)
+
+    checkpoint_fn.keywords["context_fn"] = recording
+    tokens = torch.randint(0, DEBUG.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
+    split_backward(model, tokens, between_passes=weakly_after_input_pass)
+    assert kept  # block 0 cached matmul outputs, still there after the input pass
+    gc.collect()
+    assert all(row() is None for row in kept)
+
+
+def test_torch_still_refuses_a_second_backward_through_its_selective_cache():
+    """Guards _rereadable_contexts: when torch lets both passes read its own cache, drop ours."""
+    model = debug_model()
+    apply_activation_checkpointing(model, "selective", "op")
+    tokens = torch.randint(0, DEBUG.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(RuntimeError, match="backward an extra time"):
+        split_backward(model, tokens)
 
 
 def test_none_leaves_the_model_alone():

@@ -27,7 +27,7 @@ def test_every_flavor_builds_on_meta(family):
         if (family, flavor) in EXPECTED_PARAMS:
             assert count == pytest.approx(EXPECTED_PARAMS[family, flavor], rel=0.01), flavor
         assert model.args.tie_embeddings == (model.output.weight is model.tok_embeddings.weight)
-        assert len(model.freqs_cis) == args.max_seq_len
+        assert len(model.rope) == args.max_seq_len
 
 
 def test_known_hidden_sizes():

@@ -24,7 +24,7 @@ def test_meta_init_is_finite_and_seeded():
         assert torch.equal(pa, pb), name
         if "norm" not in name:
             assert not torch.equal(pa, pc), name
-    torch.testing.assert_close(a.freqs_cis, precompute_freqs_cis(TINY.head_dim, TINY.max_seq_len, TINY.rope_theta))
+    torch.testing.assert_close(a.rope, precompute_freqs_cis(TINY.head_dim, TINY.max_seq_len, TINY.rope_theta))
     assert torch.isfinite(a(torch.randint(0, TINY.vocab_size, (1, 8)))).all()
 
 

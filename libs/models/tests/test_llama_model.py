@@ -40,7 +40,7 @@ def test_module_names():
         "output.weight",
     } <= names
     assert not any(name.endswith("bias") for name in names)
-    assert "freqs_cis" not in tiny_model().state_dict()
+    assert "rope" not in tiny_model().state_dict()
 
 
 def test_changing_future_tokens_leaves_past_logits_unchanged():
@@ -89,7 +89,7 @@ def test_bfloat16_model_keeps_complex_rope():
     model = tiny_model()
     with pytest.warns(UserWarning, match="imaginary"):
         model.to(torch.bfloat16)
-    assert model.freqs_cis.dtype == torch.complex64
+    assert model.rope.dtype == torch.complex64
     logits = model(torch.randint(0, TINY.vocab_size, (1, 5)))
     assert logits.dtype == torch.bfloat16
 

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from tessera.models.moe import (
-    MoE, MoEArgs, expert_load, force_load_balance, load_imbalance, sequence_balance_loss, set_aux_loss_scale,
-    update_expert_bias,
+    MoE, MoEArgs, expert_load, force_load_balance, load_imbalance, moe_layers, sequence_balance_loss,
+    set_aux_loss_scale, update_expert_bias,
 )
 
 
@@ -127,3 +127,36 @@ def test_forced_load_balance_routes_round_robin():
     with torch.no_grad():
         layer(x)
     assert torch.equal(layer.tokens_per_expert, torch.full((8,), 4 * 64 * 2 // 8))  # skewed input, even load
+
+
+def test_layer_names_leave_out_checkpoint_and_compile_wrappers():
+    """Expert-load metrics keep their names whatever wraps the blocks."""
+    from tessera.models import apply_activation_checkpointing, apply_compile
+
+    layer, _ = skewed_layer_and_tokens()
+    model = nn.Module()
+    model.layers = nn.ModuleDict({"0": nn.Sequential(copy.deepcopy(layer)), "1": nn.Sequential(layer)})
+    apply_activation_checkpointing(model, "full")
+    apply_compile(model)  # wraps only: nothing runs, nothing compiles
+    assert "_orig_mod._checkpoint_wrapped_module" in next(n for n, m in model.named_modules() if isinstance(m, MoE))
+    assert list(moe_layers(model)) == ["layers.0.0", "layers.1.0"]
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_checkpoint_recomputation_does_not_count_toward_the_load(mode):
+    """Each training token counts once, however often backward recomputes its layer (twice
+    under split-backward pipeline schedules: input, then weight gradients)."""
+    from tessera.models import apply_activation_checkpointing
+
+    layer, x = skewed_layer_and_tokens()
+    reference = copy.deepcopy(layer)
+    with torch.no_grad():
+        reference(x)
+    model = nn.Module()
+    model.layers = nn.ModuleDict({"0": layer})
+    apply_activation_checkpointing(model, mode, "op", split_backward=True)
+    out = model.layers["0"](x.requires_grad_()).square().sum()
+    torch.autograd.grad(out, [x], retain_graph=True)
+    torch.autograd.grad(out, list(layer.parameters()))
+    assert reference.tokens_per_expert.sum() == x.shape[0] * x.shape[1] * 2  # top 2
+    assert torch.equal(layer.tokens_per_expert, reference.tokens_per_expert)

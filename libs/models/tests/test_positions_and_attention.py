@@ -5,7 +5,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.models import CausalSDPA
-from tessera.models.llama import ModelArgs, RopeScaling, Transformer, apply_rotary_emb, precompute_freqs_cis, repeat_kv
+from tessera.models.attention import repeat_kv_heads
+from tessera.models.llama import ModelArgs, RopeScaling, Transformer, apply_rotary_emb, precompute_freqs_cis
 
 SCALING = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8)
 TINY = ModelArgs(
@@ -28,8 +29,8 @@ def reference_logits(model, tokens):
         attn, x = block.attention, block.attention_norm(h)
         q, k, v = (w(x).view(bs, seqlen, -1, args.head_dim) for w in (attn.wq, attn.wk, attn.wv))
         q, k = apply_rotary_emb(q, k, freqs_cis)
-        k, v = repeat_kv(k, attn.n_rep), repeat_kv(v, attn.n_rep)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        q, k, v = q.transpose(1, 2), repeat_kv_heads(k.transpose(1, 2), args.n_heads), repeat_kv_heads(v.transpose(1, 2), args.n_heads)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         h = h + attn.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
         h = h + block.feed_forward(block.ffn_norm(h))
     return model.output(model.norm(h))
@@ -61,9 +62,8 @@ class PrefixAttention(nn.Module):
             return CausalSDPA()(q, k, v)
         (k_prefix, v_prefix), n_prefix, n_chunk = self.prefix, self.prefix[0].shape[2], q.shape[2]
         visible = torch.ones(n_chunk, n_prefix + n_chunk, dtype=torch.bool).tril(diagonal=n_prefix)
-        return F.scaled_dot_product_attention(
-            q, torch.cat([k_prefix, k], dim=2), torch.cat([v_prefix, v], dim=2), attn_mask=visible
-        )
+        k, v = (repeat_kv_heads(torch.cat(pair, dim=2), q.shape[1]) for pair in ((k_prefix, k), (v_prefix, v)))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
 
 
 def test_default_positions_give_the_reference_logits_bit_for_bit():
@@ -86,7 +86,8 @@ def test_inner_attention_is_a_swappable_submodule_called_with_bhsd_layout():
     assert torch.equal(model(tokens), expected)
     for recorder in recorders.values():
         (call,) = recorder.calls
-        assert [t.shape for t in call] == [(3, TINY.n_heads, 10, TINY.head_dim)] * 3  # K/V repeated
+        q_shape, kv_shape = (3, TINY.n_heads, 10, TINY.head_dim), (3, TINY.n_kv_heads, 10, TINY.head_dim)
+        assert [t.shape for t in call] == [q_shape, kv_shape, kv_shape]  # the kernel repeats K/V itself
 
 
 def test_positions_of_a_later_chunk_rotate_q_and_k_as_the_full_sequence_does():

@@ -55,7 +55,7 @@ def test_qk_norm_normalises_each_head():
     class Record(torch.nn.Module):
         def forward(self, q, k, v):
             seen.update(q=q, k=k)
-            return v
+            return q
 
     attn.inner_attention = Record()
     with torch.no_grad():

@@ -8,18 +8,22 @@ import math
 import torch
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from tessera import pp, tp
+from tessera import ep, pp, tp
 from tessera.trainer.parallelize import convert
 from tessera.trainer.plan import JobPlan
 
 
 def _tp_sharded(model: torch.nn.Module, plan: JobPlan) -> set[int]:
-    """ids of the parameters tensor parallel splits: those of modules with a column- or row-wise style."""
+    """ids of the parameters tensor parallel splits: those of modules with a column- or row-wise
+    style, and an MoE layer's experts (all but its router)."""
     layouts = tp.Layouts(sequence_parallel=True, loss_parallel=plan.loss_parallel)
     sharded = set()
-    for path, role in tp.resolve_plan(model, plan.spec.tp_plan, plan.tp_styles.keys()).items():
-        if isinstance(plan.tp_styles[role](layouts), (ColwiseParallel, RowwiseParallel)):
-            sharded.update(id(p) for p in model.get_submodule(path).parameters(recurse=False))
+    for path, role in tp.resolve_plan(model, plan.spec.tp_plan, plan.tp_styles.keys(), missing_ok=True).items():
+        style, module = plan.tp_styles[role](layouts), model.get_submodule(path)
+        if isinstance(style, (ColwiseParallel, RowwiseParallel)):
+            sharded.update(id(p) for p in module.parameters(recurse=False))
+        elif isinstance(style, ep.MoETensorParallel):
+            sharded.update(id(p) for name, p in module.named_parameters() if not name.startswith("router."))
     return sharded
 
 

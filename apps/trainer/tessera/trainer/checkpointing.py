@@ -107,8 +107,11 @@ class Checkpointer:
             if self.pp_group is not None:
                 with torch.device("meta"):
                     shapes = {key: tuple(value.shape) for key, value in self.spec.build(self.args).state_dict().items()}
+            adapter = self.spec.hf_adapter
+            stacked = getattr(adapter, "stacked_slice", None)  # MoE experts: one HF tensor per expert
             for part in self.parts:
-                import_hf(part, path, lambda state_dict: self.spec.hf_adapter.from_hf(state_dict, self.args), model_shapes=shapes)
+                import_hf(part, path, lambda state_dict: adapter.from_hf(state_dict, self.args), model_shapes=shapes,
+                          stacked=stacked and (lambda name: stacked(name, self.args)))
             self._say(f"initial weights from Hugging Face checkpoint {path}")
             return
         excluded = set(self.config.exclude_from_loading)

@@ -143,7 +143,7 @@ class Parallelism:
     disable_loss_parallel: bool = False
     enable_async_tensor_parallel: bool = False
     context_parallel_degree: int = 1
-    context_parallel_rotate_method: str = "allgather"  # Tessera's CP all-gathers K/V (tessera.cp)
+    context_parallel_rotate_method: str = "allgather"  # torch's ring: K/V gathered once per layer; alltoall: passed on
     context_parallel_load_balancer: str | None = "headtail"  # None: contiguous shards
     pipeline_parallel_degree: int = 1
     pipeline_parallel_schedule: str = "1F1B"  # one of tessera.pp.SCHEDULES, case-insensitive
@@ -389,7 +389,7 @@ CHOICES = {
     ("checkpoint", "export_dtype"): tuple(EXPORT_DTYPES),
     ("activation_checkpoint", "mode"): AC_MODES,
     ("model", "attn_mask_type"): ("causal", "block_causal"),
-    ("parallelism", "context_parallel_rotate_method"): ("allgather",),
+    ("parallelism", "context_parallel_rotate_method"): ("allgather", "alltoall"),
     ("parallelism", "context_parallel_load_balancer"): ("headtail", None),
     ("training", "dtype"): ("float32", "bfloat16"),
     ("comm", "mode"): ("default", "fake_backend", "local_tensor"),
@@ -713,8 +713,8 @@ def validate(config: JobConfig, accepted: frozenset[str] = frozenset()) -> None:
     unknown = [name for name in config.model.converters if name not in registered_converters()]
     if unknown:
         raise ConfigError(f"config key model.converters: {unknown} not registered; available: {registered_converters()}")
-    grouped = [(f"quantize.grouped_mm.{kind}", ("quantize", "grouped_mm", kind)) for kind in ("float8", "mx")]
-    for name, path in [*float8_converter.SECTIONS.items(), (float8_converter.MX_NAME, float8_converter.MX_SECTION), *grouped]:
+    for name, path in [*float8_converter.SECTIONS.items(), (float8_converter.MX_NAME, float8_converter.MX_SECTION),
+                       *float8_converter.GROUPED_SECTIONS.items()]:
         section = float8_converter.section_of(config, path)
         if section != type(section)() and name not in config.model.converters:
             # torchtitan's configs carry the section whether or not the converter runs

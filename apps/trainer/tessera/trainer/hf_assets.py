@@ -54,7 +54,11 @@ def initial_load_folder(config: JobConfig) -> tuple[str, Path] | None:
 def check_hf_weights(config: JobConfig, spec: ModelSpec, args) -> None:
     """A Hugging Face folder the run loads holds safetensors, and its config.json (when it has
     one) describes the run's model, vocabulary from the tokenizer included: a mismatch names
-    the first differing field before any worker starts. A missing folder is _check_paths' job."""
+    the first differing field before any worker starts. A missing folder is _check_paths' job.
+    With last_save_in_hf, a model no config.json can state (custom MoE routing) fails here too."""
+    if config.checkpoint.last_save_in_hf and spec.hf_config is not None:
+        with user_input():
+            spec.hf_config.config_from_args(args)
     initial = initial_load_folder(config)
     if not config.checkpoint.initial_load_in_hf or initial is None or not initial[1].is_dir():
         return
@@ -101,11 +105,12 @@ def export_files(config: JobConfig, spec: ModelSpec, args, tokenizer, tokenizer_
     the model (vocabulary included). Hugging Face exports get ``config.json`` and the tokenizer's
     files, so ``transformers.AutoModelForCausalLM.from_pretrained`` opens the folder. Both state
     the architecture's context length (the flavor's or config.json's), not the run's seq_len.
+    The Hugging Face files are made for runs that export (checkpoint.last_save_in_hf) only.
     """
     architecture = dataclasses.replace(args, max_seq_len=flavor_args(config, spec).max_seq_len)
     ids = _token_ids(config, tokenizer)
     dcp = {ARGS_FILE: args_record(spec, architecture, flavor=config.model.flavor, **ids)}
-    if spec.hf_config is None:
+    if spec.hf_config is None or not config.checkpoint.last_save_in_hf:
         return dcp, {}
     hf_config = spec.hf_config.config_from_args(architecture, dtype=config.checkpoint.export_dtype, **ids)
     tokenizer_files = _tokenizer_files(tokenizer_source, tokenizer, architecture.max_seq_len)

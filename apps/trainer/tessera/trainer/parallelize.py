@@ -27,7 +27,7 @@ from tessera import cp, ep, fsdp, pp, tp
 from tessera.fsdp import MIXED_PRECISION_DTYPES
 from tessera.mesh import Meshes
 from tessera.models import apply_activation_checkpointing, apply_compile
-from tessera.trainer.plan import JobPlan
+from tessera.trainer.plan import JobPlan, cp_gathers_kv
 from tessera.trainer.step import LossFn
 
 
@@ -55,13 +55,15 @@ def convert(model: nn.Module, plan: JobPlan) -> None:
 def parallelize(model: nn.Module, plan: JobPlan, meshes: Meshes | None) -> nn.Module:
     """Applies the planned parallelisms and wrappers to the model or one pipeline stage of it."""
     config, dims = plan.config, plan.dims
-    if dims.tp_enabled:
+    if dims.tp_enabled:  # a family's plan covers all its flavors: a flavor (or a pipeline stage) holds some modules
         tp.apply_tp(
             model, meshes.tp, plan.spec.tp_plan, sequence_parallel=True, loss_parallel=plan.loss_parallel,
-            styles=plan.tp_styles, missing_ok=plan.pipeline is not None,
+            styles=plan.tp_styles, missing_ok=True,
         )
     if dims.cp_enabled and len(model.layers):  # each attention: this rank's queries, every rank's keys
-        cp.apply_cp(model, meshes.cp.get_group(), load_balance=config.parallelism.context_parallel_load_balancer is not None)
+        cp.apply_cp(model, meshes.cp.get_group(), load_balance=config.parallelism.context_parallel_load_balancer is not None,
+                    rotate_method=config.parallelism.context_parallel_rotate_method,
+                    gathered_kernel=cp_gathers_kv(config, plan.device))
     experts = ep.find_experts(model) if dims.ep_enabled and _has_experts(model) else []
     # each rank its share of every layer's experts; FSDP then shards them over the ranks beside ep
     ep.apply_ep(experts, meshes.ep if experts else None, divide_grads_by_ep=True)
@@ -70,6 +72,7 @@ def parallelize(model: nn.Module, plan: JobPlan, meshes: Meshes | None) -> nn.Mo
         apply_activation_checkpointing(
             model, ac.mode, ac.selective_ac_option, preserve_rng_state=ac.preserve_rng_state, early_stop=ac.early_stop,
             determinism_check=ac.determinism_check, debug=ac.debug,
+            split_backward=plan.pipeline is not None and pp.splits_backward(plan.pipeline.schedule),
         )
     if config.compile.enable and "model" in config.compile.components:
         if config.parallelism.enable_async_tensor_parallel:  # the plan checked CUDA, TP and compile

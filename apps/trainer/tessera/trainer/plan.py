@@ -9,7 +9,7 @@ It reads the config and the tokenizer's size and nothing else; file paths are on
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -146,13 +146,16 @@ def make_plan(config: JobConfig, world_size: int, device: str | None = None, *, 
         spec = get_model_spec(config.model.name)
     args = _model_args(config, spec, _vocab_size(config, spec, notes if check_only else None))
     converters = build_converters(config, dims)
-    styles = tp.styles_with({role: f for c in converters for role, f in c.tp_styles.items()})
+    # the MoE layer's style comes from tessera.ep (tessera.tp knows no model layers)
+    styles = tp.styles_with({"moe": ep.moe_tp_style, **{role: f for c in converters for role, f in c.tp_styles.items()}})
     _check_tensor_parallel(config, spec, args, dims, styles)
     _check_expert_parallel(config, spec, args, dims)
     _check_layout(config, dims, device)
     _check_checkpoint(config, spec, world_size)
     _check_paths(config, notes if check_only else None)
     check_hf_weights(config, spec, args)
+    dataset = _source_or_note(lambda: dataset_source(training), notes if check_only else None)
+    validation = _source_or_note(lambda: _validation_source(config), notes if check_only else None) if config.validation.enable else None
     param_dtype = MIXED_PRECISION_DTYPES[training.mixed_precision_param]
     return JobPlan(
         config=config, world_size=world_size, device=device, dims=dims, meshes=mesh_layout(dims), spec=spec,
@@ -161,10 +164,20 @@ def make_plan(config: JobConfig, world_size: int, device: str | None = None, *, 
         autocast=param_dtype != torch.float32 and not dims.fsdp_enabled,
         loss_parallel=dims.tp_enabled and not par.disable_loss_parallel,
         converters=converters, pipeline=_pipeline(config, spec, args, dims), tp_styles=styles, flops_per_token=_flops_per_token(config, spec, args),
-        dataset=dataset_source(training),
-        validation_dataset=_validation_source(config) if config.validation.enable else None,
-        notes=tuple(notes),
+        dataset=dataset, validation_dataset=validation, notes=tuple(notes),
     )
+
+
+def _source_or_note(find: Callable[[], str | None], notes: list[str] | None) -> str | None:
+    """The data find() resolves; a check-only plan notes data this host lacks (a hub dataset,
+    a checkout's c4_test) and gives None."""
+    try:
+        return find()
+    except ConfigError as e:
+        if notes is None:
+            raise
+        notes.append(str(e))
+        return None
 
 
 def _vocab_size(config: JobConfig, spec: ModelSpec, notes: list[str] | None) -> int:
@@ -254,12 +267,6 @@ def _pipeline(config: JobConfig, spec: ModelSpec, args, dims: ParallelDims) -> P
     if schedule == "DualPipeV" and microbatches < len(parts):
         raise ConfigError(f"DualPipeV needs at least as many micro-batches as stages: local_batch_size {local} / "
                           f"pipeline_parallel_microbatch_size {size} = {microbatches} < {len(parts)} stages")
-    ac = config.activation_checkpoint
-    if ac.mode == "selective" and ac.selective_ac_option == "op" and pp.splits_backward(schedule):
-        # measured (torch 2.13): the weight-gradient pass is a second backward through each block,
-        # and op-level checkpointing allows one ("Trying to backward an extra time")
-        raise ConfigError(f"activation_checkpoint selective 'op' with schedule {schedule} fails in torch 2.13: its "
-                          "weight-gradient pass backpropagates each block twice; use mode full or selective_ac_option N")
     reshard = par.fsdp_reshard_after_forward
     if reshard == "always" and pp.splits_backward(schedule):
         # measured: FSDP resharding after forward under these schedules trains with wrong gradients
@@ -299,6 +306,17 @@ def _check_tensor_parallel(config: JobConfig, spec: ModelSpec, args, dims: Paral
     unknown = sorted(set(spec.tp_plan.values()) - set(styles))
     if unknown and dims.tp_enabled:
         raise ConfigError(f"model {spec.name!r}: tp_plan roles {unknown} have no tensor-parallel style; known: {sorted(styles)}")
+    if dims.tp_enabled and "replicated" in spec.tp_plan.values() and styles["colwise"] is not tp.DEFAULT_STYLES["colwise"]:
+        # a replaced colwise style all-reduces the gradient of a replicated module's output, which
+        # tessera.tp's leaves to the block input: the latent's gradient would count tp times
+        raise ConfigError(f"model.converters {list(config.model.converters)} with tensor_parallel_degree {dims.tp}: "
+                          f"{spec.name}'s replicated modules need tessera.tp's colwise style, which these replace; "
+                          "use a rowwise float8 recipe or tp 1")
+    if dims.tp_enabled and spec.n_experts(args) and config.compile.enable and "model" in config.compile.components:
+        # measured (torch 2.13, CPU): the experts' token counts are data-dependent sizes, and the
+        # backward of their tensor-parallel shards cannot guard on them inside the compiled block
+        raise ConfigError(f"compile.enable with tensor_parallel_degree > 1 is not supported yet for "
+                          f"{spec.name}/{config.model.flavor}: its MoE layers fail to compile under TP")
     if dims.tp_enabled:
         with user_input():  # sequence parallel splits every sequence across the tp ranks, too
             tp.check_tp_degree(dims.tp, {**spec.tp_divisible(args), "seq_len": config.training.seq_len,
@@ -308,13 +326,26 @@ def _check_tensor_parallel(config: JobConfig, spec: ModelSpec, args, dims: Paral
 def _check_expert_parallel(config: JobConfig, spec: ModelSpec, args, dims: ParallelDims) -> None:
     if config.debug.moe_force_load_balance and not spec.n_experts(args):
         raise ConfigError(f"debug.moe_force_load_balance: {spec.name}/{config.model.flavor} has no experts")
+    etp = config.parallelism.expert_tensor_parallel_degree
+    if etp not in (1, dims.tp):  # torchtitan 0.2: etp = tp (experts split like the rest) or 1 (tp joins ep)
+        raise ConfigError(f"parallelism.expert_tensor_parallel_degree {etp} must be 1 or tensor_parallel_degree {dims.tp}")
     if not dims.ep_enabled:
-        return
+        return  # the routed experts follow tensor_parallel_degree, whatever etp says (torchtitan: no effect)
+    if dims.tp_enabled:
+        raise ConfigError(f"parallelism.expert_parallel_degree {dims.ep} with tensor_parallel_degree {dims.tp} is not "
+                          "supported yet (either expert_tensor_parallel_degree): use one of them")
     experts = spec.n_experts(args)
     if not experts:
         raise ConfigError(f"parallelism.expert_parallel_degree {dims.ep}: {spec.name}/{config.model.flavor} has no experts")
     with user_input():
         ep.check_ep_degree(experts, dims.ep)
+
+
+def cp_gathers_kv(config: JobConfig, device: str) -> bool:
+    """Whether context parallel needs tessera.cp's all-gather-KV kernel rather than torch's ring on
+    the flash kernel: for document masks, and for fp32 attention on CUDA (no fp32 flash there)."""
+    fp32_attention = config.training.mixed_precision_param == "float32" and config.training.dtype == "float32"
+    return config.model.attn_mask_type == "block_causal" or (device == "cuda" and fp32_attention)
 
 
 def _check_layout(config: JobConfig, dims: ParallelDims, device: str) -> None:
@@ -326,8 +357,12 @@ def _check_layout(config: JobConfig, dims: ParallelDims, device: str) -> None:
     if dims.cp_enabled:
         with user_input():
             cp.check_seq_len(config.training.seq_len, dims.cp, config.parallelism.context_parallel_load_balancer is not None)
+        if config.parallelism.context_parallel_rotate_method == "alltoall" and cp_gathers_kv(config, device):
+            raise ConfigError("context_parallel_rotate_method alltoall runs torch's ring on the flash kernel, which takes no "
+                              "document mask (model.attn_mask_type block_causal) and on CUDA no fp32 (training."
+                              "mixed_precision_param float32): use allgather")
         if config.compile.enable and "model" in config.compile.components:
-            raise ConfigError("compile.enable with context_parallel_degree > 1 is not supported yet: the all-gather-KV "
+            raise ConfigError("compile.enable with context_parallel_degree > 1 is not supported yet: the context-parallel "
                               "attention's collectives break the compiled block's graph")
     if config.parallelism.enable_async_tensor_parallel:
         # an inductor pass over symmetric memory, which only CUDA has; elsewhere it would do nothing

@@ -2,7 +2,9 @@
 
 Renaming keys to and from HF names is the model adapters' job (tessera.models): ``import_hf``
 and ``export_hf`` take them as callables. Those two move a (sharded) model to and from such a
-folder one tensor at a time, so that no rank ever holds the whole model (70B/405B).
+folder one tensor at a time, so that no rank ever holds the whole model (70B/405B). HF tensors
+that are slices of one stacked model tensor (MoE experts: one HF tensor per expert, one
+``[n_experts, ...]`` parameter) are named by a third callable and imported slice by slice.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from tessera.ckpt.folders import ExtraFiles, check_extra_files, publish, write_extra_files
 from tessera.ckpt.formats import check_state_dict
@@ -33,6 +36,9 @@ INDEX_FILE = "model.safetensors.index.json"
 # must accept any subset of keys, since it is called with one tensor at a time.
 Convert = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 Plan = list[tuple[str, list[str]]]  # (file name, tensor names in it), in writing order
+# HF name -> (model key, index) when the HF tensor is ``model_tensor[index]`` of a tensor stacked
+# on dim 0 (e.g. ``lambda name: spec.hf_adapter.stacked_slice(name, args)``), else None.
+Stacked = Callable[[str], tuple[str, int] | None]
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -204,31 +210,88 @@ def _load_tensor(handle, name: str, from_hf: Convert, model_state: dict[str, tor
             _copy_full(model_state[key], full)
 
 
+def _stacks(metas: dict[str, torch.Tensor], stacked: Stacked | None,
+            source: str) -> tuple[dict[str, tuple[str, int]], dict[str, torch.Tensor]]:
+    """(each slice's HF name -> (model key, index), each stacked key -> its meta tensor). The
+    slices of a key must be indices 0..n-1 of one shape: a gap, a repeat or a stray shape is a
+    ValueError naming the key (a missing last slice shows as a shape the model does not have)."""
+    slots = {name: slot for name in metas if stacked is not None and (slot := stacked(name)) is not None}
+    slices: dict[str, dict[int, str]] = {}
+    for name, (key, index) in slots.items():
+        if index in slices.setdefault(key, {}):
+            raise ValueError(f"{source}: {slices[key][index]!r} and {name!r} are both slice {index} of {key!r}")
+        slices[key][index] = name
+    stacked_metas = {}
+    for key, names in slices.items():
+        if sorted(names) != list(range(len(names))):
+            raise ValueError(f"{source}: {key!r} is stacked from slices {sorted(names)}, not 0..{len(names) - 1}")
+        shapes = sorted({tuple(metas[name].shape) for name in names.values()})
+        if len(shapes) > 1:
+            raise ValueError(f"{source}: the slices of {key!r} differ in shape: {shapes[:2]}")
+        stacked_metas[key] = torch.empty((len(names), *shapes[0]), device="meta")
+    return slots, stacked_metas
+
+
+def _local_region(target: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
+    """This rank's part of a model tensor and the global region it holds, one slice per dim
+    (a DTensor's shard is one box of the global tensor, under FSDP over EP or TP too: torch's
+    helper answers as it does for DCP, strided FSDP placements included)."""
+    if not isinstance(target, DTensor):
+        return target, tuple(slice(0, n) for n in target.shape)
+    shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+    return target.to_local(), tuple(slice(o, o + n) for o, n in zip(offset, shape))
+
+
+def _load_slice(handle, name: str, region: tuple[torch.Tensor, tuple[slice, ...]], index: int) -> None:
+    """Reads one slice of a stacked tensor and copies the part this rank holds into its shard."""
+    local, (rows, *rest) = region
+    with torch.no_grad():
+        local[index - rows.start].copy_(handle.get_tensor(name)[tuple(rest)])
+
+
 def import_hf(model: nn.Module, folder: str | os.PathLike, from_hf: Convert, *,
-              model_shapes: dict[str, tuple[int, ...]] | None = None) -> None:
+              model_shapes: dict[str, tuple[int, ...]] | None = None, stacked: Stacked | None = None) -> None:
     """Loads a Hugging Face checkpoint folder into ``model`` (plain, FSDP, TP: any DTensor
     placements) in place, holding at most one full tensor at a time and reading each at most once.
 
     Call it on every rank; it needs no communication. Names and shapes are checked against
     ``model_shapes`` (default: ``model``'s own) from the file headers before any data is read
     (one-line ValueError). Pass the whole model's shapes when ``model`` is one pipeline stage:
-    tensors the stage lacks are then not read at all.
+    tensors the stage lacks are then not read at all. HF tensors that ``stacked`` places in a
+    stacked model tensor bypass ``from_hf``: a rank reads only the slices its shard holds rows of
+    (expert parallel: its own experts) and copies them in, never building the stacked tensor.
     """
     folder = Path(folder)
     source = f"Hugging Face checkpoint {folder}"
     file_shapes = _file_shapes(folder)
     metas = {name: torch.empty(shape, device="meta") for shapes in file_shapes.values() for name, shape in shapes.items()}
-    targets = _convert_names(metas, from_hf, source)
+    slots, stacked_metas = _stacks(metas, stacked, source)
+    targets = _convert_names({name: meta for name, meta in metas.items() if name not in slots}, from_hf, source)
+    converted = {key: meta for keys in targets.values() for key, meta in keys.items()}
+    both = sorted(converted.keys() & stacked_metas.keys())
+    if both:
+        raise ValueError(f"{source}: {both[0]!r} is both converted and stacked from slices")
     model_state = get_model_state_dict(model)  # tensors sharing storage with the model's own
     if model_shapes is None:
         model_shapes = {key: tuple(value.shape) for key, value in model_state.items()}  # DTensor: global shape
-    check_state_dict({key: meta for keys in targets.values() for key, meta in keys.items()}, model_shapes, source, "the model")
+    check_state_dict({**converted, **stacked_metas}, model_shapes, source, "the model")
+    regions = {key: _local_region(model_state[key]) for key in stacked_metas if key in model_state}
+
+    def needed(name: str) -> bool:
+        if name not in slots:
+            return bool(model_state.keys() & targets[name].keys())
+        key, index = slots[name]
+        return key in regions and regions[key][1][0].start <= index < regions[key][1][0].stop
+
     for path, shapes in file_shapes.items():
-        needed = [name for name in shapes if model_state.keys() & targets[name].keys()]
-        if needed:
+        names = [name for name in shapes if needed(name)]
+        if names:
             with _open(path) as handle:
-                for name in needed:
-                    _load_tensor(handle, name, from_hf, model_state)
+                for name in names:
+                    if name in slots:
+                        _load_slice(handle, name, regions[slots[name][0]], slots[name][1])
+                    else:
+                        _load_tensor(handle, name, from_hf, model_state)
 
 
 def _writer_decides(answer: bool) -> bool:

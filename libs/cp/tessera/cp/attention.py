@@ -5,7 +5,9 @@ values of the whole sequence, attends its own queries to them under the causal m
 global positions, and in backward the key/value gradients go back to their owners summed over
 ranks (reduce-scatter). Communication is two all-gathers per layer forward and two
 reduce-scatters backward; unlike a ring it needs no custom kernel, so it runs wherever
-scaled_dot_product_attention with a boolean mask runs: CPU (gloo) and GPU (NCCL) alike.
+scaled_dot_product_attention with a boolean mask runs: CPU (gloo) and GPU (NCCL) alike. Under
+grouped-query attention only the fewer K/V heads travel; they are repeated to the query heads
+after the gather (and their gradients summed back before the reduce-scatter, by autograd).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from tessera.cp.ring import RingAttention
 from tessera.cp.sharding import local_positions
 
 
@@ -43,8 +46,9 @@ class _GatherSequence(torch.autograd.Function):
 
 
 class AllGatherKVAttention(nn.Module):
-    """A drop-in for a model's inner attention (q, k, v [batch, heads, local_seq, head_dim] ->
-    out): the q, k, v of this rank's tokens in, the output of its queries over the whole
+    """A drop-in for a model's inner attention (q [batch, heads, local_seq, head_dim], k, v
+    [batch, kv_heads, local_seq, head_dim] with kv_heads dividing heads -> out): the q, k, v of
+    this rank's tokens in, the output of its queries over the whole
     sequence out, exactly causal attention of the full sequence restricted to these queries."""
 
     def __init__(self, group: dist.ProcessGroup, load_balance: bool = True) -> None:
@@ -60,6 +64,8 @@ class AllGatherKVAttention(nn.Module):
         q_pos = local_positions(seq_len, self.cp, self.rank, self.load_balance, q.device)
         k_pos = torch.cat([local_positions(seq_len, self.cp, r, self.load_balance, q.device) for r in range(self.cp)])
         k, v = _GatherSequence.apply(k, self.group), _GatherSequence.apply(v, self.group)
+        n_rep = q.shape[1] // k.shape[1]  # each K/V head serves n_rep consecutive query heads
+        k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
         mask = k_pos[None, :] <= q_pos[:, None]
         if document_ids is not None:
             everyone = [torch.empty_like(document_ids) for _ in range(self.cp)]
@@ -69,14 +75,26 @@ class AllGatherKVAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-def apply_cp(model: nn.Module, cp_group: dist.ProcessGroup, load_balance: bool = True, name: str = "inner_attention") -> int:
+def apply_cp(model: nn.Module, cp_group: dist.ProcessGroup, load_balance: bool = True, rotate_method: str = "allgather",
+             gathered_kernel: bool = False, name: str = "inner_attention") -> int:
     """Replaces every submodule called `name` (the convention of a swappable attention kernel)
-    with AllGatherKVAttention; returns how many. The model must then be fed this rank's tokens
-    (sharding.local_positions) and their positions."""
+    with context-parallel attention; returns how many. rotate_method (torchtitan's
+    context_parallel_rotate_method) says how K/V reach the other ranks, as in torch's ring:
+    "allgather", gathered once per layer, or "alltoall", passed rank to rank while each step
+    attends. The kernel is torch's ring on the device's flash kernel (RingAttention), or with
+    gathered_kernel AllGatherKVAttention (SDPA with a mask: takes document ids, and fp32 on CUDA,
+    which the flash kernels do not; always "allgather"). The model must then be fed this rank's
+    tokens (sharding.local_positions) and their positions."""
+    if rotate_method not in ("allgather", "alltoall"):
+        raise ValueError(f"rotate_method {rotate_method!r}: 'allgather' or 'alltoall'")
+    if gathered_kernel and rotate_method != "allgather":
+        raise ValueError("the all-gather-KV kernel gathers: rotate_method 'allgather'")
     swapped = 0
     for module in list(model.modules()):
         if isinstance(getattr(module, name, None), nn.Module):
-            setattr(module, name, AllGatherKVAttention(cp_group, load_balance))
+            kernel = (AllGatherKVAttention(cp_group, load_balance) if gathered_kernel
+                      else RingAttention(cp_group, rotate_method, load_balance))
+            setattr(module, name, kernel)
             swapped += 1
     if not swapped:
         raise ValueError(f"{type(model).__name__} has no '{name}' submodule for context parallel to replace")

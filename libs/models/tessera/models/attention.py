@@ -3,8 +3,10 @@
 Models hold it as the submodule ``attention.inner_attention`` of each block and call it after
 projecting, rotating and repeating q, k, v, so a library can swap the kernel without editing model
 code (``block.attention.inner_attention = RingAttention(...)`` for context parallel).
-Layout of q, k, v and of the output: [batch, heads, seq, head_dim], with K/V already repeated
-to the number of query heads; query i attends to keys 0..i of the tensors it is given. With
+Layout of q, k, v and of the output: [batch, heads, seq, head_dim]; K/V may have fewer heads
+(grouped-query attention: kv_heads dividing heads), and the kernel repeats them to the query
+heads itself, so a context-parallel kernel moves the fewer K/V heads between ranks and repeats
+after. Query i attends to keys 0..i of the tensors it is given. With
 ``document_ids`` ([batch, seq], the document each token belongs to, for windows that pack
 several documents) a query also attends only to keys of its own document.
 """
@@ -20,6 +22,13 @@ from torch import nn
 # (4,8,512,32) 1.02x, (2,4,512,64) 0.95x, (4,16,1024,16) 0.91x, (2,16,1024,32) 0.82x.
 # So on CPU, sequences with seq * head_dim up to this many run in fp32 (more precise, too).
 CPU_FP32_MAX_SEQ_TIMES_HEAD_DIM = 8192
+
+
+def repeat_kv_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """[batch, kv_heads, seq, head_dim] -> [batch, heads, seq, head_dim]: each K/V head serves the
+    heads // kv_heads consecutive query heads of its group."""
+    n_rep = heads // x.shape[1]
+    return x if n_rep == 1 else torch.repeat_interleave(x, n_rep, dim=1)
 
 
 class CausalSDPA(nn.Module):
@@ -38,6 +47,7 @@ class CausalSDPA(nn.Module):
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None) -> torch.Tensor:
+    k, v = repeat_kv_heads(k, q.shape[1]), repeat_kv_heads(v, q.shape[1])
     if document_ids is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     seq = q.shape[2]

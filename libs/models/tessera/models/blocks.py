@@ -6,6 +6,7 @@ place under its own name, so the wrappers sit inside whatever is applied later (
 """
 
 import functools
+from collections import defaultdict
 
 import torch
 from torch import nn
@@ -34,6 +35,30 @@ def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+class _KeepEntries(dict):
+    """One op's row of a selective-checkpoint cache that keeps each entry once written.
+
+    torch 2.13's recompute mode (torch.utils.checkpoint._CachedTorchDispatchMode) marks an entry
+    consumed by overwriting it, so a second backward through the block fails ("backward an extra
+    time"). Split-backward pipeline schedules run two: input gradients, then weight gradients from
+    the same graph (torch.utils.checkpoint.GraphExecGroup, which recomputes once, refuses them: both
+    passes unpack the matmul nodes' saved tensors). Ignoring the overwrite lets both passes read the
+    cached outputs; the cache lives in the checkpoint's frame, so it is freed with the block's graph.
+    Guarded by libs/models/tests/test_blocks.py (torch's cache still refuses, this one still reads twice).
+    """
+
+    def __setitem__(self, key, value):
+        self.setdefault(key, value)
+
+
+def _rereadable_contexts(policy_fn):
+    """create_selective_checkpoint_contexts whose cached outputs both backward passes of a split
+    backward can read; the two modes share one cache, swapped for rows of _KeepEntries."""
+    forward_mode, recompute_mode = create_selective_checkpoint_contexts(policy_fn)
+    forward_mode.storage = recompute_mode.storage = defaultdict(_KeepEntries)
+    return forward_mode, recompute_mode
+
+
 def _every_n(option: str | int) -> int:
     """N of an every-N-th-block option (2 or "2"); ValueError naming anything else."""
     if (isinstance(option, int) or (isinstance(option, str) and option.isdigit())) and int(option) >= 1:
@@ -43,7 +68,7 @@ def _every_n(option: str | int) -> int:
 
 def apply_activation_checkpointing(
     model: nn.Module, mode: str, option: str | int = "op", *, preserve_rng_state: bool = False,
-    early_stop: bool = True, determinism_check: str = "default", debug: bool = False,
+    early_stop: bool = True, determinism_check: str = "default", debug: bool = False, split_backward: bool = False,
 ) -> None:
     """Wrap blocks of ``model.layers`` so backward recomputes their activations instead of
     keeping them, trading compute for memory.
@@ -58,7 +83,9 @@ def apply_activation_checkpointing(
     The keywords are torch.utils.checkpoint's: RNG state matters only to blocks with dropout
     (saving it costs every forward); early_stop ends a recomputation once it has produced what
     backward needs; determinism_check "default" compares the recomputed tensors' metadata;
-    debug records the recomputed ops for a mismatch report.
+    debug records the recomputed ops for a mismatch report. split_backward: backward runs twice
+    through each block (pipeline schedules that compute input then weight gradients), so selective
+    "op" keeps its cached outputs until the block's graph is freed rather than dropping each once read.
     """
     if mode not in AC_MODES:
         raise ValueError(f"activation checkpointing mode {mode!r} is not one of {AC_MODES}")
@@ -71,7 +98,8 @@ def apply_activation_checkpointing(
                                               ("debug", debug)) if value != _CHECKPOINT_DEFAULTS[key]}
     every_n = 1
     if mode == "selective" and option == "op":
-        contexts["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
+        make_contexts = _rereadable_contexts if split_backward else create_selective_checkpoint_contexts
+        contexts["context_fn"] = functools.partial(make_contexts, _save_matmuls)
         # profiler marks are bookkeeping, not computation: hooks inside a block (FSDP on its experts)
         # place a different number of them in forward and recomputation, which SAC would count
         SAC_IGNORED_OPS.update(_PROFILER_OPS)

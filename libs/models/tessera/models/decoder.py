@@ -1,7 +1,7 @@
-"""The decoder shell of the DeepSeek-V3 and Qwen3 models: token embedding, ``layers``, final norm,
-output projection, and the RoPE table indexed by explicit positions.
+"""The decoder shell of every family (Llama, DeepSeek-V3, Qwen3): token embedding, ``layers``,
+final norm, output projection, and the RoPE table indexed by explicit positions.
 
-It keeps the conventions of ``tessera.models.llama.Transformer`` (see the package README): module
+Conventions (see ``tessera.models.llama.model`` and the package README): module
 names ``tok_embeddings``, ``layers`` (``nn.ModuleDict`` keyed "0".."n-1"), ``norm``, ``output``;
 pipeline stages may set the first and last three to None and delete layers; positions are indexed
 once at entry, where the tokens are the whole sequence this rank holds, and every block gets those
@@ -11,10 +11,11 @@ rows whole as the keyword ``rope`` (with ``document_ids`` for block-causal atten
 import torch
 from torch import nn
 
-from tessera.models.llama.model import FeedForward
+from tessera.models.feed_forward import BASE_INIT_STD, FeedForward
 from tessera.models.moe import MoE
+from tessera.models.rms_norm import RMSNorm
 
-BASE_INIT_STD = 0.02
+__all__ = ["BASE_INIT_STD", "Decoder", "TransformerBlock", "depth_init_std"]
 
 
 def depth_init_std(layer_id: int, n_layers: int, depth_init: bool = True) -> float:
@@ -31,9 +32,9 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, dim: int, norm_eps: float, attention: nn.Module, ffn: FeedForward | MoE, init_std: float):
         super().__init__()
-        self.attention_norm = nn.RMSNorm(dim, eps=norm_eps)
+        self.attention_norm = RMSNorm(dim, eps=norm_eps)
         self.attention = attention
-        self.ffn_norm = nn.RMSNorm(dim, eps=norm_eps)
+        self.ffn_norm = RMSNorm(dim, eps=norm_eps)
         self.feed_forward = ffn if isinstance(ffn, FeedForward) else None
         self.moe = ffn if isinstance(ffn, MoE) else None
         self.weight_init_std = init_std
@@ -68,15 +69,17 @@ class Decoder(nn.Module):
         self.tie_embeddings = tie_embeddings
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): block for i, block in enumerate(blocks)})
-        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self._tie_output()
         # Not persistent: derived from args, so checkpoints need not carry it.
         self.register_buffer("rope", self.rope_table(), persistent=False)
+        self._rope_dtype = self.rope.dtype
         self.init_weights()
 
     def rope_table(self) -> torch.Tensor:
-        """[max_seq_len, rotary dim] cos|sin table (``tessera.models.rotary.rope_table``)."""
+        """[max_seq_len, ...]: the rotation of each position, as the family's attention takes it
+        (a cos|sin table, ``tessera.models.rotary.rope_table``, or Llama's complex rotations)."""
         raise NotImplementedError
 
     def _tie_output(self) -> None:
@@ -87,8 +90,9 @@ class Decoder(nn.Module):
         super()._apply(fn, recurse)
         # to_empty()/to() may give the two tied modules separate new Parameters: tie them again.
         self._tie_output()
-        # Module.to(dtype) casts buffers too; cos/sin of large angles need float32.
-        if self.rope.dtype != torch.float32:
+        # Module.to(dtype) casts buffers too: cos/sin of large angles need float32, and a cast of
+        # complex rotations to real drops their imaginary part.
+        if self.rope.dtype != self._rope_dtype:
             with torch.device(self.rope.device):
                 self.rope = self.rope_table()
         return self
@@ -118,13 +122,17 @@ class Decoder(nn.Module):
         """tokens [B, T] -> logits [B, T, vocab]. A stage without ``tok_embeddings`` takes hidden
         states [B, T, dim]; without ``norm``/``output`` it returns hidden states.
 
-        positions: position ids (long, [T] or [B, T], each < ``max_seq_len``), default 0..T-1.
+        positions: position ids (long, [T] or [B, T], each < ``max_seq_len``) of the T tokens,
+        default 0..T-1; a rank holding a later part of a sequence passes that part's ids, and so
+        does a later pipeline stage under sequence parallel (its input is a sequence shard).
         document_ids: [B, T], the document of each token when a window packs several; attention
-        then stays within a document. None: plain causal attention.
+        then stays within a document (block-causal). None: plain causal attention.
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=self.rope.device)
+        # Indexed here, from the tokens: under sequence parallel h already holds only this rank's
+        # shard of the sequence, while attention sees (and rotates) all T tokens.
         rope = self.rope[positions]
         for layer in self.layers.values():
             h = layer(h, rope=rope, document_ids=document_ids)

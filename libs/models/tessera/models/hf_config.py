@@ -1,4 +1,5 @@
-"""Hugging Face ``config.json`` files: reading one, whatever the model family.
+"""Hugging Face ``config.json`` files: reading one, whatever the model family, and the checks
+every family's reader shares.
 
 Each family turns the dict into its own args (its spec's ``hf_config``, e.g.
 ``tessera.models.llama.hf_config``).
@@ -9,6 +10,8 @@ import os
 from pathlib import Path
 
 CONFIG_FILE = "config.json"
+REQUIRED = object()
+_KINDS = {int: "an integer", float: "a number", bool: "true or false"}
 
 
 def config_file(path: str | os.PathLike) -> Path:
@@ -30,3 +33,59 @@ def read_hf_config(path: str | os.PathLike) -> dict:
     if not isinstance(config, dict):
         raise ValueError(f"{file} holds a JSON {type(config).__name__}, not an object")
     return config
+
+
+def config_value(mapping: dict, key: str, kind: type, source: str, default=REQUIRED, prefix: str = ""):
+    """``mapping[key]`` checked to be of ``kind`` (numbers positive); missing or null gives
+    ``default``, or an error when there is none."""
+    value = mapping.get(key)
+    if value is None:
+        if default is REQUIRED:
+            raise ValueError(f"{source}: {prefix}{key} is missing")
+        return default
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ValueError(f"{source}: {prefix}{key} {value!r} is not {_KINDS[kind]}")
+    if kind is not bool and value <= 0:
+        raise ValueError(f"{source}: {prefix}{key} {value!r} must be positive")
+    return value
+
+
+def refuse_unsupported(config: dict, source: str, model_types: tuple[str, ...], settings: dict) -> None:
+    """A model_type outside ``model_types``, or a key set otherwise than ``settings`` says
+    (key -> the only value supported; missing keys take it), is a ValueError naming it."""
+    if config.get("model_type") not in model_types:
+        raise ValueError(f"{source}: model_type {config.get('model_type')!r} is not supported, only "
+                         f"{' or '.join(map(repr, model_types))}")
+    for key, supported in settings.items():
+        value = config.get(key, supported)
+        if value != supported or type(value) is not type(supported):
+            raise ValueError(f"{source}: {key} {value!r} is not supported, only {supported!r}")
+
+
+def rope_section(config: dict, source: str) -> tuple[str, dict, float]:
+    """(the section's name, its parameters, RoPE theta) from ``rope_parameters`` (transformers 5)
+    or ``rope_theta`` + ``rope_scaling`` (transformers 4); theta defaults to 10000."""
+    name = "rope_parameters" if config.get("rope_parameters") is not None else "rope_scaling"
+    params = config.get(name) or {}
+    if not isinstance(params, dict):
+        raise ValueError(f"{source}: {name} {params!r} is not an object")
+    if "rope_theta" in params:
+        return name, params, config_value(params, "rope_theta", float, source, prefix=f"{name}.")
+    return name, params, config_value(config, "rope_theta", float, source, default=10000.0)
+
+
+def compare_configs(found, args, compared: tuple[tuple[str, str], ...], source: str, target: str) -> None:
+    """``found`` (args read from ``source``) agrees with ``args`` (``target``) on every
+    (config.json key, attribute) of ``compared``; the first difference is a ValueError."""
+    for key, attribute in compared:
+        theirs, ours = _attribute(found, attribute), _attribute(args, attribute)
+        if theirs != ours:
+            raise ValueError(f"{source}: {key} is {theirs!r} but {target} has {attribute} {ours!r}")
+
+
+def _attribute(args, dotted: str):
+    for name in dotted.split("."):
+        args = None if args is None else getattr(args, name)
+    return args

@@ -4,8 +4,9 @@ stacks ([E, ...] per weight, ``layers.N.moe.experts.w1``) and HF stores one tens
 (``model.layers.N.mlp.experts.E.gate_proj.weight``).
 
 Stacking makes one Tessera tensor out of E HF tensors, so ``from_hf`` needs all of a layer's
-experts of a weight in one call; a subset raises (a loader converting one tensor at a time must
-gather them). Everything else converts key by key, so any subset of keys works.
+experts of a weight in one call; a subset raises. A loader converting one tensor at a time
+places each expert's tensor itself, as ``expert_slice`` says (tessera.ckpt's ``import_hf``).
+Everything else converts key by key, so any subset of keys works.
 """
 
 import re
@@ -61,6 +62,16 @@ def to_hf(state_dict: dict[str, torch.Tensor], per_layer: dict[str, str], family
     return out
 
 
+def expert_slice(hf_key: str) -> tuple[str, int] | None:
+    """(Tessera key, expert) when ``hf_key`` is one routed expert's weight, which is that
+    expert's row of the stacked Tessera tensor as it is; else None."""
+    match = _HF_LAYER.fullmatch(hf_key)
+    expert = _HF_EXPERT.fullmatch(match.group(2)) if match else None
+    if expert is None:
+        return None
+    return f"layers.{match.group(1)}.moe.experts.{_EXPERT_OF_HF[expert.group(2)]}", int(expert.group(1))
+
+
 def from_hf(state_dict: dict[str, torch.Tensor], per_layer: dict[str, str], family: str, n_experts: int,
             tie_embeddings: bool = False) -> dict[str, torch.Tensor]:
     """HF -> Tessera names, stacking each layer's per-expert tensors (all ``n_experts`` of a weight
@@ -77,18 +88,20 @@ def from_hf(state_dict: dict[str, torch.Tensor], per_layer: dict[str, str], fami
             continue
         match = _HF_LAYER.fullmatch(key)
         layer, name = match.groups() if match else (None, None)
-        expert = _HF_EXPERT.fullmatch(name) if name else None
+        expert = expert_slice(key)
         if expert:
-            experts.setdefault((layer, _EXPERT_OF_HF[expert.group(2)]), {})[int(expert.group(1))] = value
+            experts.setdefault(expert[0], {})[expert[1]] = value
         elif name in layer_names:
             out[f"layers.{layer}.{layer_names[name]}"] = value
         else:
             raise ValueError(f"from_hf: unknown Hugging Face {family} key {key!r}")
-    for (layer, weight), parts in experts.items():
+    for stacked, parts in experts.items():
         if sorted(parts) != list(range(n_experts)):
-            raise ValueError(f"from_hf: layer {layer} has {len(parts)} of {n_experts} experts' {EXPERTS[weight]} "
-                             f"weights (expert ids {sorted(parts)[:8]}...); stacking needs all of them in one call")
-        out[f"layers.{layer}.moe.experts.{weight}"] = torch.stack([parts[e] for e in range(n_experts)])
+            layer, weight = stacked.split(".")[1], EXPERTS[stacked.rpartition(".")[2]]
+            raise ValueError(f"from_hf: layer {layer} has {len(parts)} of {n_experts} experts' {weight} "
+                             f"weights (expert ids {sorted(parts)[:8]}...); stacking needs all of them in one call "
+                             "(a loader reading one tensor at a time places them itself: expert_slice)")
+        out[stacked] = torch.stack([parts[e] for e in range(n_experts)])
     if tie_embeddings and "tok_embeddings.weight" in out:
         out.setdefault("output.weight", out["tok_embeddings.weight"])
     return out

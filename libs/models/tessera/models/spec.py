@@ -64,10 +64,13 @@ class ModelSpec:
         the trainer's job plan refuses a role nobody gives a style. tessera.tp's roles:
         "vocab_embedding" (embedding sharded on vocab), "vocab_output" (output projection
         sharded on vocab), "norm" (sequence-parallel norm), "block_input" (a module whose first
-        positional input gets redistributed), "colwise", "rowwise".
+        positional input gets redistributed), "colwise", "rowwise", "replicated" (run whole on
+        every rank), "head_norm" (a norm over the local heads); tessera.ep's: "moe".
     tp_divisible: args -> {quantity name: value} that a tensor-parallel degree must divide.
     hf_adapter: object with ``to_hf(state_dict, args)`` and ``from_hf(state_dict, args)``
-        converting state dicts to and from Hugging Face names, or None.
+        converting state dicts to and from Hugging Face names, or None. A family whose tensors
+        stack several HF tensors on dim 0 (MoE experts) adds ``stacked_slice(hf_name, args)`` ->
+        (key, index) or None, so that a streaming import places them one at a time.
     hf_config: object turning a Hugging Face ``config.json`` dict into args and back, or None:
         ``args_from_config(config, source)``, ``config_from_args(args, *, dtype=None,
         bos_token_id=None, eos_token_id=None)``, and ``check_config(args, config, source, target)``

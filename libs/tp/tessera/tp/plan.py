@@ -25,6 +25,8 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from tessera.tp.local import ColwiseFromShare, LocalShards
+
 
 @dataclass(frozen=True)
 class Layouts:
@@ -67,8 +69,12 @@ DEFAULT_STYLES: Mapping[str, StyleFactory] = MappingProxyType({
     "vocab_output": _vocab_output,
     "norm": lambda layouts: SequenceParallel() if layouts.sequence_parallel else None,
     "block_input": _block_input,
-    "colwise": lambda layouts: ColwiseParallel(),
+    "colwise": lambda layouts: ColwiseFromShare(),
     "rowwise": lambda layouts: RowwiseParallel(output_layouts=layouts.between_blocks),
+    # run whole on every rank (tessera.tp.local): a module on the block's replicated input
+    # (MLA's latent projections and norms), a norm over head_dim applied to the local heads
+    "replicated": lambda layouts: LocalShards(),
+    "head_norm": lambda layouts: LocalShards(),
 })
 ROLES = frozenset(DEFAULT_STYLES)
 

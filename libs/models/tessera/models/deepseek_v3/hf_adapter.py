@@ -44,13 +44,20 @@ def to_hf(state_dict: dict[str, torch.Tensor], args: DeepSeekV3Args) -> dict[str
     return hf_layers.to_hf(state_dict, _per_layer(args), "DeepSeek-V3")
 
 
-def from_hf(state_dict: dict[str, torch.Tensor], args: DeepSeekV3Args) -> dict[str, torch.Tensor]:
-    def multi_token_prediction(key: str) -> bool:
-        match = _HF_LAYER_INDEX.match(key)
-        return match is not None and int(match.group(1)) >= args.n_layers
+def _multi_token_prediction(key: str, args: DeepSeekV3Args) -> bool:
+    match = _HF_LAYER_INDEX.match(key)
+    return match is not None and int(match.group(1)) >= args.n_layers
 
-    kept = {key: value for key, value in state_dict.items() if not multi_token_prediction(key)}
+
+def from_hf(state_dict: dict[str, torch.Tensor], args: DeepSeekV3Args) -> dict[str, torch.Tensor]:
+    kept = {key: value for key, value in state_dict.items() if not _multi_token_prediction(key, args)}
     out = hf_layers.from_hf(kept, _per_layer(args), "DeepSeek-V3", args.moe.n_experts)
     if not _hf_has_router_bias(args):
         out.update(hf_layers.zero_router_bias(out))
     return out
+
+
+def stacked_slice(hf_key: str, args: DeepSeekV3Args) -> tuple[str, int] | None:
+    """(Tessera key, expert) of a routed expert's HF tensor, for loaders placing them one by one;
+    None for the multi-token-prediction layers' experts, which ``from_hf`` drops."""
+    return None if _multi_token_prediction(hf_key, args) else hf_layers.expert_slice(hf_key)

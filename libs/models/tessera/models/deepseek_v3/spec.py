@@ -1,6 +1,6 @@
 """Model spec of the DeepSeek-V2/V3 family."""
 
-from tessera.models.deepseek_v3 import hf_adapter
+from tessera.models.deepseek_v3 import hf_adapter, hf_config
 from tessera.models.deepseek_v3.args import DeepSeekV3Args
 from tessera.models.deepseek_v3.flavors import deepseek_v3_flavors
 from tessera.models.deepseek_v3.model import DeepSeekV3
@@ -9,8 +9,7 @@ from tessera.models.spec import ModelSpec
 
 # Patterns for every flavor: a flavor has either wq or wq_a/q_norm/wq_b. "replicated" (a module
 # every TP rank runs whole on the block's replicated input, its weight gradients summed over the
-# TP ranks) and "moe" (the MoE layer: router, experts, shared experts) are roles for
-# tessera.tp / tessera.ep to define.
+# TP ranks) is tessera.tp's role, "moe" (the MoE layer: router, experts, shared experts) tessera.ep's.
 TP_PLAN = {
     "tok_embeddings": "vocab_embedding",
     "layers.*.attention_norm": "norm",
@@ -64,7 +63,9 @@ def flops_per_token(args: DeepSeekV3Args, seq_len: int) -> float:
 
 
 def tp_divisible(args: DeepSeekV3Args) -> dict[str, int]:
-    quantities = {"n_heads": args.n_heads, "vocab_size": args.vocab_size, "inter_dim": args.inter_dim}
+    # the routed experts split their hidden features under TP (torchtitan's expert TP)
+    quantities = {"n_heads": args.n_heads, "vocab_size": args.vocab_size, "inter_dim": args.inter_dim,
+                  "moe.hidden_dim": args.moe.hidden_dim}
     if args.moe.n_shared_experts:
         quantities["shared_experts_hidden_dim"] = args.moe.n_shared_experts * args.moe.hidden_dim
     return quantities
@@ -78,6 +79,7 @@ deepseek_v3_spec = ModelSpec(
     tp_plan=TP_PLAN,
     tp_divisible=tp_divisible,
     hf_adapter=hf_adapter,
+    hf_config=hf_config,
     step_hooks=MOE_STEP_HOOKS,
     n_experts=lambda args: args.moe.n_experts,
 )

@@ -2,7 +2,7 @@
 
 from tessera.models.llama.args import ModelArgs, RopeScaling
 from tessera.models.llama.flavors import llama2_flavors, llama3_flavors
-from tessera.models.llama.model import Attention, FeedForward, Transformer, TransformerBlock, repeat_kv
+from tessera.models.llama.model import Attention, FeedForward, Transformer, TransformerBlock
 from tessera.models.llama.rope import apply_rotary_emb, precompute_freqs_cis, rope_frequencies
 from tessera.models.llama.spec import flops_per_token, llama2_spec, llama3_spec, non_embedding_params, tp_divisible
 
@@ -21,7 +21,6 @@ __all__ = [
     "llama3_spec",
     "non_embedding_params",
     "precompute_freqs_cis",
-    "repeat_kv",
     "rope_frequencies",
     "tp_divisible",
 ]

@@ -11,10 +11,8 @@ num_attention_heads) is refused, never approximated.
 
 import dataclasses
 
+from tessera.models.hf_config import compare_configs, config_value, refuse_unsupported, rope_section
 from tessera.models.llama.args import ModelArgs, RopeScaling
-
-_REQUIRED = object()
-_KINDS = {int: "an integer", float: "a number", bool: "true or false"}
 
 # (config.json key, ModelArgs attribute) compared by check_config; max_position_embeddings is
 # not: the trainer sets the positions it trains on, and weights do not depend on it.
@@ -32,54 +30,21 @@ _COMPARED = (
 )
 
 
-def _value(mapping: dict, key: str, kind: type, source: str, default=_REQUIRED, prefix: str = ""):
-    """``mapping[key]`` checked to be of ``kind`` (numbers positive); missing or null gives
-    ``default``, or an error when there is none."""
-    value = mapping.get(key)
-    if value is None:
-        if default is _REQUIRED:
-            raise ValueError(f"{source}: {prefix}{key} is missing")
-        return default
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise ValueError(f"{source}: {prefix}{key} {value!r} is not {_KINDS[kind]}")
-    if kind is not bool and value <= 0:
-        raise ValueError(f"{source}: {prefix}{key} {value!r} must be positive")
-    return value
-
-
-def _refuse_unsupported(config: dict, source: str) -> None:
-    if config.get("model_type") != "llama":
-        raise ValueError(f"{source}: model_type {config.get('model_type')!r} is not supported, only 'llama'")
-    for key, supported in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
-        value = config.get(key, supported)
-        if value != supported or type(value) is not type(supported):
-            raise ValueError(f"{source}: {key} {value!r} is not supported, only {supported!r}")
-
-
 def _rope(config: dict, source: str) -> tuple[float, RopeScaling | None]:
     """RoPE base and scaling from ``rope_parameters`` (transformers 5) or ``rope_theta`` +
     ``rope_scaling`` (transformers 4)."""
-    name = "rope_parameters" if config.get("rope_parameters") is not None else "rope_scaling"
-    params = config.get(name) or {}
-    if not isinstance(params, dict):
-        raise ValueError(f"{source}: {name} {params!r} is not an object")
+    name, params, theta = rope_section(config, source)
     prefix = f"{name}."
-    if "rope_theta" in params:
-        theta = _value(params, "rope_theta", float, source, prefix=prefix)
-    else:
-        theta = _value(config, "rope_theta", float, source, default=10000.0)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         return theta, None
     if rope_type != "llama3":
         raise ValueError(f"{source}: {name}.rope_type {rope_type!r} is not supported, only 'default' or 'llama3'")
     scaling = RopeScaling(
-        factor=_value(params, "factor", float, source, prefix=prefix),
-        low_freq_factor=_value(params, "low_freq_factor", float, source, prefix=prefix),
-        high_freq_factor=_value(params, "high_freq_factor", float, source, prefix=prefix),
-        original_max_position_embeddings=_value(params, "original_max_position_embeddings", int, source, prefix=prefix),
+        factor=config_value(params, "factor", float, source, prefix=prefix),
+        low_freq_factor=config_value(params, "low_freq_factor", float, source, prefix=prefix),
+        high_freq_factor=config_value(params, "high_freq_factor", float, source, prefix=prefix),
+        original_max_position_embeddings=config_value(params, "original_max_position_embeddings", int, source, prefix=prefix),
     )
     if scaling.high_freq_factor <= scaling.low_freq_factor:
         raise ValueError(f"{source}: {name}.high_freq_factor {scaling.high_freq_factor} must exceed "
@@ -90,26 +55,26 @@ def _rope(config: dict, source: str) -> tuple[float, RopeScaling | None]:
 def args_from_config(config: dict, source: str = "config.json") -> ModelArgs:
     """The ModelArgs of a LlamaConfig dict; ``source`` (the file) starts every error message.
     ``max_seq_len`` is max_position_embeddings and ``ffn_dim`` is intermediate_size, exactly."""
-    _refuse_unsupported(config, source)
-    dim = _value(config, "hidden_size", int, source)
-    n_heads = _value(config, "num_attention_heads", int, source)
-    head_dim = _value(config, "head_dim", int, source, default=None)
+    refuse_unsupported(config, source, ("llama",), {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False})
+    dim = config_value(config, "hidden_size", int, source)
+    n_heads = config_value(config, "num_attention_heads", int, source)
+    head_dim = config_value(config, "head_dim", int, source, default=None)
     if head_dim is not None and head_dim * n_heads != dim:
         raise ValueError(f"{source}: head_dim {head_dim} is not supported: Tessera's Llama uses hidden_size / "
                          f"num_attention_heads = {dim} / {n_heads}")
     theta, scaling = _rope(config, source)
     fields = dict(
         dim=dim,
-        n_layers=_value(config, "num_hidden_layers", int, source),
+        n_layers=config_value(config, "num_hidden_layers", int, source),
         n_heads=n_heads,
-        n_kv_heads=_value(config, "num_key_value_heads", int, source, default=n_heads),
-        vocab_size=_value(config, "vocab_size", int, source),
-        ffn_dim=_value(config, "intermediate_size", int, source),
-        norm_eps=_value(config, "rms_norm_eps", float, source, default=1e-6),
+        n_kv_heads=config_value(config, "num_key_value_heads", int, source, default=n_heads),
+        vocab_size=config_value(config, "vocab_size", int, source),
+        ffn_dim=config_value(config, "intermediate_size", int, source),
+        norm_eps=config_value(config, "rms_norm_eps", float, source, default=1e-6),
         rope_theta=theta,
         rope_scaling=scaling,
-        max_seq_len=_value(config, "max_position_embeddings", int, source, default=2048),
-        tie_embeddings=_value(config, "tie_word_embeddings", bool, source, default=False),
+        max_seq_len=config_value(config, "max_position_embeddings", int, source, default=2048),
+        tie_embeddings=config_value(config, "tie_word_embeddings", bool, source, default=False),
     )
     try:
         return ModelArgs(**fields)
@@ -147,8 +112,4 @@ def config_from_args(args: ModelArgs, *, dtype: str | None = None, bos_token_id=
 def check_config(args: ModelArgs, config: dict, source: str, target: str) -> None:
     """``config`` describes the architecture of ``args`` (called ``target`` in messages): the
     first difference is a ValueError naming the config.json key and both values."""
-    found = args_from_config(config, source)
-    for key, attribute in _COMPARED:
-        theirs, ours = getattr(found, attribute), getattr(args, attribute)
-        if theirs != ours:
-            raise ValueError(f"{source}: {key} is {theirs!r} but {target} has {attribute} {ours!r}")
+    compare_configs(args_from_config(config, source), args, _COMPARED, source, target)

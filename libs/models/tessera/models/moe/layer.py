@@ -12,7 +12,7 @@ signature that exchanges rows between ranks (see ``tessera.models.moe.experts``)
 import torch
 from torch import nn
 
-from tessera.models.llama.model import FeedForward
+from tessera.models.feed_forward import FeedForward
 from tessera.models.moe.args import MoEArgs
 from tessera.models.moe.aux_loss import attach_aux_loss, sequence_balance_loss
 from tessera.models.moe.experts import GroupedExperts
@@ -33,14 +33,22 @@ def combine(routed: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) ->
     return torch.bmm(weights.unsqueeze(1).to(routed.dtype), by_slot).squeeze(1)
 
 
+def _recomputing() -> bool:
+    """Whether this forward is an activation-checkpoint recomputation: one that runs inside
+    backward (FSDP2 tells them apart the same way). Compiled code recomputes in its own backward
+    graph without rerunning this Python."""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
+
+
 class MoE(nn.Module):
     """x [B, T, dim] -> [B, T, dim]. Submodules ``router`` (``gate``), ``experts``
     (``GroupedExperts``), ``shared_experts`` (a SwiGLU, or None).
 
     Buffers: ``expert_bias`` [E] float32 (persistent; added to the scores to choose experts,
     updated by ``tessera.models.moe.update_expert_bias``), ``tokens_per_expert`` [E] long (slots
-    routed since the last update; every forward adds to it, so an activation-checkpoint
-    recomputation counts twice, which the sign-based update does not notice), ``aux_loss`` (the
+    routed by training forwards since the last update; activation-checkpoint recomputations do
+    not count: split-backward pipeline schedules recompute some micro-batches more often than
+    others, which would skew the load), ``aux_loss`` (the
     last sequence-wise balance loss, times alpha, for logging).
     """
 
@@ -78,7 +86,8 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, dim)
         weights, experts, scores = self.router(tokens, self.expert_bias)
         counts = expert_counts(experts, self.args.n_experts)
-        if self.training:  # the bias follows the training tokens' load, not validation's
+        # the bias follows the training tokens' load, not validation's, each token once
+        if self.training and not _recomputing():
             with torch.no_grad():
                 self.tokens_per_expert += counts
         order = torch.argsort(experts.flatten(), stable=True)

@@ -31,3 +31,8 @@ def from_hf(state_dict: dict[str, torch.Tensor], args: Qwen3Args) -> dict[str, t
     out = hf_layers.from_hf(state_dict, _PER_LAYER, "Qwen3", n_experts, args.tie_embeddings)
     out.update(hf_layers.zero_router_bias(out))
     return out
+
+
+def stacked_slice(hf_key: str, args: Qwen3Args) -> tuple[str, int] | None:
+    """(Tessera key, expert) of a routed expert's HF tensor, for loaders placing them one by one."""
+    return hf_layers.expert_slice(hf_key)

@@ -13,7 +13,7 @@ from torch import nn
 
 from tessera.models.attention import CausalSDPA
 from tessera.models.decoder import BASE_INIT_STD, Decoder, TransformerBlock, depth_init_std
-from tessera.models.llama.model import FeedForward, repeat_kv
+from tessera.models.feed_forward import FeedForward
 from tessera.models.moe import MoE
 from tessera.models.qwen3.args import Qwen3Args
 from tessera.models.rotary import apply_rope_half, inverse_frequencies, rope_table
@@ -21,12 +21,11 @@ from tessera.models.rotary import apply_rope_half, inverse_frequencies, rope_tab
 
 class Attention(nn.Module):
     """Causal grouped-query attention with QK-norm; the kernel is the swappable
-    ``inner_attention`` (q, k, v [B, H, T, head_dim], K/V repeated to the query heads)."""
+    ``inner_attention`` (q [B, H, T, head_dim], k, v [B, H_kv, T, head_dim])."""
 
     def __init__(self, args: Qwen3Args):
         super().__init__()
         self.head_dim = args.head_dim
-        self.n_rep = args.n_heads // args.n_kv_heads
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
@@ -50,7 +49,6 @@ class Attention(nn.Module):
         k = self.k_norm(self.wk(x).view(bs, seqlen, -1, self.head_dim))
         v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         q, k = apply_rope_half(q, rope), apply_rope_half(k, rope)
-        k, v = repeat_kv(k, self.n_rep), repeat_kv(v, self.n_rep)
         masks = {} if document_ids is None else {"document_ids": document_ids}
         out = self.inner_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **masks)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))

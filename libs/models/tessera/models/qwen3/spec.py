@@ -1,7 +1,7 @@
 """Model spec of the Qwen3 family (dense and MoE flavors)."""
 
 from tessera.models.moe import MoEArgs
-from tessera.models.qwen3 import hf_adapter
+from tessera.models.qwen3 import hf_adapter, hf_config
 from tessera.models.qwen3.args import Qwen3Args
 from tessera.models.qwen3.flavors import qwen3_flavors
 from tessera.models.qwen3.model import Qwen3
@@ -10,7 +10,7 @@ from tessera.models.spec import ModelSpec
 
 # Patterns for every flavor: a dense flavor's blocks have feed_forward, an MoE flavor's moe.
 # "head_norm" (q_norm/k_norm: one weight over head_dim applied to the local heads, its gradient
-# summed over the TP ranks) and "moe" (the MoE layer) are roles for tessera.tp / tessera.ep.
+# summed over the TP ranks) is tessera.tp's role, "moe" (the MoE layer) tessera.ep's.
 TP_PLAN = {
     "tok_embeddings": "vocab_embedding",
     "layers.*.attention_norm": "norm",
@@ -57,6 +57,8 @@ def tp_divisible(args: Qwen3Args) -> dict[str, int]:
     quantities = {"n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads, "vocab_size": args.vocab_size}
     if args.moe is None:
         quantities["hidden_dim"] = args.hidden_dim
+    else:  # the routed experts split their hidden features under TP (torchtitan's expert TP)
+        quantities["moe.hidden_dim"] = args.moe.hidden_dim
     return quantities
 
 
@@ -68,6 +70,7 @@ qwen3_spec = ModelSpec(
     tp_plan=TP_PLAN,
     tp_divisible=tp_divisible,
     hf_adapter=hf_adapter,
+    hf_config=hf_config,
     step_hooks=MOE_STEP_HOOKS,
     n_experts=lambda args: args.moe.n_experts if args.moe is not None else 0,
 )

@@ -1,0 +1,184 @@
+"""DeepSeek args to and from a Hugging Face ``DeepseekV3Config`` or ``DeepseekV2Config`` (the dict
+in ``config.json``, as DeepSeek publishes it or transformers writes it).
+
+Routing comes from ``topk_method``: "noaux_tc" (V3: sigmoid scores, correction bias, groups
+ranked by their best two experts), "group_limited_greedy" (V2: softmax, groups ranked by their
+best expert) or "greedy" (V2-Lite: softmax, no groups). YaRN comes from ``rope_scaling``
+(``mscale_all_dim`` is YarnScaling's mscale; a different ``mscale`` would scale the rotary
+features themselves and is refused). Shape keys are required; others take transformers'
+defaults. The MoE balance settings are training choices no config.json states: they keep
+``MoEArgs``' defaults. Multi-token prediction layers (``num_nextn_predict_layers``) are not part
+of the model (the adapter skips their weights).
+"""
+
+import dataclasses
+
+from tessera.models.deepseek_v3.args import DeepSeekV3Args, YarnScaling
+from tessera.models.hf_config import compare_configs, config_value, refuse_unsupported, rope_section
+from tessera.models.moe import MoEArgs
+
+# (config.json key, attribute) compared by check_config; max_position_embeddings is not: the
+# trainer sets the positions it trains on, and weights do not depend on it.
+_COMPARED = (
+    ("hidden_size", "dim"), ("num_hidden_layers", "n_layers"), ("first_k_dense_replace", "n_dense_layers"),
+    ("num_attention_heads", "n_heads"), ("intermediate_size", "inter_dim"), ("vocab_size", "vocab_size"),
+    ("q_lora_rank", "q_lora_rank"), ("kv_lora_rank", "kv_lora_rank"), ("qk_nope_head_dim", "qk_nope_head_dim"),
+    ("qk_rope_head_dim", "qk_rope_head_dim"), ("v_head_dim", "v_head_dim"), ("rms_norm_eps", "norm_eps"),
+    ("rope_theta", "rope_theta"), ("rope_scaling", "yarn"), ("n_routed_experts", "moe.n_experts"),
+    ("num_experts_per_tok", "moe.top_k"), ("moe_intermediate_size", "moe.hidden_dim"),
+    ("n_shared_experts", "moe.n_shared_experts"), ("scoring_func", "moe.score_func"),
+    ("norm_topk_prob", "moe.route_norm"), ("routed_scaling_factor", "moe.route_scale"),
+    ("n_group", "moe.n_groups"), ("topk_group", "moe.topk_groups"), ("topk_method", "moe.group_score_top"),
+)
+_SUPPORTED = {"hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False, "rope_interleave": True,
+              "moe_layer_freq": 1}
+# topk_method -> (score function, a group's score: the sum of its best n experts' scores)
+_ROUTING = {"noaux_tc": ("sigmoid", 2), "group_limited_greedy": ("softmax", 1), "greedy": ("softmax", 1)}
+_DEFAULTS = {  # transformers' defaults per model_type
+    "deepseek_v3": {"topk_method": "noaux_tc", "norm_topk_prob": True, "routed_scaling_factor": 2.5},
+    "deepseek_v2": {"topk_method": "greedy", "norm_topk_prob": False, "routed_scaling_factor": 1.0},
+}
+
+
+def _moe(config: dict, source: str) -> MoEArgs:
+    defaults = _DEFAULTS[config["model_type"]]
+    method = config.get("topk_method") or defaults["topk_method"]
+    if method not in _ROUTING:
+        raise ValueError(f"{source}: topk_method {method!r} is not supported, only {sorted(_ROUTING)}")
+    score_func, group_score_top = _ROUTING[method]
+    scoring = config.get("scoring_func", score_func)
+    if scoring != score_func:
+        raise ValueError(f"{source}: scoring_func {scoring!r} does not go with topk_method {method!r}")
+    grouped = method != "greedy"
+    n_groups = config_value(config, "n_group", int, source, default=1) if grouped else 1
+    try:
+        return MoEArgs(
+            n_experts=config_value(config, "n_routed_experts", int, source),
+            top_k=config_value(config, "num_experts_per_tok", int, source),
+            hidden_dim=config_value(config, "moe_intermediate_size", int, source),
+            n_shared_experts=config.get("n_shared_experts") or 0,
+            score_func=score_func,
+            route_norm=config_value(config, "norm_topk_prob", bool, source, default=defaults["norm_topk_prob"]),
+            route_scale=config_value(config, "routed_scaling_factor", float, source, default=defaults["routed_scaling_factor"]),
+            n_groups=n_groups,
+            topk_groups=config_value(config, "topk_group", int, source, default=1) if grouped else 1,
+            group_score_top=group_score_top if n_groups > 1 else MoEArgs.group_score_top,
+        )
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
+
+
+def _yarn(config: dict, source: str) -> tuple[float, YarnScaling | None]:
+    name, params, theta = rope_section(config, source)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "yarn":
+        raise ValueError(f"{source}: {name}.rope_type {rope_type!r} is not supported, only 'default' or 'yarn'")
+    prefix = f"{name}."
+    mscale = config_value(params, "mscale", float, source, default=1.0, prefix=prefix)
+    mscale_all_dim = config_value(params, "mscale_all_dim", float, source, default=mscale, prefix=prefix)
+    if mscale != mscale_all_dim:
+        raise ValueError(f"{source}: {name}.mscale {mscale} differs from mscale_all_dim {mscale_all_dim}; "
+                         "only equal values are supported")
+    return theta, YarnScaling(
+        factor=config_value(params, "factor", float, source, prefix=prefix),
+        original_max_position_embeddings=config_value(params, "original_max_position_embeddings", int, source, prefix=prefix),
+        beta_fast=config_value(params, "beta_fast", float, source, default=32.0, prefix=prefix),
+        beta_slow=config_value(params, "beta_slow", float, source, default=1.0, prefix=prefix),
+        mscale=mscale_all_dim,
+    )
+
+
+def args_from_config(config: dict, source: str = "config.json") -> DeepSeekV3Args:
+    """The DeepSeekV3Args of a DeepSeek-V3 or -V2 config dict; ``source`` starts every error message."""
+    refuse_unsupported(config, source, ("deepseek_v3", "deepseek_v2"), _SUPPORTED)
+    n_heads = config_value(config, "num_attention_heads", int, source)
+    if config_value(config, "num_key_value_heads", int, source, default=n_heads) != n_heads:
+        raise ValueError(f"{source}: num_key_value_heads {config['num_key_value_heads']} differs from "
+                         f"num_attention_heads {n_heads}; multi-head latent attention has one per head")
+    theta, yarn = _yarn(config, source)
+    moe = _moe(config, source)
+    try:
+        return DeepSeekV3Args(
+            vocab_size=config_value(config, "vocab_size", int, source),
+            dim=config_value(config, "hidden_size", int, source),
+            n_layers=config_value(config, "num_hidden_layers", int, source),
+            n_dense_layers=config.get("first_k_dense_replace") or 0,
+            n_heads=n_heads,
+            inter_dim=config_value(config, "intermediate_size", int, source),
+            moe=moe,
+            q_lora_rank=config_value(config, "q_lora_rank", int, source, default=0),  # null: no query bottleneck
+            kv_lora_rank=config_value(config, "kv_lora_rank", int, source),
+            qk_nope_head_dim=config_value(config, "qk_nope_head_dim", int, source),
+            qk_rope_head_dim=config_value(config, "qk_rope_head_dim", int, source),
+            v_head_dim=config_value(config, "v_head_dim", int, source),
+            norm_eps=config_value(config, "rms_norm_eps", float, source, default=1e-6),
+            rope_theta=theta,
+            yarn=yarn,
+            max_seq_len=config_value(config, "max_position_embeddings", int, source, default=4096),
+        )
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
+
+
+def _topk_method(moe: MoEArgs) -> str:
+    """The topk_method of this routing; one no DeepSeek config names is a ValueError."""
+    if moe.score_func == "sigmoid" and (moe.n_groups == 1 or moe.group_score_top == 2):
+        return "noaux_tc"
+    if moe.score_func == "softmax" and moe.n_groups == 1:
+        return "greedy"
+    if moe.score_func == "softmax" and moe.group_score_top == 1:
+        return "group_limited_greedy"
+    raise ValueError(f"no DeepSeek config.json expresses this routing: {moe}")
+
+
+def config_from_args(args: DeepSeekV3Args, *, dtype: str | None = None, bos_token_id=None, eos_token_id=None) -> dict:
+    """A DeepseekV3Config dict for sigmoid routing, else a DeepseekV2Config one (the adapter's
+    weight format follows the same rule: V2's has no router bias)."""
+    moe, v3 = args.moe, args.moe.score_func == "sigmoid"
+    # YaRN only where the model applies it (max_seq_len beyond the original context): transformers
+    # applies a config's rope_scaling whatever max_position_embeddings says
+    yarn = None if not args.yarn_active else {
+        "type": "yarn", "rope_type": "yarn", **dataclasses.asdict(args.yarn), "mscale_all_dim": args.yarn.mscale}
+    config = {
+        "architectures": ["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v3" if v3 else "deepseek_v2",
+        "vocab_size": args.vocab_size,
+        "hidden_size": args.dim,
+        "intermediate_size": args.inter_dim,
+        "moe_intermediate_size": moe.hidden_dim,
+        "num_hidden_layers": args.n_layers,
+        "first_k_dense_replace": args.n_dense_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_heads,
+        "n_shared_experts": moe.n_shared_experts,
+        "n_routed_experts": moe.n_experts,
+        "num_experts_per_tok": moe.top_k,
+        "topk_method": _topk_method(moe),
+        "scoring_func": moe.score_func,
+        "n_group": moe.n_groups,
+        "topk_group": moe.topk_groups,
+        "norm_topk_prob": moe.route_norm,
+        "routed_scaling_factor": moe.route_scale,
+        "q_lora_rank": args.q_lora_rank or None,
+        "kv_lora_rank": args.kv_lora_rank,
+        "qk_nope_head_dim": args.qk_nope_head_dim,
+        "qk_rope_head_dim": args.qk_rope_head_dim,
+        "v_head_dim": args.v_head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": args.max_seq_len,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "rope_scaling": yarn,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+    }
+    extra = {"torch_dtype": dtype, "bos_token_id": bos_token_id, "eos_token_id": eos_token_id}
+    return config | {key: value for key, value in extra.items() if value is not None}
+
+
+def check_config(args: DeepSeekV3Args, config: dict, source: str, target: str) -> None:
+    """``config`` describes the architecture of ``args`` (called ``target``): the first difference
+    is a ValueError naming the config.json key and both values."""
+    compare_configs(args_from_config(config, source), args, _COMPARED, source, target)
