@@ -1,7 +1,8 @@
 """Tensor parallel (with sequence and loss parallel) for the Qwen3 and DeepSeek-V3 families:
 QK-norm on local heads (Qwen3), MLA's latent projections run whole on every rank (DeepSeek-V3),
 and the MoE layer with its experts split on hidden features match the single-process run at
-TP 2 (each family), FSDP 2 x TP 2 and PP 2 x TP 2 (DeepSeek-V3); fp32: losses and grad norms
+TP 2 (each family), FSDP 2 x TP 2, PP 2 x TP 2 and with expert parallel, TP 2 x EP 2 (experts
+split over both) and TP 2 x EP 4 (expert_tensor_parallel_degree 1) (DeepSeek-V3); fp32: losses and grad norms
 within 1e-5 relative, parameters within 2e-5 absolute as for Llama's TP layouts (the sharded
 matmuls sum in another order); expert loads count every token once.
 
@@ -34,9 +35,15 @@ LAYOUTS = {  # ranks, flags, data-parallel ranks
     "fsdp2_tp2": (4, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2"], 2),
     "pp2_tp2": (4, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
                     "--parallelism.pipeline_parallel_degree", "2"], 1),
+    # expert_tensor_parallel_degree = tp: each expert split over tp, the experts over ep (inside dp_shard)
+    "tp2_ep2": (4, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
+                    "--parallelism.expert_parallel_degree", "2", "--parallelism.expert_tensor_parallel_degree", "2"], 2),
+    # expert_tensor_parallel_degree = 1: the ep group is dp_shard x tp, experts whole, tokens split over tp
+    "tp2_ep4_etp1": (4, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
+                         "--parallelism.expert_parallel_degree", "4", "--parallelism.expert_tensor_parallel_degree", "1"], 2),
 }
 CASES = [("qwen3", "tp2"), ("qwen3_moe", "tp2"), ("deepseek_v3", "tp2"), ("deepseek_v3", "fsdp2_tp2"),
-         ("deepseek_v3", "pp2_tp2")]
+         ("deepseek_v3", "pp2_tp2"), ("deepseek_v3", "tp2_ep2"), ("deepseek_v3", "tp2_ep4_etp1")]
 
 
 def _train_rank(rank, world_size, argv):

@@ -55,8 +55,7 @@ def test_plan_resolves_layout_batch_and_model():
         (3, ["--model.name", "deepseek_v3", "--parallelism.expert_parallel_degree", "3"],
          "^8 experts do not divide over expert parallel degree 3$"),
         (4, ["--model.name", "deepseek_v3", "--parallelism.tensor_parallel_degree", "2",
-             "--parallelism.expert_parallel_degree", "2", "--parallelism.expert_tensor_parallel_degree", "2"],
-         "^parallelism.expert_parallel_degree 2 with tensor_parallel_degree 2 is not supported yet"),
+             "--parallelism.expert_parallel_degree", "3"], "ep=3 must be a multiple of cp\\*tp=2"),
         (2, ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--parallelism.tensor_parallel_degree", "2",
              "--parallelism.expert_tensor_parallel_degree", "4"],
          "^parallelism.expert_tensor_parallel_degree 4 must be 1 or tensor_parallel_degree 2$"),
@@ -74,6 +73,13 @@ def test_moe_families_plan_tensor_parallel_but_not_a_replaced_colwise_style():
         p = plan(2, *family, "--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_tensor_parallel_degree", "2")
         total, per_rank = parameter_counts(p)
         assert p.dims.tp == 2 and total / 2 < per_rank < total * 0.6  # experts split, router and latents whole
+    p = plan(4, "--model.name", "deepseek_v3", "--parallelism.tensor_parallel_degree", "2",
+             "--parallelism.expert_parallel_degree", "2", "--parallelism.expert_tensor_parallel_degree", "2")
+    assert (p.dims.tp, p.dims.ep, p.dims.dp_shard) == (2, 2, 2)  # etp = tp: ep inside dp_shard, beside tp
+    assert p.meshes.shape_of("ep") == (2,) and p.meshes.shape_of("expert_fsdp") == (1,)
+    p = plan(4, "--model.name", "deepseek_v3", "--parallelism.tensor_parallel_degree", "2",
+             "--parallelism.expert_parallel_degree", "4", "--parallelism.expert_tensor_parallel_degree", "1")
+    assert p.dims.ep_spans_tp and p.meshes.spans("ep") == (("dp_shard_in_ep", "tp"),)  # etp 1: tp ranks join ep
     # float8 tensorwise swaps in its own colwise style, which would all-reduce MLA's latent gradients
     with pytest.raises(ConfigError, match=r"^model.converters \['float8'\] with tensor_parallel_degree 2: deepseek_v3's"):
         plan(2, "--model.name", "deepseek_v3", "--parallelism.tensor_parallel_degree", "2", "--model.converters", "float8",

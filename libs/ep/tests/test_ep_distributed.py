@@ -8,7 +8,8 @@ all ranks (each rank's data is seeded by its rank), so ranks compare without mov
 - FSDP over the expert_fsdp mesh (2 ranks, and 1 at EP 4) x EP with divide_grads_by_ep: expert
   gradients equal the mean over the 4 data-parallel ranks' losses;
 - the full tessera.models MoE layer (router, shared expert, aux loss) at EP 2, forward and backward;
-- a DCP checkpoint saved at EP 4 loads at EP 2.
+- a DCP checkpoint saved at EP 4 loads at EP 2;
+- EP 4 with rows split over pairs (``split_rows_over``): the pair's outputs sum to one process's.
 """
 
 import pytest
@@ -87,6 +88,23 @@ def _compare_experts(rank, mesh, group_ranks, fsdp_mesh=None, dp=1):
     return errors
 
 
+def _compare_split_rows(rank, meshes):
+    """EP 4 whose pairs ({0,1}, {2,3}: the tp mesh, as under expert_tensor_parallel_degree 1)
+    pass the same rows, each sending half: a pair's outputs and dx sum to one process's."""
+    import torch.distributed as dist
+
+    leader = rank - rank % 2
+    ref_out, ref_dx, ref_grads = _reference(_experts(), [0, 2])
+    module = apply_ep(_experts(), meshes.ep, split_rows_over=meshes.tp)[0]
+    out, dx = _run_ep(module, leader)
+    summed = torch.cat([out, dx])
+    dist.all_reduce(summed, group=meshes.tp.get_group())
+    errors = {"out+dx": _rel(summed, torch.cat([ref_out[leader], ref_dx[leader]]))}
+    for name, param in module.named_parameters():
+        errors[f"d{name}"] = _rel(param.grad.full_tensor(), ref_grads[name])
+    return errors
+
+
 def _moe_layer():
     from tessera.models.moe import MoE, MoEArgs
 
@@ -153,8 +171,10 @@ def _all_cases(rank, world_size, folder):
 
     ep2 = build_meshes(resolve_parallel_dims(world_size, dp_shard=world_size, ep=2), "cpu")
     ep4 = build_meshes(resolve_parallel_dims(world_size, dp_shard=world_size, ep=4), "cpu")
+    ep4_tp2 = build_meshes(resolve_parallel_dims(world_size, tp=2, ep=4, ep_spans_tp=True), "cpu")
     pair = [rank - rank % 2, rank - rank % 2 + 1]
     return {
+        "ep4_split_rows2": _compare_split_rows(rank, ep4_tp2),
         "ep2": _compare_experts(rank, ep2.ep, pair),
         "ep4": _compare_experts(rank, ep4.ep, range(world_size)),
         "fsdp2_ep2": _compare_experts(rank, ep2.ep, None, ep2.expert_fsdp, dp=world_size),
@@ -169,7 +189,7 @@ def results(tmp_path_factory):
     return run_on_ranks(_all_cases, WORLD, str(tmp_path_factory.mktemp("dcp")))
 
 
-@pytest.mark.parametrize("case", ["ep2", "ep4", "fsdp2_ep2", "fsdp1_ep4", "moe_ep2", "dcp_ep4_to_ep2"])
+@pytest.mark.parametrize("case", ["ep2", "ep4", "fsdp2_ep2", "fsdp1_ep4", "moe_ep2", "dcp_ep4_to_ep2", "ep4_split_rows2"])
 def test_matches_one_process(results, case):
     for rank, per_case in enumerate(results):
         errors = per_case[case]

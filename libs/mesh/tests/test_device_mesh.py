@@ -72,6 +72,8 @@ LAYOUTS = {
     "hsdp_cp": dict(dp_replicate=2, cp=2),  # 2-D fsdp mesh over a flattened dp_shard x cp
     "ep2": dict(dp_shard=4, ep=2),
     "ep4_cp2": dict(dp_shard=2, cp=2, ep=4),  # experts' FSDP mesh has one rank
+    "ep4_tp2_etp1": dict(tp=2, ep=4, ep_spans_tp=True),  # ep = dp_shard x tp
+    "ep2_tp2_etp1": dict(tp=2, ep=2, ep_spans_tp=True),  # ep = tp alone (one world dim, flattened under another name)
 }
 
 

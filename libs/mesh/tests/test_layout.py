@@ -46,6 +46,16 @@ def test_expert_parallel_splits_dp_shard():
     assert layout.mapping_keys == mesh_layout(resolve_parallel_dims(16, dp_replicate=2, cp=2)).mapping_keys
 
 
+def test_expert_parallel_takes_the_tp_ranks_when_asked():
+    # torchtitan's expert_tensor_parallel_degree 1: ep 4 = 2 of dp_shard 4 x tp 2; without tp, the flag is dropped
+    dims = resolve_parallel_dims(8, tp=2, ep=4, ep_spans_tp=True)
+    layout = mesh_layout(dims)
+    assert (dims.dp_shard_mod_ep, dims.dp_shard_in_ep) == (2, 2)
+    assert layout.spans("ep") == (("dp_shard_in_ep", "tp"),) and layout.spans("expert_fsdp") == (("dp_shard_mod_ep",),)
+    assert layout.spans("tp") == (("tp",),) and layout.shape_of("fsdp") == (4,)
+    assert not resolve_parallel_dims(4, ep=4, ep_spans_tp=True).ep_spans_tp
+
+
 def test_experts_keep_an_fsdp_mesh_when_ep_takes_all_of_dp_shard():
     layout = mesh_layout(resolve_parallel_dims(8, dp_shard=4, cp=2, ep=8))
     assert layout.world == (("dp_shard_mod_ep", 1), ("dp_shard_in_ep", 4), ("cp", 2))

@@ -46,6 +46,8 @@ def test_flattened_dims_name_only_active_dims():
         (4, dict(pp=1.5), "pp=1.5 must be an integer"),
         (4, dict(ep=3), "ep=3 must divide dp_shard*cp"),
         (8, dict(dp_shard=2, cp=4, ep=2), "ep=2 must be a multiple of cp=4"),
+        (8, dict(dp_shard=2, tp=4, ep=2, ep_spans_tp=True), "ep=2 must be a multiple of cp*tp=4"),
+        (4, dict(tp=2, ep=8, ep_spans_tp=True), "ep=8 must divide dp_shard*cp*tp = 2*2 = 4"),
         (0, dict(), "world_size=0"),
     ],
 )

@@ -74,7 +74,7 @@ HELP = {
     "parallelism.module_fqns_per_model_part": "explicit stages: the module names of each",
     "parallelism.pipeline_parallel_expert_parallel_overlap": "overlap expert-parallel all-to-all with pipeline compute",
     "parallelism.expert_parallel_degree": "ranks sharing the experts of each MoE layer",
-    "parallelism.expert_tensor_parallel_degree": "1 or tensor_parallel_degree; no effect without expert parallel (experts follow tp)",
+    "parallelism.expert_tensor_parallel_degree": "tensor_parallel_degree: experts split over tp and ep; 1: the tp ranks join ep; no effect without ep",
     "parallelism.expert_parallel_comm_backend": "all-to-all implementation: standard",
     "checkpoint.enable": "save and resume checkpoints",
     "checkpoint.folder": "under job.dump_folder",

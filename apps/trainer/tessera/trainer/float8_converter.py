@@ -44,7 +44,10 @@ def float8_options(config: JobConfig, dims: ParallelDims, name: str = "float8") 
         recipe_name=section.recipe_name or "tensorwise",  # "" (torchtitan: None) = torchao's default recipe
         filter_fqns=tuple(name for name in section.filter_fqns if name != AUTO_FILTER_FLAG),
         auto_filter_small_kn=AUTO_FILTER_FLAG in section.filter_fqns,
-        emulate=section.emulate,
+        # On CPU the float8 matmul itself is always emulated (the casts and scales stay float8's):
+        # torch's CPU _scaled_mm is a reference kernel on many CPUs, measured 1,000x an fp32 matmul
+        # of the same 64x256x256 shape, so the same run took minutes or seconds by machine.
+        emulate=section.emulate or device_type() == "cpu",
         enable_fsdp_float8_all_gather=section.enable_fsdp_float8_all_gather,
         precompute_float8_dynamic_scale_for_fsdp=section.precompute_float8_dynamic_scale_for_fsdp,
     )

@@ -66,7 +66,9 @@ def parallelize(model: nn.Module, plan: JobPlan, meshes: Meshes | None) -> nn.Mo
                     gathered_kernel=cp_gathers_kv(config, plan.device))
     experts = ep.find_experts(model) if dims.ep_enabled and _has_experts(model) else []
     # each rank its share of every layer's experts; FSDP then shards them over the ranks beside ep
-    ep.apply_ep(experts, meshes.ep if experts else None, divide_grads_by_ep=True)
+    # (expert_tensor_parallel_degree 1: the ep group holds the tp ranks, each sending its share of the tokens)
+    ep.apply_ep(experts, meshes.ep if experts else None, divide_grads_by_ep=True,
+                split_rows_over=meshes.tp if dims.ep_spans_tp else None)
     ac = config.activation_checkpoint
     if ac.mode != "none":
         apply_activation_checkpointing(

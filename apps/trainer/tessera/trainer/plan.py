@@ -9,6 +9,7 @@ It reads the config and the tokenizer's size and nothing else; file paths are on
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from tessera.models import ModelSpec, get_model_spec
 from tessera.trainer.config import ConfigError, JobConfig, user_directory, user_input
 from tessera.trainer.converters import ModelConverter, build_converters
 from tessera.trainer.hf_assets import check_hf_weights, flavor_args, initial_load_folder
+from tessera.trainer.moe_tensor_parallel import moe_tp_style
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,12 +144,14 @@ def make_plan(config: JobConfig, world_size: int, device: str | None = None, *, 
             world_size, dp_replicate=par.data_parallel_replicate_degree,
             dp_shard=par.data_parallel_shard_degree, tp=par.tensor_parallel_degree,
             pp=par.pipeline_parallel_degree, cp=par.context_parallel_degree, ep=par.expert_parallel_degree,
+            ep_spans_tp=par.expert_tensor_parallel_degree == 1,  # torchtitan: etp 1 puts the tp ranks in ep
         )
         spec = get_model_spec(config.model.name)
     args = _model_args(config, spec, _vocab_size(config, spec, notes if check_only else None))
     converters = build_converters(config, dims)
     # the MoE layer's style comes from tessera.ep (tessera.tp knows no model layers)
-    styles = tp.styles_with({"moe": ep.moe_tp_style, **{role: f for c in converters for role, f in c.tp_styles.items()}})
+    moe = functools.partial(moe_tp_style, split_experts=not dims.ep_spans_tp)  # else ep takes the experts whole
+    styles = tp.styles_with({"moe": moe, **{role: f for c in converters for role, f in c.tp_styles.items()}})
     _check_tensor_parallel(config, spec, args, dims, styles)
     _check_expert_parallel(config, spec, args, dims)
     _check_layout(config, dims, device)
@@ -331,9 +335,6 @@ def _check_expert_parallel(config: JobConfig, spec: ModelSpec, args, dims: Paral
         raise ConfigError(f"parallelism.expert_tensor_parallel_degree {etp} must be 1 or tensor_parallel_degree {dims.tp}")
     if not dims.ep_enabled:
         return  # the routed experts follow tensor_parallel_degree, whatever etp says (torchtitan: no effect)
-    if dims.tp_enabled:
-        raise ConfigError(f"parallelism.expert_parallel_degree {dims.ep} with tensor_parallel_degree {dims.tp} is not "
-                          "supported yet (either expert_tensor_parallel_degree): use one of them")
     experts = spec.n_experts(args)
     if not experts:
         raise ConfigError(f"parallelism.expert_parallel_degree {dims.ep}: {spec.name}/{config.model.flavor} has no experts")

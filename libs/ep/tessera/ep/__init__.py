@@ -4,7 +4,5 @@ routed experts, and tokens travel to their experts and back by all-to-all."""
 from tessera.ep.degrees import check_ep_degree
 from tessera.ep.dispatch import Exchange, combine, dispatch, plan_exchange
 from tessera.ep.experts import apply_ep, find_experts
-from tessera.ep.tensor_parallel import MoETensorParallel, moe_tp_style
 
-__all__ = ["Exchange", "MoETensorParallel", "apply_ep", "check_ep_degree", "combine", "dispatch", "find_experts",
-           "moe_tp_style", "plan_exchange"]
+__all__ = ["Exchange", "apply_ep", "check_ep_degree", "combine", "dispatch", "find_experts", "plan_exchange"]

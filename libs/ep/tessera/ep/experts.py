@@ -16,6 +16,8 @@ the forward runs the module's own forward on the local shards between the exchan
 from collections.abc import Iterable
 from contextlib import contextmanager
 
+import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -44,6 +46,16 @@ def _local_parameters(module: nn.Module, grad_divisor: int):
         module._parameters.update(saved)
 
 
+def _row_share(x: torch.Tensor, counts: torch.Tensor, rank: int, size: int):
+    """This rank's contiguous 1/size of the rows sorted by expert (the last share may be short),
+    its counts per expert, and how many rows come (before, after) it."""
+    n = x.shape[0]
+    per = -(-n // size)
+    lo, hi = min(rank * per, n), min((rank + 1) * per, n)
+    ends = counts.cumsum(0)
+    return x[lo:hi], ends.clamp(lo, hi) - (ends - counts).clamp(lo, hi), (lo, n - hi)
+
+
 def _ep_class(cls: type) -> type:
     """A subclass of ``cls`` whose forward exchanges rows between the ep ranks around
     ``cls.forward`` (a class swap, as ``fully_shard`` does, so hooks and FSDP wrapping keep
@@ -54,36 +66,54 @@ def _ep_class(cls: type) -> type:
             n_counts, n_experts = num_tokens_per_expert.shape[0], next(iter(self.parameters())).shape[0]
             if n_counts != n_experts:
                 raise ValueError(f"expert parallel: {n_counts} token counts for {n_experts} experts")
+            split = self.ep_split_rows
+            if split is not None:
+                x, num_tokens_per_expert, (before, after) = _row_share(
+                    x, num_tokens_per_expert, split.get_local_rank(), split.size())
             exchange = plan_exchange(num_tokens_per_expert, group)
-            with _local_parameters(self, self.ep_mesh.size() if self.ep_divides_grads else 1):
-                out = cls.forward(self, dispatch(x, exchange, group), exchange.local_counts)
-            return combine(out, exchange, group)
+            data_parallel = self.ep_mesh.size() // (split.size() if split is not None else 1)
+            with _local_parameters(self, data_parallel if self.ep_divides_grads else 1):
+                out = combine(cls.forward(self, dispatch(x, exchange, group), exchange.local_counts), exchange, group)
+            return out if split is None else F.pad(out, (0, 0, before, after))
 
         _EP_CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (cls,), {"forward": forward})
     return _EP_CLASSES[cls]
 
 
 def apply_ep(experts: nn.Module | Iterable[nn.Module], ep_mesh: DeviceMesh | None,
-             divide_grads_by_ep: bool = False) -> list[nn.Module]:
+             divide_grads_by_ep: bool = False, split_rows_over: DeviceMesh | None = None) -> list[nn.Module]:
     """Shards each experts module (see the module docstring) over the 1-D ``ep_mesh`` in place
     and returns them. The full parameters of the ep group's first rank are scattered (so the
     others' values do not matter), or meta tensors stay meta (``to_empty`` + ``init_weights``).
     ``ep_mesh`` None or of size 1: nothing changes. ValueError if the experts do not divide.
+    Parameters already split by tensor parallel (DTensors on a 1-D mesh) become DTensors on
+    (ep, that mesh), each rank keeping its own shard of its experts.
 
     Gradients: an expert's gradient sums the contributions of the rows every ep rank sent it,
     exactly as one process running the module on all ranks' rows. When the ep ranks are
     data-parallel ranks whose gradients get averaged (tessera's meshes carve ep out of
     dp_shard x cp), pass ``divide_grads_by_ep=True``: FSDP's default mean over the expert_fsdp
     mesh then makes the expert gradients the mean over all data-parallel ranks, like the others.
+
+    ``split_rows_over``: a 1-D mesh inside the ep group whose ranks pass the same rows (tensor
+    parallel's, when the ep group takes the tp ranks: torchtitan's expert_tensor_parallel_degree
+    1). Each sends only its contiguous 1/n of them and gets zeros for the others' rows: the
+    output is a partial sum over that mesh (the MoE layer's TP style reduce-scatters it) and the
+    gradient of ``x`` each rank's share; ``divide_grads_by_ep`` divides by ep / n, the
+    data-parallel ranks among the ep ranks.
     """
     modules = [experts] if isinstance(experts, nn.Module) else list(experts)
     if ep_mesh is None or ep_mesh.size() == 1:
         return modules
     if ep_mesh.ndim != 1:
         raise ValueError(f"expert parallel: the ep mesh must be 1-D, got dims {ep_mesh.mesh_dim_names}")
+    if split_rows_over is not None and (split_rows_over.ndim != 1 or ep_mesh.size() % split_rows_over.size()):
+        raise ValueError(f"expert parallel: split_rows_over {split_rows_over.mesh_dim_names} must be a 1-D mesh "
+                         f"inside the ep group of {ep_mesh.size()}")
     for module in modules:
         _shard(module, ep_mesh)
         module.ep_divides_grads = divide_grads_by_ep
+        module.ep_split_rows = split_rows_over
     return modules
 
 
@@ -99,11 +129,28 @@ def _shard(module: nn.Module, ep_mesh: DeviceMesh) -> None:
         raise ValueError(f"expert parallel: {name}'s parameters disagree on the number of experts "
                          f"(dim 0: {sorted(sizes)})")
     check_ep_degree(sizes.pop(), ep_mesh.size())
+    joined: dict[DeviceMesh, DeviceMesh] = {}
     for pname, param in params.items():
-        sharded = distribute_tensor(param.detach(), ep_mesh, [Shard(0)])
-        module.register_parameter(pname, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        module.register_parameter(pname, nn.Parameter(_distribute(param, ep_mesh, joined), requires_grad=param.requires_grad))
     module.ep_mesh = ep_mesh
     module.__class__ = _ep_class(type(module))
+
+
+def _distribute(param: nn.Parameter, ep_mesh: DeviceMesh, joined: dict[DeviceMesh, DeviceMesh]) -> DTensor:
+    """``Shard(0)`` over ep. A parameter already a DTensor on a 1-D mesh (tensor parallel's split
+    of each expert) keeps that placement as the second dim of the (ep, its mesh) mesh: ep scatters
+    each rank's own shard, so the ranks of that mesh must be the ep ranks' peers (an ep group of
+    ranks with equal tensor-parallel index)."""
+    if not isinstance(param, DTensor):
+        return distribute_tensor(param.detach(), ep_mesh, [Shard(0)])
+    if param.device_mesh.ndim != 1 or isinstance(param.placements[0], Shard) and param.placements[0].dim == 0:
+        raise ValueError(f"expert parallel: parameters already sharded {param.placements} over "
+                         f"{param.device_mesh.mesh_dim_names}; expected a 1-D mesh, not on the expert dim")
+    if param.device_mesh not in joined:
+        joined[param.device_mesh] = DeviceMesh._concatenate([ep_mesh, param.device_mesh])
+    local = distribute_tensor(param.to_local().detach(), ep_mesh, [Shard(0)]).to_local()
+    return DTensor.from_local(local, joined[param.device_mesh], [Shard(0), *param.placements], run_check=False,
+                              shape=param.shape, stride=param.stride())
 
 
 def find_experts(model: nn.Module, name: str = "experts") -> list[nn.Module]:

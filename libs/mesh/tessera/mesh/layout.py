@@ -18,7 +18,7 @@ _EP_SPLIT = {"dp_shard": ("dp_shard_mod_ep", "dp_shard_in_ep")}
 # Named 1-D meshes spanning several dims, each as the dims it spans: "dp_shard" (its two parts
 # joined again under ep), "dp" shards the data loader's batches, "dp_shard_cp" is what FSDP shards
 # parameters over (cp ranks hold the same weights), "dp_cp" averages the loss and gradient norm,
-# "ep" exchanges tokens between expert holders.
+# "ep" exchanges tokens between expert holders (and spans tp too when dims.ep_spans_tp).
 _FLATTENED = {
     "dp_shard": ("dp_shard",),
     "dp": ("dp_replicate", "dp_shard"),
@@ -119,6 +119,10 @@ def _spanned(dims: ParallelDims, names: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(part for name in names for part in _parts(dims, name) if part in active)
 
 
+def _flattened(dims: ParallelDims, name: str) -> tuple[str, ...]:
+    return (*_FLATTENED[name], "tp") if name == "ep" and dims.ep_spans_tp else _FLATTENED[name]
+
+
 def flattened_dims(dims: ParallelDims) -> dict[str, tuple[str, ...]]:
     """The flattened meshes "dp", "dp_shard_cp" and "dp_cp", each as the world dims it spans."""
     return {name: _spanned(dims, _FLATTENED[name]) for name in ("dp", "dp_shard_cp", "dp_cp")}
@@ -153,8 +157,8 @@ def mesh_layout(dims: ParallelDims) -> MeshLayout:
     accessors = _accessor_groups(dims)
     used = {*MAPPING_KEYS, *(group for groups in accessors.values() for group in groups)}
     candidates = {name: (name,) for name in world}
-    for name, spanned in _FLATTENED.items():
-        candidates.setdefault(name, _spanned(dims, spanned))
+    for name in _FLATTENED:
+        candidates.setdefault(name, _spanned(dims, _flattened(dims, name)))
     return MeshLayout(
         world=tuple(world.items()),
         groups=tuple((name, parts) for name, parts in candidates.items() if parts and name in used),

@@ -14,7 +14,9 @@ class ParallelDims:
     """Resolved degrees of every parallel dimension; their product is the world size.
 
     Expert parallelism does not add ranks: an ep group is all of cp and part of dp_shard
-    (dp_shard = dp_shard_mod_ep x dp_shard_in_ep, ep = dp_shard_in_ep x cp).
+    (dp_shard = dp_shard_mod_ep x dp_shard_in_ep, ep = dp_shard_in_ep x cp), and all of tp too
+    when ``ep_spans_tp`` (torchtitan's expert_tensor_parallel_degree 1; otherwise each expert is
+    split over tp and the ep group is ranks of equal tp index).
     """
 
     dp_replicate: int
@@ -24,6 +26,7 @@ class ParallelDims:
     pp: int
     ep: int
     world_size: int
+    ep_spans_tp: bool = False
 
     @property
     def dp(self) -> int:
@@ -63,7 +66,7 @@ class ParallelDims:
     @property
     def dp_shard_in_ep(self) -> int:
         """The part of dp_shard inside one ep group: ep takes all of cp and this much of dp_shard."""
-        return self.ep // self.cp if self.ep_enabled else 1
+        return self.ep // (self.cp * (self.tp if self.ep_spans_tp else 1)) if self.ep_enabled else 1
 
     @property
     def dp_shard_mod_ep(self) -> int:
@@ -93,8 +96,10 @@ def resolve_parallel_dims(
     tp: int = 1,
     pp: int = 1,
     ep: int = 1,
+    ep_spans_tp: bool = False,
 ) -> ParallelDims:
-    """Validates the degrees against world_size and fills dp_shard=-1 with what is left."""
+    """Validates the degrees against world_size and fills dp_shard=-1 with what is left.
+    ``ep_spans_tp``: the ep group takes all tp ranks too (kept only when ep and tp are > 1)."""
     world_size = _check_degree("world_size", world_size)
     dp_replicate = _check_degree("dp_replicate", dp_replicate)
     dp_shard = _check_degree("dp_shard", dp_shard, allow_rest=True)
@@ -114,11 +119,13 @@ def resolve_parallel_dims(
             f"dp_replicate*dp_shard*cp*tp*pp = {dp_replicate}*{dp_shard}*{cp}*{tp}*{pp} = {product} "
             f"does not equal the world size {world_size}"
         )
-    if ep > 1 and ep % cp:
-        raise ValueError(f"ep={ep} must be a multiple of cp={cp}: an ep group takes all cp ranks and part of dp_shard")
-    if (dp_shard * cp) % ep:
-        raise ValueError(f"ep={ep} must divide dp_shard*cp = {dp_shard}*{cp} = {dp_shard * cp}")
-    return ParallelDims(dp_replicate, dp_shard, cp, tp, pp, ep, world_size)
+    ep_spans_tp = ep_spans_tp and ep > 1 and tp > 1
+    taken, names = (cp * tp, "cp*tp") if ep_spans_tp else (cp, "cp")
+    if ep > 1 and ep % taken:
+        raise ValueError(f"ep={ep} must be a multiple of {names}={taken}: an ep group takes all {names} ranks and part of dp_shard")
+    if (dp_shard * taken) % ep:
+        raise ValueError(f"ep={ep} must divide dp_shard*{names} = {dp_shard}*{taken} = {dp_shard * taken}")
+    return ParallelDims(dp_replicate, dp_shard, cp, tp, pp, ep, world_size, ep_spans_tp)
 
 
 def data_parallel_rank_and_size(dims: ParallelDims, rank: int) -> tuple[int, int]:

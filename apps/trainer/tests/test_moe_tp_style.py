@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from tessera.ep import MoETensorParallel
+from tessera.trainer.moe_tensor_parallel import MoETensorParallel
 from tessera.mesh.testing import run_on_ranks
 
 DIM, BATCH, SEQ, TP = 16, 2, 8, 2

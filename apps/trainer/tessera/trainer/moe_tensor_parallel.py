@@ -1,5 +1,7 @@
-"""The MoE layer under tensor parallel with expert_parallel_degree 1, as torchtitan 0.2 lays it
-out (its expert_tensor_parallel_degree has no effect without ep): the layer all-gathers the
+"""The MoE layer under tensor parallel, as torchtitan 0.2 lays it out: the trainer's composition of
+tessera.tp's share-convention styles with the MoE layer convention (libraries do not import each
+other). torchtitan's expert_tensor_parallel_degree has no effect without ep; with ep see
+``MoETensorParallel``'s ``split_experts`` and ``tessera.ep.apply_ep``. The layer all-gathers the
 sequence-split hidden state, every TP rank routes all tokens, and the work is split on hidden
 features: the routed experts' w1/w3 on their output rows and w2 on its input columns (each rank
 holds every expert's slice), the shared experts colwise/rowwise. Each rank's output is a partial
@@ -45,14 +47,17 @@ def _scatter_output(between: Placement, mesh: DeviceMesh, module: nn.Module, inp
 
 class MoETensorParallel(ParallelStyle):
     """The ParallelStyle of one MoE layer (see the module docstring); ``between`` is the hidden
-    state's layout outside it (``Layouts.between_blocks``)."""
+    state's layout outside it (``Layouts.between_blocks``). ``split_experts=False`` leaves the
+    routed experts to expert parallel over an ep group holding the tp ranks (``apply_ep`` with
+    ``split_rows_over`` the tp mesh): its output is a partial sum over tp as well."""
 
-    def __init__(self, between: Placement):
+    def __init__(self, between: Placement, split_experts: bool = True):
         super().__init__()
         self.between = between
+        self.split_experts = split_experts
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        plan = {"router.gate": LocalShards(), "experts": LocalShards(EXPERT_SHARDS)}
+        plan = {"router.gate": LocalShards(), **({"experts": LocalShards(EXPERT_SHARDS)} if self.split_experts else {})}
         if getattr(module, "shared_experts", None) is not None:
             plan.update({"shared_experts.w1": ColwiseFromShare(), "shared_experts.w3": ColwiseFromShare(),
                          "shared_experts.w2": RowwiseParallel(output_layouts=Partial())})
@@ -64,6 +69,6 @@ class MoETensorParallel(ParallelStyle):
         return module
 
 
-def moe_tp_style(layouts: Layouts) -> ParallelStyle:
-    """tessera.tp StyleFactory for the "moe" role."""
-    return MoETensorParallel(layouts.between_blocks)
+def moe_tp_style(layouts: Layouts, split_experts: bool = True) -> ParallelStyle:
+    """tessera.tp StyleFactory for the "moe" role (bind ``split_experts`` with functools.partial)."""
+    return MoETensorParallel(layouts.between_blocks, split_experts)
