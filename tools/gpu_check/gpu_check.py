@@ -159,7 +159,7 @@ def _groups(d: dict[str, Path], cuda: bool, ranks: int) -> list[tuple[list[dict]
         single += [("moe_bf16", "train", a("moe_bf16", *moe, fp32=False)),
                    ("moe_float8", "train", a("moe_float8", *moe, "--model.converters", "quantize.grouped_mm.float8",
                                              "--quantize.grouped_mm.float8.fqns", "experts", fp32=False)),
-                   dict(name="moe_op", kind="grouped_mm_op", argv=[])]
+                   ("moe_op", "grouped_mm_op", [])]
     layouts = [("init", "init_stats", a("init", *layout, dp=ranks)),
                ("async", "train", a("async", *resume, "--checkpoint.async_mode", "async_with_pinned_mem",
                                     "--checkpoint.last_save_model_only", "false", dp=ranks)),
@@ -181,10 +181,9 @@ def _groups(d: dict[str, Path], cuda: bool, ranks: int) -> list[tuple[list[dict]
     groups = [(single, 1, here)]
     if cuda:  # the single-GPU reference against the same run on CPU
         groups.append(([("cpu_ref", "train", a("cpu_ref", *seed, *save))], 1, cpu_only))
-    groups.append(([dict(name="ring_kernel", kind="ring_kernel", argv=[])], 1, here))
+    groups.append(([("ring_kernel", "ring_kernel", [])], 1, here))
     groups.append((layouts, ranks, here))
-    return [([job if isinstance(job, dict) else dict(name=job[0], kind=job[1], argv=job[2]) for job in jobs], n_ranks, env)
-            for jobs, n_ranks, env in groups]
+    return [([dict(name=n, kind=k, argv=v) for n, k, v in jobs], n_ranks, env) for jobs, n_ranks, env in groups]
 
 
 def _rows(results: dict, d: dict[str, Path], cuda: bool, ranks: int) -> list[tuple[str, str, str]]:

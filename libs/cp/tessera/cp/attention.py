@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.cp.ring import RingAttention
+from tessera.cp.ring import RingAttention, repeat_kv
 from tessera.cp.sharding import local_positions
 
 
@@ -64,8 +64,8 @@ class AllGatherKVAttention(nn.Module):
         q_pos = local_positions(seq_len, self.cp, self.rank, self.load_balance, q.device)
         k_pos = torch.cat([local_positions(seq_len, self.cp, r, self.load_balance, q.device) for r in range(self.cp)])
         k, v = _GatherSequence.apply(k, self.group), _GatherSequence.apply(v, self.group)
-        n_rep = q.shape[1] // k.shape[1]  # each K/V head serves n_rep consecutive query heads
-        k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+        n_rep = q.shape[1] // k.shape[1]
+        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
         mask = k_pos[None, :] <= q_pos[:, None]
         if document_ids is not None:
             everyone = [torch.empty_like(document_ids) for _ in range(self.cp)]

@@ -37,12 +37,14 @@ def _ring_options(rotate_method: str, load_balance: bool):
         options.rotate_method, options.enable_load_balance = saved
 
 
-def _repeat(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """[batch, kv_heads, seq, head_dim] -> [batch, kv_heads * n_rep, ...]: each K/V head serves n_rep
+    consecutive query heads."""
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
 
 
 def _fold(grad: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """Gradient of _repeat: the n_rep query heads' share of a K/V head summed."""
+    """Gradient of repeat_kv: the n_rep query heads' share of a K/V head summed."""
     if n_rep == 1:
         return grad
     batch, heads, seq, dim = grad.shape
@@ -53,7 +55,7 @@ def _forward_kernel(device_type: str, n_rep: int):
     flash = aten._scaled_dot_product_flash_attention_for_cpu.default if device_type == "cpu" else aten._scaled_dot_product_flash_attention.default
 
     def kernel(q, k, v, **kwargs):
-        return flash(q, _repeat(k, n_rep), _repeat(v, n_rep), **kwargs)
+        return flash(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), **kwargs)
     return kernel
 
 
@@ -62,8 +64,8 @@ def _backward_kernel(device_type: str, n_rep: int):
              else aten._scaled_dot_product_flash_attention_backward.default)
 
     def kernel(*, grad_out, query, key, value, **kwargs):
-        dq, dk, dv, *rest = flash(grad_out=grad_out.contiguous(), query=query, key=_repeat(key, n_rep),
-                                  value=_repeat(value, n_rep), **kwargs)
+        dq, dk, dv, *rest = flash(grad_out=grad_out.contiguous(), query=query, key=repeat_kv(key, n_rep),
+                                  value=repeat_kv(value, n_rep), **kwargs)
         return dq, _fold(dk, n_rep), _fold(dv, n_rep), *rest
     return kernel
 
