@@ -85,14 +85,40 @@ def estimate_rank(plan: JobPlan, pp_rank: int = 0) -> FormulaEstimate:
     if dims.tp > 1 and fsdp == 1 and "tok_embeddings" in modules:
         grads += F32 * a.vocab_size // dims.tp * a.dim  # measured: the vocab-parallel embedding's gradient storage is twice its size
     logits_grad = F32 * _microbatch_tokens(plan) * a.vocab_size // dims.tp if "output" in modules else 0
+    held = _held_grads(plan, shapes, grads if fsdp == 1 else None)
     # backward: gradients take the place of the activations they free; the largest moment is its
     # start (the logits' gradient) with a checkpointed block rebuilt, or the optimizer step
-    # (gradients + foreach AdamW's parameter-sized temporaries)
-    peak = params + optimizer + buffers + max(act + logits_grad + _recompute_bytes(plan), grads + params)
+    # (gradients, + foreach AdamW's parameter-sized temporaries; the fused kernel updates in place)
+    temporaries = params if plan.config.optimizer.implementation == "foreach" else 0
+    peak = params + optimizer + buffers + max(act + logits_grad + _recompute_bytes(plan) + held, grads + temporaries)
     tokens = plan.batch.local * plan.batch.seq_len * plan.batch.accumulation
     flops = plan.flops_per_token * tokens * blocks / a.n_layers / dims.tp / dims.cp  # this rank's share of its dp rank's tokens
     return FormulaEstimate(params, grads, optimizer, buffers, act, peak, flops,
                            comm_bytes(plan, elements, kept, blocks, modules, pp_rank))
+
+
+def _held_grads(plan: JobPlan, shapes: list[tuple[int, int, int | None]], grads: int | None) -> int:
+    """Bytes of the gradients a backward finds already there: with accumulation or a pipeline
+    (more than one backward per step), those of the micro-batches before. Without FSDP they are
+    the parameters' own (`grads`). FSDP2 reduces only on the last micro-batch of an accumulating
+    step (tessera.trainer.step.gradient_sync) and after a pipeline's last backward (torch's stage
+    runs every backward without sync), holding each gradient whole (TP-local) in the reduce dtype
+    until then."""
+    if plan.pipeline is None and plan.batch.accumulation == 1:
+        return 0
+    if grads is not None:
+        return grads
+    return plan.reduce_dtype.itemsize * sum(_local_elements(r, c, s, plan.dims.tp, 1) for r, c, s in shapes)
+
+
+def state_floor(a, tp: int, fsdp: int, pp: int, held: bool) -> float:
+    """A floor under every pp rank's peak from the model state alone (the busiest rank holds at
+    least the mean share): fp32 parameters and AdamW's two moments, sharded, and the whole TP-local
+    fp32 gradients when held (`held`: more than one backward a step). Lets the planner drop a
+    layout before building its job plan."""
+    names = ["tok_embeddings", *(f"layers.{i}" for i in range(a.n_layers)), "norm", "output"]
+    local = sum(_local_elements(r, c, s, tp, 1) for m in names for r, c, s in _module_params(a, m)) / pp
+    return 3 * F32 * local / fsdp + (F32 * local if held else 0)
 
 
 def _kept_gathered(plan: JobPlan, modules: list[str], tp_local_block: int) -> int:

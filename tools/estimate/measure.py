@@ -13,10 +13,11 @@ from tessera.trainer.config import load_config
 from tessera.trainer.lr_schedule import build_lr_scheduler
 from tessera.trainer.parallelize import build_parallel_model
 from tessera.trainer.plan import make_plan
-from tessera.trainer.step import cross_entropy, make_train_step, pipelined_forward_backward, plain_forward_backward
+from tessera.trainer.step import cross_entropy, make_train_step, step_functions
 from tessera.trainer.train import _optimizer
 
 from live_bytes import LiveBytes
+from traced import NO_BOS
 
 
 def local_bytes(tensors) -> int:
@@ -35,8 +36,7 @@ def measure_rank(rank: int, world_size: int, argv: list[str]) -> dict[str, int]:
         model = build_parallel_model(plan, meshes, cross_entropy)
         optimizers = [_optimizer(part, plan.config) for part in model.parts]
         schedulers = [build_lr_scheduler(o, 10, warmup_steps=1, decay_ratio=None, decay_type="linear", min_lr_factor=0.0) for o in optimizers]
-        forward_backward = (pipelined_forward_backward(model.pipeline, plan, meshes.pp) if model.pipeline
-                            else plain_forward_backward(model.parts[0], cross_entropy, plan))
+        forward_backward = step_functions(model.parts, model.pipeline, cross_entropy, plan, meshes, bos_id=NO_BOS)[0]
         step = make_train_step(model.parts, optimizers, schedulers[0], forward_backward, plan, pp_mesh=meshes.pp)
         vocab, batch = plan.model_args.vocab_size, plan.batch
 

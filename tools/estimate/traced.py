@@ -27,12 +27,14 @@ from tessera import fsdp, pp
 from tessera.mesh import Meshes, build_meshes
 from tessera.trainer.parallelize import convert, parallelize
 from tessera.trainer.plan import JobPlan
-from tessera.trainer.step import cross_entropy, gradient_sync, plain_forward_backward
+from tessera.trainer.step import cross_entropy, gradient_sync, step_functions
 from tessera.trainer.train import _optimizer
 
 from collectives import Collectives, group_dims
 from gpu_kernels import fused_rms_norms
 from live_bytes import LiveBytes
+
+NO_BOS = -1  # no token id: under block-causal masks each sequence is one document (the mask path, not its values)
 
 
 @dataclasses.dataclass
@@ -137,7 +139,8 @@ def _step(plan: JobPlan, parts, optimizers, meshes: Meshes, comm: Collectives,
           live: LiveBytes) -> tuple[list[torch.Tensor], dict[int, int]]:
     """make_train_step's work without its data-dependent checks (a fake norm has no value).
     With accumulation, the first micro-batch (no gradient sync) stands for all but the last:
-    its collectives are counted that many times. Returns the gradients (before they are dropped)
+    its collectives are counted that many times. The trainer's own step function: each cp rank on
+    its share of the sequences, block-causal masks as planned. Returns the gradients (before they are dropped)
     and the live storages at the end of the last forward (the loss computed)."""
     part = parts[0]
     forward_end = {}
@@ -148,7 +151,7 @@ def _step(plan: JobPlan, parts, optimizers, meshes: Meshes, comm: Collectives,
         forward_end.update(live.sizes)
         return loss
 
-    forward_backward = plain_forward_backward(part, loss_fn, plan)
+    forward_backward = step_functions(parts, None, loss_fn, plan, meshes, bos_id=NO_BOS)[0]
     sync = gradient_sync(parts, pipelined=False)
     batch = plan.batch
     tokens = torch.zeros(batch.local, batch.seq_len, dtype=torch.long)

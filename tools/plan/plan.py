@@ -175,8 +175,9 @@ def search(args, gpu: GPU) -> tuple[list[Candidate], int, int]:
     a = get_model_spec(args.model).flavors[args.flavor]  # the vocab of the flavor's tokenizer, as a check-only plan's
     options = step_time.float8_of(load_config(["--model.converters=float8"]), resolve_parallel_dims(1))
     fp8 = step_time.float8_linears(options, a)
-    queue = [(lower_bound(layout, ac, args, gpu, a, fp8), i, layout, ac) for i, (layout, ac) in enumerate(layouts(args, gpu))]
-    enumerated = len(queue)
+    tried = list(layouts(args, gpu))
+    queue = [(lower_bound(layout, ac, args, gpu, a, fp8), i, layout, ac) for i, (layout, ac) in enumerate(tried)
+             if _state_fits(layout, args, gpu, a)]
     heapq.heapify(queue)
     best: dict[tuple, Candidate] = {}
     plans: dict[tuple[Layout, str], JobPlan | None] = {}
@@ -193,7 +194,15 @@ def search(args, gpu: GPU) -> tuple[list[Candidate], int, int]:
         if candidate and (layout.key not in best or candidate.step_s < best[layout.key].step_s):
             best[layout.key] = candidate
     found = sorted(best.values(), key=lambda c: (c.step_s, c.peak))[:args.top]
-    return found, enumerated, evaluated
+    return found, len(tried), evaluated
+
+
+def _state_fits(layout: Layout, args, gpu: GPU, a) -> bool:
+    """Whether the model state alone (formulas.state_floor, fp32 reduce as the flags ask) leaves
+    room: a check before the job plan, which the pipelined layouts' make_plan makes costly."""
+    held = layout.pp > 1 or args.global_batch > layout.local * layout.dp_replicate * layout.dp_shard
+    floor = formulas.state_floor(a, layout.tp, layout.dp_shard * layout.cp, layout.pp, held)
+    return floor <= args.memory_fraction * gpu.memory_gib * GIB
 
 
 def _evaluate(layout: Layout, ac: str, args, gpu: GPU, plans: dict) -> Candidate | None:
@@ -284,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"{args.model}/{args.flavor} on {args.gpus} x {gpu.name}, seq_len {args.seq_len}, global batch "
           f"{args.global_batch} sequences: best {len(found)} distinct layouts ({enumerated} candidates, "
-          f"{evaluated} evaluated, the rest bounded out):")
+          f"{evaluated} evaluated, the rest bounded out or over memory on their model state alone):")
     for i, c in enumerate(found, 1):
         print(describe(c, gpu, i))
     return 0

@@ -198,7 +198,10 @@ def tp_seconds(a, rows: float, itemsize: int, blocks: float, embedding: float, h
                fp8: frozenset[str], float8_gather: bool, async_tp: bool, peak: dict[bool, float], gpu: GPU) -> float:
     """One micro-batch's sequence-parallel TP collectives on a rank holding `blocks` blocks and
     `embedding`, `head` of those modules (fractions: the planner's bound), each moving the
-    micro-batch's hidden states (`rows` x dim; gathered in float8 under float8 styles).
+    micro-batch's hidden states (`rows` x dim). Under float8 TP styles a block's gathers move
+    float8: its inputs (torchao's PrepareFloat8ModuleInput casts before the gather) and wo's, w2's
+    output gradients (Float8RowwiseParallel casts them before the backward's gather); the
+    embedding's and the head's stay in the compute dtype.
     Synchronous: exposed. Async TP (torch's fused all-gather-matmul / matmul-reduce-scatter, an
     inductor pass) splits each into tp chunks run beside that many chunks of the matmul it feeds
     (or that feeds it): the step takes max(matmul, collective + one chunk of the matmul), so what
@@ -207,13 +210,13 @@ def tp_seconds(a, rows: float, itemsize: int, blocks: float, embedding: float, h
     if tp <= 1:
         return 0.0
     nodes, one = group_nodes(tp, 1, gpu), rows * a.dim * itemsize
-    cost = {kind: ring_seconds(one / (2 if float8_gather and kind == "all_gather" else 1), tp, nodes, gpu)
-            for kind in ("all_gather", "reduce_scatter")}
-    events = [(kind, names, blocks * passes[ac_mode]) for kind, names, passes in TP_FUSIONS]
-    events += [(kind, (), embedding) for kind in cost] + [(kind, ("output",), head) for kind in cost]
+    events = [(kind, names, blocks * passes[ac_mode], float8_gather and kind == "all_gather")
+              for kind, names, passes in TP_FUSIONS]
+    events += [(kind, names, count, False) for kind in ("all_gather", "reduce_scatter")
+               for names, count in (((), embedding), (("output",), head))]
     total = 0.0
-    for kind, names, count in events:
-        latency, bandwidth = cost[kind]
+    for kind, names, count, in_float8 in events:
+        latency, bandwidth = ring_seconds(one / 2 if in_float8 else one, tp, nodes, gpu)
         hide = linear_seconds(a, names, rows, tp, fp8, peak) * (tp - 1) / tp if async_tp else 0.0
         total += count * (max(0.0, latency + bandwidth - hide) + (1 - OVERLAP) * min(bandwidth, hide))
     return total

@@ -48,26 +48,46 @@ def test_8b_on_8_gpus_is_fsdp_first():
     assert _search("--flavor", "8B", "--gpus", "8")[0].layout.key == (8, 1, 1, 1)
 
 
-def test_70b_on_256_gpus():
-    """torchtitan's 70B recipe, FSDP 32 x TP 8 (global batch 512, its own), is second once TP is
-    8 as there; over all TP degrees TP 4 layouts lead (5th, 4.7 % behind, with async TP), as in
-    NVIDIA NeMo's 70B recipe (TP 4 x PP 4): TP's per-GPU traffic grows as (tp - 1) at a fixed global
-    batch and async TP leaves about a third of it exposed (README)."""
-    assert (32, 1, 8, 1) in [c.layout.key for c in _search("--flavor", "70B", "--gpus", "256", "--global_batch", "512",
-                                                           "--tp", "8")[:3]]
+def test_70b_on_256_gpus_recipe_in_top_3():
+    """torchtitan's 70B recipe, FSDP 32 x TP 8 (global batch 512, its own), over every TP degree:
+    in the top 3 once FSDP's whole gradients held between reductions count (accumulating and
+    pipelined TP 4 layouts no longer fit; README)."""
+    keys = [c.layout.key for c in _search("--flavor", "70B", "--gpus", "256", "--global_batch", "512")]
+    assert (32, 1, 8, 1) in keys
 
 
 def test_405b_on_512_gpus_recipe_rank_is_stated(capsys):
-    """torchtitan's 405B recipe, FSDP 8 x TP 8 x PP 8 (global batch 256, its own): with TP 8 as in
-    every public 405B recipe it ranks 4th (async TP on all of them), within 1 % of the 3rd and 5 %
-    behind the best (FSDP 64 x TP 8); README says why the model prefers less pipeline here."""
-    found = _search("--flavor", "405B", "--gpus", "512", "--global_batch", "256", "--tp", "8", "--top", "5")
+    """torchtitan's 405B recipe, FSDP 8 x TP 8 x PP 8 (global batch 256, its own), over every TP
+    degree: 4th, behind three FSDP x TP layouts without a pipeline, within 5.5 % of the best;
+    README says why the model prefers no pipeline at 512 GPUs."""
+    found = _search("--flavor", "405B", "--gpus", "512", "--global_batch", "256", "--top", "4")
     keys = [c.layout.key for c in found]
     rank = keys.index((8, 1, 8, 8)) + 1
     recipe = found[rank - 1]
     print(f"405B FSDP 8 x TP 8 x PP 8: rank {rank}, {recipe.step_s / found[0].step_s - 1:+.1%} vs the best; "
           f"best schedule {recipe.layout.schedule} x {recipe.layout.stages_per_rank}")
-    assert rank <= 4 and recipe.step_s < 1.01 * found[2].step_s
+    assert rank <= 4 and recipe.step_s < 1.055 * found[0].step_s
+    assert all(c.layout.pp == 1 for c in found[:rank - 1])
+
+
+def test_state_floor_is_below_every_peak():
+    """The planner drops a layout on formulas.state_floor before its job plan: never above the
+    closed-form peak of its busiest pp rank, so the search stays exact. Every 50th 70B layout of
+    256 GPUs."""
+    args = plan.parse(["--flavor", "70B", "--gpus", "256", "--global_batch", "512"])
+    a = get_model_spec("llama3").flavors["70B"]
+    checked = 0
+    for layout, ac in list(plan.layouts(args, H100))[::50]:
+        try:
+            p = make_plan(load_config(layout.flags(args, ac)), 256, "cuda", check_only=True)
+        except ConfigError:
+            continue
+        held = p.pipeline is not None or p.batch.accumulation > 1
+        floor = formulas.state_floor(a, layout.tp, layout.dp_shard, layout.pp, held)
+        peak = max(formulas.estimate_rank(p, r).peak for r in range(layout.pp))
+        assert floor <= peak, layout
+        checked += 1
+    assert checked >= 20
 
 
 @pytest.mark.parametrize("name, flavor, gpus, global_batch, layout, ac, eager, measured, tolerance", [
