@@ -85,7 +85,7 @@ def estimate_rank(plan: JobPlan, pp_rank: int = 0) -> FormulaEstimate:
     if dims.tp > 1 and fsdp == 1 and "tok_embeddings" in modules:
         grads += F32 * a.vocab_size // dims.tp * a.dim  # measured: the vocab-parallel embedding's gradient storage is twice its size
     logits_grad = F32 * _microbatch_tokens(plan) * a.vocab_size // dims.tp if "output" in modules else 0
-    held = _held_grads(plan, shapes, grads if fsdp == 1 else None)
+    held = _held_grads(plan, shapes, grads, fsdp)
     # backward: gradients take the place of the activations they free; the largest moment is its
     # start (the logits' gradient) with a checkpointed block rebuilt, or the optimizer step
     # (gradients, + foreach AdamW's parameter-sized temporaries; the fused kernel updates in place)
@@ -97,16 +97,17 @@ def estimate_rank(plan: JobPlan, pp_rank: int = 0) -> FormulaEstimate:
                            comm_bytes(plan, elements, kept, blocks, modules, pp_rank))
 
 
-def _held_grads(plan: JobPlan, shapes: list[tuple[int, int, int | None]], grads: int | None) -> int:
+def _held_grads(plan: JobPlan, shapes: list[tuple[int, int, int | None]], grads: int, fsdp: int) -> int:
     """Bytes of the gradients a backward finds already there: with accumulation or a pipeline
-    (more than one backward per step), those of the micro-batches before. Without FSDP they are
-    the parameters' own (`grads`). FSDP2 reduces only on the last micro-batch of an accumulating
-    step (tessera.trainer.step.gradient_sync) and after a pipeline's last backward (torch's stage
-    runs every backward without sync), holding each gradient whole (TP-local) in the reduce dtype
+    (more than one backward per step), those of the micro-batches before. Without FSDP, or with
+    parallelism.fsdp_reduce_every_microbatch (no pipeline), they are the parameters' own
+    (`grads`). Otherwise FSDP2 reduces only on the last micro-batch of an accumulating step
+    (tessera.trainer.step.gradient_sync) and after a pipeline's last backward (torch's stage runs
+    every backward without sync), holding each gradient whole (TP-local) in the reduce dtype
     until then."""
     if plan.pipeline is None and plan.batch.accumulation == 1:
         return 0
-    if grads is not None:
+    if fsdp == 1 or (plan.pipeline is None and plan.config.parallelism.fsdp_reduce_every_microbatch):
         return grads
     return plan.reduce_dtype.itemsize * sum(_local_elements(r, c, s, plan.dims.tp, 1) for r, c, s in shapes)
 
@@ -259,7 +260,7 @@ def comm_bytes(plan: JobPlan, local_elements: int, kept: int, blocks: int, modul
                pp_rank: int = 0) -> dict[tuple[str, str], int]:
     """Collective buffer bytes per step (as collectives.py counts them): FSDP all-gathers the
     parameters (param dtype) in forward and, resharded, again in backward, per micro-batch, and
-    reduce-scatters gradients (reduce dtype) once; TP gathers and scatters each block's two
+    reduce-scatters gradients (reduce dtype) `reductions` times; TP gathers and scatters each block's two
     sequence-parallel inputs and outputs in forward and backward (and in recompute); pipeline
     stages send activations forward and gradients back."""
     dims, batch = plan.dims, plan.batch
@@ -269,9 +270,9 @@ def comm_bytes(plan: JobPlan, local_elements: int, kept: int, blocks: int, modul
         gathered = local_elements * fsdp * plan.param_dtype.itemsize
         rounds = 1 if plan.pipeline is not None else batch.accumulation  # a pipeline keeps stages gathered
         out[("all_gather", "fsdp")] = int((2 * gathered - kept) * rounds)
-        out[("reduce_scatter", "fsdp")] = int(local_elements * fsdp * plan.reduce_dtype.itemsize)
+        out[("reduce_scatter", "fsdp")] = int(local_elements * fsdp * plan.reduce_dtype.itemsize) * reductions(plan)
     if dims.dp_replicate > 1:  # DDP, or HSDP's all-reduce of the reduce-scattered shards across replicas
-        out[("all_reduce", "dp_replicate")] = int(local_elements * plan.reduce_dtype.itemsize)
+        out[("all_reduce", "dp_replicate")] = int(local_elements * plan.reduce_dtype.itemsize) * reductions(plan)
     tokens = batch.local * batch.seq_len * batch.accumulation // dims.cp  # this rank's share of the sequences
     e = plan.param_dtype.itemsize
     if dims.cp > 1:  # all-gather K and V (heads repeated) of the whole sequence; backward reduce-scatters dK, dV
@@ -286,6 +287,15 @@ def comm_bytes(plan: JobPlan, local_elements: int, kept: int, blocks: int, modul
     if dims.pp > 1:  # per micro-batch, each stage boundary to another rank: activations forward, gradients back
         out[("send_recv", "pp")] = int(2 * _pipeline_hops(plan, pp_rank) * tokens * plan.model_args.dim // dims.tp * e)
     return out
+
+
+def reductions(plan: JobPlan) -> int:
+    """Gradient reductions per step: one (after the last micro-batch; a pipeline's, after its last
+    backward), or each accumulation micro-batch's with parallelism.fsdp_reduce_every_microbatch and
+    under DDP (torch's DDP all-reduces every backward)."""
+    dims = plan.dims
+    every = plan.config.parallelism.fsdp_reduce_every_microbatch or not dims.fsdp_enabled
+    return plan.batch.accumulation if plan.pipeline is None and every else 1
 
 
 def tp_bytes(hidden: float, blocks: float, ends: float, ac_mode: str) -> tuple[float, float]:

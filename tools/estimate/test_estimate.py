@@ -41,6 +41,7 @@ LAYOUTS = {  # name: (world size, degrees)
     # FSDP holds whole gradients between reductions: a pipeline's every backward, accumulation's micro-batches
     "pp2_fsdp2": (4, ["--parallelism.pipeline_parallel_degree", "2"]),
     "fsdp2_accum2": (2, ["--training.global_batch_size", "16"]),
+    "fsdp2_accum2_reduce_every": (2, ["--training.global_batch_size", "16", "--parallelism.fsdp_reduce_every_microbatch", "true"]),
     "cp2": (2, ["--parallelism.context_parallel_degree", "2"]),  # torch's ring (allgather), FSDP over the cp ranks
 }
 STATE = ("params", "grads", "optimizer")

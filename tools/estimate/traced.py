@@ -140,8 +140,8 @@ def _step(plan: JobPlan, parts, optimizers, meshes: Meshes, comm: Collectives,
     """make_train_step's work without its data-dependent checks (a fake norm has no value).
     With accumulation, the first micro-batch (no gradient sync) stands for all but the last:
     its collectives are counted that many times. The trainer's own step function: each cp rank on
-    its share of the sequences, block-causal masks as planned. Returns the gradients (before they are dropped)
-    and the live storages at the end of the last forward (the loss computed)."""
+    its share of the sequences, block-causal masks as planned. Returns the gradients (before they
+    are dropped) and the live storages at the end of the last forward (the loss computed)."""
     part = parts[0]
     forward_end = {}
 
@@ -152,7 +152,7 @@ def _step(plan: JobPlan, parts, optimizers, meshes: Meshes, comm: Collectives,
         return loss
 
     forward_backward = step_functions(parts, None, loss_fn, plan, meshes, bos_id=NO_BOS)[0]
-    sync = gradient_sync(parts, pipelined=False)
+    sync = gradient_sync(parts, plan)
     batch = plan.batch
     tokens = torch.zeros(batch.local, batch.seq_len, dtype=torch.long)
     if batch.accumulation > 1:

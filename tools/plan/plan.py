@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import heapq
+import itertools
 import logging
 import sys
 
@@ -51,6 +52,7 @@ class Layout:
     float8: bool
     local: int
     async_tp: bool = False  # torch's async TP (an inductor pass: compiled plans only)
+    reduce_every: bool = False  # FSDP reduce-scatters every accumulation micro-batch, not once after the last
 
     @property
     def compiled(self) -> bool:
@@ -74,6 +76,8 @@ class Layout:
                  f"{par}pipeline_parallel_degree={self.pp}", f"--activation_checkpoint.mode={ac}"]
         if self.compiled:
             flags.append("--compile.enable=true")
+        if self.reduce_every:
+            flags.append(f"{par}fsdp_reduce_every_microbatch=true")
         if self.async_tp:
             flags.append(f"{par}enable_async_tensor_parallel=true")
         if self.schedule:
@@ -143,9 +147,11 @@ def layouts(args, gpu: GPU):
                             if per_stage is False or not local or args.global_batch % (local * dp) \
                                     or not _torch_accepts(schedule, pp, local):
                                 continue
-                            for float8 in (False, True) if gpu.has_float8 else (False,):
+                            accumulates = pp == 1 and shard * cp > 1 and args.global_batch > local * dp
+                            for float8, every in itertools.product((False, True) if gpu.has_float8 else (False,),
+                                                                   (False, True) if accumulates else (False,)):
                                 layout = Layout(replicate, shard, cp, tp, pp, schedule, v, per_stage, float8, local,
-                                                async_tp=tp > 1 and cp == 1)
+                                                async_tp=tp > 1 and cp == 1, reduce_every=every)
                                 for ac in AC_MODES:
                                     yield layout, ac
 
@@ -200,7 +206,8 @@ def search(args, gpu: GPU) -> tuple[list[Candidate], int, int]:
 def _state_fits(layout: Layout, args, gpu: GPU, a) -> bool:
     """Whether the model state alone (formulas.state_floor, fp32 reduce as the flags ask) leaves
     room: a check before the job plan, which the pipelined layouts' make_plan makes costly."""
-    held = layout.pp > 1 or args.global_batch > layout.local * layout.dp_replicate * layout.dp_shard
+    held = layout.pp > 1 or (args.global_batch > layout.local * layout.dp_replicate * layout.dp_shard
+                             and not layout.reduce_every)
     floor = formulas.state_floor(a, layout.tp, layout.dp_shard * layout.cp, layout.pp, held)
     return floor <= args.memory_fraction * gpu.memory_gib * GIB
 
@@ -233,7 +240,7 @@ def describe(c: Candidate, gpu: GPU, rank: int) -> str:
         f"#{rank}: {degrees}{pipeline}, {'float8' if lay.float8 else 'bf16'}, "
         f"{('compiled + async TP' if lay.async_tp else 'compiled') if lay.compiled else 'eager'}, "
         f"AC {c.ac}, local batch {c.plan.batch.local} "
-        f"x {c.plan.batch.accumulation} step(s): {c.step_s:.2f} s/step, {tokens / c.step_s / d.world_size:,.0f} tokens/s/GPU; "
+        f"x {c.plan.batch.accumulation} step(s){' (FSDP reduces each)' if lay.reduce_every else ''}: {c.step_s:.2f} s/step, {tokens / c.step_s / d.world_size:,.0f} tokens/s/GPU; "
         f"peak {c.peak / GIB:.1f} of {gpu.memory_gib} GiB",
         "    why: " + ", ".join(f"{name} {p[key]:.2f} s" for key, name in (
             ("compute", "compute"), ("bubble", "pipeline bubble"), ("tp", "TP collectives"), ("cp", "CP K/V gathers"),

@@ -260,8 +260,9 @@ def _fsdp_exposed(plan: JobPlan, pp_rank: int, est, w: Work, fp8_gathered: froze
     unit and reduce-scatters (HSDP: then all-reduces across replicas) the last one behind the
     current unit's backward: each unit exposes max(0, its collectives - that compute); the first
     gather and the last reduction have nothing to hide behind; of the bandwidth time that hides,
-    1 - OVERLAP still slows compute. Per accumulation round; a pipeline gathers its stages once
-    and reduces once per step, behind one micro-batch's compute."""
+    1 - OVERLAP still slows compute. Per accumulation round, reducing after the last one or after
+    each (formulas.reductions); a pipeline gathers its stages once and reduces once per step,
+    behind one micro-batch's compute."""
     dims = plan.dims
     shard = dims.dp_shard * dims.cp if dims.fsdp_enabled else 1
     if shard <= 1 and dims.dp_replicate <= 1:
@@ -278,12 +279,13 @@ def _fsdp_exposed(plan: JobPlan, pp_rank: int, est, w: Work, fp8_gathered: froze
     nodes = group_nodes(shard, dims.tp, gpu)
     ag = ring_seconds(gathered / units, shard, nodes, gpu)
     ag_back = ring_seconds(back_gathered / units, shard, nodes, gpu)
-    rs = ring_seconds(est.comm.get(("reduce_scatter", "fsdp"), 0) / units, shard, nodes, gpu)
-    ar = ring_seconds(est.comm.get(("all_reduce", "dp_replicate"), 0) / units, dims.dp_replicate,
+    reductions = formulas.reductions(plan)  # per step: after the last round, or after each
+    rs = ring_seconds(est.comm.get(("reduce_scatter", "fsdp"), 0) / reductions / units, shard, nodes, gpu)
+    ar = ring_seconds(est.comm.get(("all_reduce", "dp_replicate"), 0) / reductions / units, dims.dp_replicate,
                       group_nodes(dims.dp_replicate, shard * dims.tp, gpu), gpu, all_reduce=True)
     exposed = hidden = 0.0
     for last in [False] * (rounds - 1) + [True]:
-        reduce = (rs, ar) if last else ()
+        reduce = (rs, ar) if last or reductions > 1 else ()
         forward_t, backward_t = sum(ag), sum(ag_back) + sum(sum(c) for c in reduce)
         exposed += forward_t + (units - 1) * max(0.0, forward_t - compute_f)
         exposed += sum(sum(c) for c in reduce) + (units - 1) * max(0.0, backward_t - compute_b)

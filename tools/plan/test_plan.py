@@ -82,7 +82,7 @@ def test_state_floor_is_below_every_peak():
             p = make_plan(load_config(layout.flags(args, ac)), 256, "cuda", check_only=True)
         except ConfigError:
             continue
-        held = p.pipeline is not None or p.batch.accumulation > 1
+        held = p.pipeline is not None or (p.batch.accumulation > 1 and not layout.reduce_every)
         floor = formulas.state_floor(a, layout.tp, layout.dp_shard, layout.pp, held)
         peak = max(formulas.estimate_rank(p, r).peak for r in range(layout.pp))
         assert floor <= peak, layout
@@ -174,6 +174,17 @@ def test_compile_and_async_tp_flags_are_what_the_trainer_runs():
     cp = plan.Layout(1, 4, 4, 1, 1, None, 1, None, True, 1)
     with pytest.raises(ConfigError, match="compile.enable with context_parallel_degree"):
         make_plan(load_config(cp.flags(args, "full") + ["--compile.enable=true"]), 16, "cuda", check_only=True)
+
+
+def test_reduce_every_microbatch_is_tried_where_fsdp_accumulates():
+    """The every-micro-batch reduction is a variant of FSDP (or HSDP) layouts that accumulate
+    without a pipeline only, and its flag gives the trainer's job plan that choice."""
+    args = plan.parse(["--flavor", "8B", "--gpus", "16", "--global_batch", "64"])
+    tried = {layout for layout, _ in plan.layouts(args, H100)}
+    every = [t for t in tried if t.reduce_every]
+    assert every and all(t.pp == 1 and t.dp_shard * t.cp > 1 and 64 > t.local * t.dp_replicate * t.dp_shard for t in every)
+    p = make_plan(load_config(every[0].flags(args, "full")), 16, "cuda", check_only=True)
+    assert p.config.parallelism.fsdp_reduce_every_microbatch and p.batch.accumulation > 1
 
 
 def test_cp_is_tried_from_32k():

@@ -41,6 +41,10 @@ LAYOUTS = {
                                  "--parallelism.disable_loss_parallel", "true"], 1),
     "hsdp2x2": (4, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"], 4),
     "fsdp2_tp2": (4, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"], 2),
+    # 2 micro-batches a step: one reduce-scatter after the last (whole gradients held), or one each
+    "fsdp2_accumulation": (2, ["--parallelism.data_parallel_shard_degree", "2", "--training.global_batch_size", "8"], 4),
+    "fsdp2_accumulation_reduce_every": (2, ["--parallelism.data_parallel_shard_degree", "2", "--training.global_batch_size", "8",
+                                            "--parallelism.fsdp_reduce_every_microbatch", "true"], 4),
 }
 
 

@@ -175,6 +175,7 @@ def test_checkpoint_under_pp2_resumes_under_fsdp2_and_one_process_and_exports_hf
      "DualPipeV needs at least as many micro-batches as stages"),
     (["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble", "--parallelism.fsdp_reshard_after_forward", "always"],
      "'always' with schedule ZBVZeroBubble trains with wrong gradients"),
+    (["--parallelism.fsdp_reduce_every_microbatch", "true"], "fsdp_reduce_every_microbatch with pipeline parallel"),
     (["--parallelism.module_fqns_per_model_part", "tok_embeddings,layers.0;layers.1,norm,output"], r"leaves out \['layers.2'"),
     (["--model.flavor", "1B"], "model.flavor 1B ties the output to the embedding"),
 ])

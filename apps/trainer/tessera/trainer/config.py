@@ -139,6 +139,9 @@ class Parallelism:
     data_parallel_replicate_degree: int = 1
     data_parallel_shard_degree: int = -1
     fsdp_reshard_after_forward: str = "default"  # default | always | never
+    # False: accumulation reduce-scatters once, after the last micro-batch (less traffic; FSDP holds
+    # the whole gradients in the reduce dtype until then). True: every micro-batch, as torchtitan 0.2
+    fsdp_reduce_every_microbatch: bool = False
     tensor_parallel_degree: int = 1
     disable_loss_parallel: bool = False
     enable_async_tensor_parallel: bool = False

@@ -58,6 +58,7 @@ HELP = {
     "parallelism.data_parallel_replicate_degree": "DDP / HSDP replicas",
     "parallelism.data_parallel_shard_degree": "FSDP shards; -1: the ranks left over by the other degrees",
     "parallelism.fsdp_reshard_after_forward": "default, always or never: free gathered parameters after forward",
+    "parallelism.fsdp_reduce_every_microbatch": "under accumulation, reduce-scatter every micro-batch (torchtitan's way: sharded gradients only) instead of once after the last (less traffic, whole gradients held)",
     "parallelism.tensor_parallel_degree": "tensor + sequence parallel ranks",
     "parallelism.disable_loss_parallel": "gather the vocabulary-sharded logits before the loss under tensor parallel",
     "parallelism.enable_async_tensor_parallel": "overlap tensor-parallel communication with matmuls (CUDA + compile)",
@@ -210,6 +211,7 @@ REFUSED = {
 TESSERA_KEYS = frozenset({
     "job.stop_grace_seconds", "model.attn_mask_type", "training.dataset_text_field", "training.dataset_mixture",
     "training.shuffle", "training.shuffle_buffer", "training.max_skipped_steps", "metrics.causal_attention_flops",
+    "parallelism.fsdp_reduce_every_microbatch",
     "debug.fault_at_step", "debug.fault_rank", "debug.fault_kind",
 })
 OLDER_TORCHTITAN_KEYS = frozenset({

@@ -276,6 +276,9 @@ def _pipeline(config: JobConfig, spec: ModelSpec, args, dims: ParallelDims) -> P
         # measured: FSDP resharding after forward under these schedules trains with wrong gradients
         raise ConfigError(f"parallelism.fsdp_reshard_after_forward 'always' with schedule {schedule} trains with wrong "
                           "gradients in torch 2.13 (the weight-gradient pass runs on freed shards); use 'default' or 'never'")
+    if par.fsdp_reduce_every_microbatch:
+        raise ConfigError("parallelism.fsdp_reduce_every_microbatch with pipeline parallel: torch's pipeline stages "
+                          "reduce their gradients once, after the last micro-batch; leave it false")
     if dims.dp_replicate > 1 and not dims.fsdp_enabled:
         raise ConfigError("pipeline parallel with DDP (data_parallel_replicate_degree > 1, shard degree 1) is not "
                           "supported; shard instead (data_parallel_shard_degree)")

@@ -169,11 +169,13 @@ def step_functions(parts: Sequence[nn.Module], pipeline: pp.Pipeline | None, los
     return forward_backward, evaluate
 
 
-def gradient_sync(parts: Sequence[nn.Module], pipelined: bool) -> Callable[[bool], None]:
-    """Turns FSDP's reduce-scatter on for the last micro-batch only; a no-op elsewhere. A
-    pipeline schedule reduces its stages' gradients itself, once per pass."""
+def gradient_sync(parts: Sequence[nn.Module], plan: JobPlan) -> Callable[[bool], None]:
+    """Turns FSDP's reduce-scatter on for the last micro-batch only: one reduction per step, while
+    FSDP holds each gradient whole in the reduce dtype until then. A no-op when every micro-batch
+    reduces (parallelism.fsdp_reduce_every_microbatch: sharded gradients only, as torchtitan), without
+    FSDP, and under a pipeline, whose schedule reduces its stages' gradients itself, once per pass."""
     fsdp_parts = [part for part in parts if isinstance(part, FSDPModule)]
-    if pipelined or not fsdp_parts:
+    if plan.pipeline is not None or plan.config.parallelism.fsdp_reduce_every_microbatch or not fsdp_parts:
         return lambda enabled: None
 
     def sync(enabled: bool) -> None:
@@ -231,7 +233,7 @@ def make_train_step(
     reads nothing back and the host queues the next one at once; the post-optimizer hooks then
     run on every step (on a skipped one they see unchanged weights). Other implementations read
     the norm's finiteness each step and leave the step and the hooks out on the host."""
-    sync = gradient_sync(parts, pipelined=plan.pipeline is not None)
+    sync = gradient_sync(parts, plan)
     accumulation, max_norm, device = plan.batch.accumulation, plan.config.training.max_norm, plan.device
     params = [p for part in parts for p in part.parameters()]
     on_device = all(optimizer.defaults.get("fused") for optimizer in optimizers)
@@ -239,7 +241,7 @@ def make_train_step(
     def train_step(batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
         loss = torch.zeros((), device=device)
         for micro in range(accumulation):
-            sync(micro == accumulation - 1)  # reduce gradients once, after the last micro-batch
+            sync(micro == accumulation - 1)  # reduce gradients after the last micro-batch (see gradient_sync)
             inputs, labels = next(batches)
             loss += forward_backward(inputs.to(device), labels.to(device))
         grad_norm = fsdp.clip_grad_norm_(params, max_norm, pp_mesh=pp_mesh, error_if_nonfinite=False)
