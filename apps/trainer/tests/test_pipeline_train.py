@@ -16,7 +16,7 @@ from final_params import assert_params_close, final_params
 from tessera.ckpt import load_hf, read_dcp
 from tessera.mesh.testing import run_on_ranks
 from tessera.models import get_model_spec
-from tessera.trainer.config import load_config
+from tessera.trainer.config import ConfigError, load_config
 from tessera.trainer.plan import make_plan
 from tessera.trainer.train import train
 
@@ -97,11 +97,27 @@ SCHEDULES_AT_PP2 = {
 }
 
 
+# a 1F1B order for 2 ranks and 4 micro-batches whose backwards run as input- (I) then weight-
+# gradient (W) passes: selective op AC must keep its saved tensors for the second pass, as under
+# the split-backward schedules by name
+SPLIT_CSV = [["0F0", "0F1", "0I0", "0W0", "0F2", "0I1", "0W1", "0F3", "0I2", "0W2", "0I3", "0W3"],
+             ["1F0", "1I0", "1W0", "1F1", "1I1", "1W1", "1F2", "1I2", "1W2", "1F3", "1I3", "1W3"]]
+
+
+def _split_csv(folder) -> str:
+    path = folder / "split_backward.csv"
+    path.write_text("\n".join(",".join(row) for row in SPLIT_CSV) + "\n")
+    return str(path)
+
+
 def test_every_schedule_at_pp2_matches_one_process(tmp_path, reference_with_params):
     runs = {}
     for name, extra in SCHEDULES_AT_PP2.items():
         runs[name] = [*BASE, *PP2, "--parallelism.pipeline_parallel_schedule", name.split()[0], *extra,
                       "--job.dump_folder", str(tmp_path / name.replace(" ", "_"))]
+    runs["1F1B CSV split backward selective op"] = [
+        *BASE, *PP2, "--parallelism.pipeline_parallel_schedule_csv", _split_csv(tmp_path),
+        "--activation_checkpoint.mode", "selective", "--job.dump_folder", str(tmp_path / "csv_split")]
     _check_runs(run_on_ranks(_runs_with_params, 2, runs), *reference_with_params)
 
 
@@ -185,6 +201,21 @@ def test_bad_pipeline_configs_fail_once_before_any_worker(extra, message):
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and re.search(message, lines[0]), proc.stderr
+
+
+def test_schedule_csv_actions_decide_split_backward(tmp_path):
+    """A CSV's I/W actions make the plan split backward (selective AC keeps saved tensors for
+    the weight pass; FSDP resharding after forward is refused) whatever schedule is named; a
+    malformed action is one line naming the file."""
+    argv = [*BASE, *PP2, "--parallelism.pipeline_parallel_schedule_csv", _split_csv(tmp_path)]
+    assert make_plan(load_config(argv), 2, "cpu").pipeline.splits_backward
+    assert not make_plan(load_config([*BASE, *PP2]), 2, "cpu").pipeline.splits_backward
+    with pytest.raises(ConfigError, match="'always' with schedule .*split_backward.csv trains with wrong gradients"):
+        make_plan(load_config([*argv, "--parallelism.fsdp_reshard_after_forward", "always"]), 2, "cpu")
+    bad = tmp_path / "bad.csv"
+    bad.write_text("0F0,0X0\n")
+    with pytest.raises(ConfigError, match="bad.csv: Invalid action string: 0X0"):
+        make_plan(load_config([*BASE, *PP2, "--parallelism.pipeline_parallel_schedule_csv", str(bad)]), 2, "cpu")
 
 
 def test_experimental_keys_of_older_configs_still_work(tmp_path, capsys):

@@ -1,6 +1,6 @@
 import pytest
 
-from tessera.pp import check_split, check_stage_count, even_split, stage_count, stage_ids
+from tessera.pp import check_split, check_stage_count, even_split, splits_backward, stage_count, stage_ids
 
 
 def test_even_split_weights_inputs_and_outputs_as_layers():
@@ -75,3 +75,14 @@ def test_an_explicit_stage_count_is_checked_like_a_computed_one():
     with pytest.raises(ValueError, match="schedule ZBVZeroBubble runs exactly 2 stages per rank, this is 3"):
         check_stage_count(6, 2, "ZBVZeroBubble", "the split names 6 stages")
     check_stage_count(4, 2, "Interleaved1F1B", "the split names 4 stages")
+
+
+def test_split_backward_by_name_or_by_the_csv_that_replaces_its_order(tmp_path):
+    assert splits_backward("ZBVZeroBubble") and not splits_backward("1F1B")
+    split, full, bad = (tmp_path / f"{n}.csv" for n in ("split", "full", "bad"))
+    split.write_text("0F0,0I0,0W0\n1F0,1I0,1W0\n")
+    full.write_text("0F0,0B0\n1F0,1B0\n")
+    bad.write_text("0F0,0Q0\n")
+    assert splits_backward("1F1B", str(split)) and not splits_backward("ZBVZeroBubble", str(full))
+    with pytest.raises(ValueError, match="bad.csv: Invalid action string: 0Q0"):
+        splits_backward("1F1B", str(bad))

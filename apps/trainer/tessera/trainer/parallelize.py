@@ -74,7 +74,7 @@ def parallelize(model: nn.Module, plan: JobPlan, meshes: Meshes | None) -> nn.Mo
         apply_activation_checkpointing(
             model, ac.mode, ac.selective_ac_option, preserve_rng_state=ac.preserve_rng_state, early_stop=ac.early_stop,
             determinism_check=ac.determinism_check, debug=ac.debug,
-            split_backward=plan.pipeline is not None and pp.splits_backward(plan.pipeline.schedule),
+            split_backward=plan.pipeline is not None and plan.pipeline.splits_backward,
         )
     if config.compile.enable and "model" in config.compile.components:
         if config.parallelism.enable_async_tensor_parallel:  # the plan checked CUDA, TP and compile

@@ -55,6 +55,7 @@ class PipelinePlan:
     parts: tuple[tuple[str, ...], ...]  # module names of each stage, in stage order
     microbatches: int  # pipeline micro-batches per local batch
     reshard_after_forward: str  # the FSDP policy each stage gets
+    splits_backward: bool  # input and weight gradients run as separate passes (the schedule's, or the CSV's I/W actions)
 
     def describe(self) -> str:
         blocks = [sum(name.startswith("layers.") for name in part) for part in self.parts]
@@ -271,24 +272,28 @@ def _pipeline(config: JobConfig, spec: ModelSpec, args, dims: ParallelDims) -> P
     if schedule == "DualPipeV" and microbatches < len(parts):
         raise ConfigError(f"DualPipeV needs at least as many micro-batches as stages: local_batch_size {local} / "
                           f"pipeline_parallel_microbatch_size {size} = {microbatches} < {len(parts)} stages")
+    csv = par.pipeline_parallel_schedule_csv or None
+    if csv and not Path(csv).is_file():
+        raise ConfigError(f"parallelism.pipeline_parallel_schedule_csv {csv} is not a file")
+    try:
+        splits_backward = pp.splits_backward(schedule, csv)
+    except ValueError as e:
+        raise ConfigError(f"parallelism.pipeline_parallel_schedule_csv {e}") from None
     reshard = par.fsdp_reshard_after_forward
-    if reshard == "always" and pp.splits_backward(schedule):
+    if reshard == "always" and splits_backward:
         # measured: FSDP resharding after forward under these schedules trains with wrong gradients
-        raise ConfigError(f"parallelism.fsdp_reshard_after_forward 'always' with schedule {schedule} trains with wrong "
-                          "gradients in torch 2.13 (the weight-gradient pass runs on freed shards); use 'default' or 'never'")
+        raise ConfigError(f"parallelism.fsdp_reshard_after_forward 'always' with schedule {csv or schedule} trains with "
+                          "wrong gradients in torch 2.13 (the weight-gradient pass runs on freed shards); use 'default' or 'never'")
     if par.fsdp_reduce_every_microbatch:
         raise ConfigError("parallelism.fsdp_reduce_every_microbatch with pipeline parallel: torch's pipeline stages "
                           "reduce their gradients once, after the last micro-batch; leave it false")
     if dims.dp_replicate > 1 and not dims.fsdp_enabled:
         raise ConfigError("pipeline parallel with DDP (data_parallel_replicate_degree > 1, shard degree 1) is not "
                           "supported; shard instead (data_parallel_shard_degree)")
-    csv = par.pipeline_parallel_schedule_csv or None
-    if csv and not Path(csv).is_file():
-        raise ConfigError(f"parallelism.pipeline_parallel_schedule_csv {csv} is not a file")
     # as torchtitan: under pp, "default" keeps each stage's weights gathered from forward to
     # backward, since micro-batches re-run every stage many times per step
     return PipelinePlan(schedule, csv, tuple(tuple(p) for p in parts), microbatches,
-                        "never" if reshard == "default" else reshard)
+                        "never" if reshard == "default" else reshard, splits_backward)
 
 
 def _split_points(config: JobConfig, n_layers: int, inputs: list[str], outputs: list[str]) -> list[list[str]] | None:

@@ -9,13 +9,17 @@ last stage's outputs (e.g. ``norm``, ``output``).
 
 from __future__ import annotations
 
+import csv
 import math
 from collections.abc import Sequence
 
 from torch.distributed.pipelining.schedules import (
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
     PipelineScheduleSingle,
     ScheduleDualPipeV,
     ScheduleZBVZeroBubble,
+    _Action,
     get_schedule_class,
 )
 
@@ -50,8 +54,20 @@ def is_v_shaped(name: str) -> bool:
     return schedule_class(name) in (ScheduleZBVZeroBubble, ScheduleDualPipeV)
 
 
-def splits_backward(name: str) -> bool:
-    return canonical_schedule(name) in SPLIT_BACKWARD_SCHEDULES
+def splits_backward(name: str, schedule_csv: str | None = None) -> bool:
+    """Whether the named schedule, or the actions of `schedule_csv` that replace its order (torch's
+    notation, a row per rank), run a micro-batch's input gradient (I) apart from its weight
+    gradient (W): activation checkpointing must then keep what the second pass reads. A malformed
+    action is a ValueError naming it."""
+    if not schedule_csv:
+        return canonical_schedule(name) in SPLIT_BACKWARD_SCHEDULES
+    with open(schedule_csv, newline="") as f:
+        cells = [cell for row in csv.reader(f) for cell in row if cell.strip()]
+    try:
+        actions = [_Action.from_str(cell) for cell in cells]
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"{schedule_csv}: {e}") from None
+    return any(a.computation_type in (BACKWARD_INPUT, BACKWARD_WEIGHT) for a in actions)
 
 
 def stage_count(
