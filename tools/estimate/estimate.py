@@ -39,10 +39,10 @@ def estimate(plan: JobPlan, trace: bool = True) -> dict:
     roles = []
     for rank, ranks in traced.rank_roles(plan):
         pp_rank = rank // (plan.world_size // plan.dims.pp)
-        formula = formulas.estimate_rank(plan, pp_rank)
-        role = {"ranks": [ranks[0], ranks[-1]], "pp_rank": pp_rank, "flops_per_step": formula.flops_per_step,
-                "formula": {k: getattr(formula, k) for k in MEMORY},
-                "comm_bytes": _comm(formula.comm)}
+        role = {"ranks": [ranks[0], ranks[-1]], "pp_rank": pp_rank, "flops_per_step": formulas.rank_flops(plan, pp_rank)}
+        if formulas.covers(plan):
+            formula = formulas.estimate_rank(plan, pp_rank)
+            role.update(formula={k: getattr(formula, k) for k in MEMORY}, comm_bytes=_comm(formula.comm))
         if trace:
             t = traced.trace_rank(plan, rank)
             measured = {k: getattr(t, k) for k in MEMORY}
@@ -105,6 +105,14 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("config key memory_estimation.disable_fake_mode: the estimator traces fake tensors only "
                               "(real ones would need the whole model's memory)")
         plan = make_plan(config, int(world or 1), "cuda", check_only=True)
+        if plan.spec.n_experts(plan.model_args):
+            raise ConfigError(f"model {plan.spec.name}/{config.model.flavor} routes tokens to its experts by value: "
+                              "fake tensors cannot trace those data-dependent sizes, and the closed form covers dense "
+                              "Llama-shaped models; the estimator does not cover MoE flavors yet")
+        if not formulas.covers(plan) and (formula_only is not None or plan.dims.pp > 1):
+            raise ConfigError(f"model.name {plan.spec.name}: the closed form covers {', '.join(formulas.LLAMA_SHAPED)} only, "
+                              "so this model is traced, without --formula and without pipeline parallel (its stages' "
+                              "activations come from the closed form)")
     except (ConfigError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -13,6 +13,12 @@ from tessera import pp
 from tessera.trainer.plan import JobPlan
 
 F32 = 4
+LLAMA_SHAPED = ("llama2", "llama3")  # the model specs the closed form covers
+
+
+def covers(plan: JobPlan) -> bool:
+    """Whether the closed form knows the plan's model (its shapes are Llama's); others are traced only."""
+    return plan.spec.name in LLAMA_SHAPED
 
 
 def block_linears(a) -> dict[str, tuple[int, int, int]]:
@@ -91,10 +97,16 @@ def estimate_rank(plan: JobPlan, pp_rank: int = 0) -> FormulaEstimate:
     # (gradients, + foreach AdamW's parameter-sized temporaries; the fused kernel updates in place)
     temporaries = params if plan.config.optimizer.implementation == "foreach" else 0
     peak = params + optimizer + buffers + max(act + logits_grad + _recompute_bytes(plan) + held, grads + temporaries)
-    tokens = plan.batch.local * plan.batch.seq_len * plan.batch.accumulation
-    flops = plan.flops_per_token * tokens * blocks / a.n_layers / dims.tp / dims.cp  # this rank's share of its dp rank's tokens
-    return FormulaEstimate(params, grads, optimizer, buffers, act, peak, flops,
+    return FormulaEstimate(params, grads, optimizer, buffers, act, peak, rank_flops(plan, pp_rank),
                            comm_bytes(plan, elements, kept, blocks, modules, pp_rank))
+
+
+def rank_flops(plan: JobPlan, pp_rank: int) -> float:
+    """Model FLOPs (the spec's formula, recompute excluded) of one step on a rank of pp rank
+    `pp_rank`: its blocks' share of its data-parallel rank's tokens, over TP and CP."""
+    blocks = sum(m.startswith("layers.") for m in stage_modules(plan, pp_rank))
+    tokens = plan.batch.local * plan.batch.seq_len * plan.batch.accumulation
+    return plan.flops_per_token * tokens * blocks / plan.model_args.n_layers / plan.dims.tp / plan.dims.cp
 
 
 def _held_grads(plan: JobPlan, shapes: list[tuple[int, int, int | None]], grads: int, fsdp: int) -> int:

@@ -43,6 +43,7 @@ LAYOUTS = {  # name: (world size, degrees)
     "fsdp2_accum2": (2, ["--training.global_batch_size", "16"]),
     "fsdp2_accum2_reduce_every": (2, ["--training.global_batch_size", "16", "--parallelism.fsdp_reduce_every_microbatch", "true"]),
     "cp2": (2, ["--parallelism.context_parallel_degree", "2"]),  # torch's ring (allgather), FSDP over the cp ranks
+    "qwen3_fsdp2": (2, ["--model.name", "qwen3", "--model.flavor", "debugmodel"]),  # traced only: no closed form
 }
 STATE = ("params", "grads", "optimizer")
 
@@ -64,7 +65,8 @@ def test_state_exact_and_peak_within_5_percent(layout):
         plan = make_plan(load_config([*argv, "--activation_checkpoint.mode", mode]), world, "cpu", check_only=True)
         for role in estimate.estimate(plan)["roles"]:
             est, measured = role["traced"], per_rank[role["ranks"][0]]
-            assert {k: est[k] for k in STATE} == {k: role["formula"][k] for k in STATE} == {k: measured[k] for k in STATE}
+            assert {k: est[k] for k in STATE} == {k: measured[k] for k in STATE}
+            assert "formula" not in role or {k: role["formula"][k] for k in STATE} == {k: measured[k] for k in STATE}
             error = est["peak"] / measured["peak"] - 1
             print(f"{layout} AC {mode} rank {role['ranks'][0]}: peak estimated {est['peak']:,} B, "
                   f"measured {measured['peak']:,} B ({error:+.2%})")
@@ -191,6 +193,8 @@ def test_pipeline_in_flight_matches_torch_schedules():
     (["--job.config_file", "/nonexistent.toml"], "config file not found"),
     (["--comm.mode", "fake"], "config key comm.mode: 'fake' is not one of"),
     (["--memory_estimation.disable_fake_mode", "true"], "the estimator traces fake tensors only"),
+    (["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"], "routes tokens to its experts by value"),
+    (["--model.name", "qwen3", "--model.flavor", "debugmodel", "--formula"], "the closed form covers llama2, llama3 only"),
 ])
 def test_bad_input_one_line_exit_2(argv, message, capsys):
     assert estimate.main(argv) == 2

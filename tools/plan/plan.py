@@ -268,6 +268,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.model not in list_model_specs():
         raise ConfigError(f"--model {args.model!r} is not one of {list_model_specs()}")
+    if args.model not in formulas.LLAMA_SHAPED:
+        raise ConfigError(f"--model {args.model}: the planner's closed form covers {', '.join(formulas.LLAMA_SHAPED)} only "
+                          "(tools/estimate traces the others)")
     if args.flavor not in get_model_spec(args.model).flavors:
         raise ConfigError(f"--flavor {args.flavor!r} is not a flavor of {args.model}: {sorted(get_model_spec(args.model).flavors)}")
     if args.gpu not in GPUS:

@@ -255,6 +255,7 @@ def test_float8_where_the_gpu_has_it():
     (["--flavor", "8B", "--gpus", "8", "--gpu", "tpu"], "--gpu 'tpu' is not one of"),
     (["--flavor", "8B", "--gpus", "8", "--tp", "two"], "--tp 'two' is not a comma-separated list"),
     (["--flavor", "8B"], "the following arguments are required: --gpus"),
+    (["--model", "qwen3", "--flavor", "debugmodel", "--gpus", "8"], "--model qwen3: the planner's closed form covers llama2, llama3 only"),
     (["--flavor", "405B", "--gpus", "1"], "no layout of llama3/405B fits 1 x H100 SXM"),
 ])
 def test_bad_input_one_line_exit_2(argv, message, capsys):
