@@ -111,15 +111,14 @@ def rank_flops(plan: JobPlan, pp_rank: int) -> float:
 
 def _held_grads(plan: JobPlan, shapes: list[tuple[int, int, int | None]], grads: int, fsdp: int) -> int:
     """Bytes of the gradients a backward finds already there: with accumulation or a pipeline
-    (more than one backward per step), those of the micro-batches before. Without FSDP, or with
-    parallelism.fsdp_reduce_every_microbatch (no pipeline), they are the parameters' own
-    (`grads`). Otherwise FSDP2 reduces only on the last micro-batch of an accumulating step
-    (tessera.trainer.step.gradient_sync) and after a pipeline's last backward (torch's stage runs
-    every backward without sync), holding each gradient whole (TP-local) in the reduce dtype
-    until then."""
+    (more than one backward per step), those of the micro-batches before. Without FSDP, or where
+    each micro-batch reduces (`reductions`), they are the parameters' own (`grads`). Otherwise
+    FSDP2 reduces once, after the last backward (tessera.trainer.step.gradient_sync; torch's
+    pipeline stages likewise), holding each gradient whole (TP-local) in the reduce dtype until
+    then."""
     if plan.pipeline is None and plan.batch.accumulation == 1:
         return 0
-    if fsdp == 1 or (plan.pipeline is None and plan.config.parallelism.fsdp_reduce_every_microbatch):
+    if fsdp == 1 or reductions(plan) > 1:
         return grads
     return plan.reduce_dtype.itemsize * sum(_local_elements(r, c, s, plan.dims.tp, 1) for r, c, s in shapes)
 
