@@ -6,15 +6,8 @@ import multiprocessing
 import os
 import pickle
 import queue
-import socket
 import traceback
 from typing import Any, Callable
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple, results) -> None:
@@ -27,7 +20,8 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple, re
     )
     torch.set_num_threads(1)  # N ranks share few cores; more threads only oversubscribe them
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+        store = dist.TCPStore("127.0.0.1", port, is_master=False)  # the parent's (run_on_ranks)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
         value = fn(rank, world_size, *args)
         dist.barrier()
         # plain pickle copies tensors into bytes; the queue's own pickler would pass shared-memory
@@ -47,9 +41,15 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s:
     rank raises RuntimeError carrying that rank's traceback. Exit codes are not trusted: gloo
     sometimes aborts at interpreter exit after a clean finish, so results travel by queue.
     """
+    from torch.distributed import TCPStore
+
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
+    # The rendezvous store lives here, bound to a port the kernel picks as it listens: choosing a
+    # free port first and binding it later in rank 0 raced with concurrent tests' connections
+    # (EADDRINUSE, seen in a full suite run).
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    port = store.port
     procs = [
         ctx.Process(target=_worker, args=(fn, rank, world_size, port, args, results), daemon=True)
         for rank in range(world_size)
@@ -72,4 +72,5 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+        del store  # stops listening once every rank is gone
     return [values[r] for r in range(world_size)]
