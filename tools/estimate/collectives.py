@@ -78,12 +78,16 @@ def _flat(value) -> list[torch.Tensor]:
 
 def group_dims(meshes) -> dict[str, str]:
     """Process-group name -> what it is to the job: the Meshes accessor ("fsdp", "tp", "pp", ...;
-    HSDP's outer dim "dp_replicate"), else the mapping key of the group."""
+    HSDP's outer dim "dp_replicate"), else the mapping key of the group. Expert parallel's group is
+    often another dimension's too (ep carved out of dp_shard x cp): then both are named, "fsdp=ep"."""
     names: dict[str, str] = {}
-    accessors = [(name, getattr(meshes, name)) for name in ("fsdp", "tp", "pp", "cp", "ep", "dp_replicate", "loss", "batch")]
+    accessors = [(name, getattr(meshes, name)) for name in ("fsdp", "tp", "pp", "cp", "ep", "expert_fsdp", "dp_replicate", "loss", "batch")]
     for key, mesh in [*accessors, *meshes.items()]:
         if mesh is None or key == "world":
             continue
         for i, dim in enumerate(mesh.mesh_dim_names or ()):
-            names.setdefault(mesh.get_group(i).group_name, key if i == mesh.ndim - 1 else dim)
+            group, name = mesh.get_group(i).group_name, key if i == mesh.ndim - 1 else dim
+            if name == "ep" and group in names and names[group] != "ep":
+                name = f"{names.pop(group)}=ep"
+            names.setdefault(group, name)
     return names

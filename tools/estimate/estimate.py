@@ -105,10 +105,6 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("config key memory_estimation.disable_fake_mode: the estimator traces fake tensors only "
                               "(real ones would need the whole model's memory)")
         plan = make_plan(config, int(world or 1), "cuda", check_only=True)
-        if plan.spec.n_experts(plan.model_args):
-            raise ConfigError(f"model {plan.spec.name}/{config.model.flavor} routes tokens to its experts by value: "
-                              "fake tensors cannot trace those data-dependent sizes, and the closed form covers dense "
-                              "Llama-shaped models; the estimator does not cover MoE flavors yet")
         if not formulas.covers(plan) and (formula_only is not None or plan.dims.pp > 1):
             raise ConfigError(f"model.name {plan.spec.name}: the closed form covers {', '.join(formulas.LLAMA_SHAPED)} only, "
                               "so this model is traced, without --formula and without pipeline parallel (its stages' "

@@ -15,6 +15,7 @@ import types
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 class _FusedRMSNorm(torch.autograd.Function):
@@ -34,7 +35,10 @@ class _FusedRMSNorm(torch.autograd.Function):
 
 
 def _fused_forward(norm: nn.RMSNorm, x: torch.Tensor) -> torch.Tensor:
-    return _FusedRMSNorm.apply(x, list(norm.normalized_shape), norm.weight, norm.eps)
+    weight = norm.weight
+    if isinstance(weight, DTensor) and not isinstance(x, DTensor):  # a tessera.tp LocalShards norm (Qwen3's q/k norms)
+        weight = weight.to_local()
+    return _FusedRMSNorm.apply(x, list(norm.normalized_shape), weight, norm.eps)
 
 
 def fused_rms_norms(module: nn.Module) -> None:

@@ -32,6 +32,7 @@ from live_bytes import LiveBytes
 from measure import measure_rank
 
 BASE = ["--training.seq_len", "128", "--training.local_batch_size", "4"]
+_ROUND_ROBIN = ["--debug.moe_force_load_balance", "true"]
 LAYOUTS = {  # name: (world size, degrees)
     "single": (1, []),
     "fsdp2": (2, []),
@@ -44,6 +45,13 @@ LAYOUTS = {  # name: (world size, degrees)
     "fsdp2_accum2_reduce_every": (2, ["--training.global_batch_size", "16", "--parallelism.fsdp_reduce_every_microbatch", "true"]),
     "cp2": (2, ["--parallelism.context_parallel_degree", "2"]),  # torch's ring (allgather), FSDP over the cp ranks
     "qwen3_fsdp2": (2, ["--model.name", "qwen3", "--model.flavor", "debugmodel"]),  # traced only: no closed form
+    # MoE, traced only, with the balanced routing the trace assumes (routing.py) made real by round-robin routing:
+    # expert parallel over the FSDP ranks (MLA, shared experts, sigmoid scores), and over FSDP x TP with the tp ranks
+    # splitting the rows among them (the experts on the (ep, tp) mesh)
+    "deepseek_v3_ep2": (2, ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", *_ROUND_ROBIN,
+                            "--parallelism.expert_parallel_degree", "2"]),
+    "qwen3_moe_ep2_tp2": (4, ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", *_ROUND_ROBIN,
+                              "--parallelism.expert_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"]),
 }
 STATE = ("params", "grads", "optimizer")
 
@@ -112,6 +120,32 @@ def test_formula_against_trace_tp_cuda():
         traces[device], f = traced.trace_rank(plan, 0), formulas.estimate_rank(plan)
         assert f.activations == pytest.approx(traces[device].activations, rel=0.001)
     assert traces["cuda"].activations < traces["cpu"].activations
+
+
+def test_cuda_plan_fuses_qwen3_tensor_parallel_qk_norms():
+    """Qwen3's q/k norms under TP hold their weight as a DTensor and run on plain tensors
+    (tessera.tp's LocalShards): a "cuda" plan's fused norm takes the weight's local value, and
+    keeps less than the CPU composite."""
+    argv = [*BASE, "--model.name", "qwen3", "--model.flavor", "debugmodel", "--parallelism.tensor_parallel_degree", "2",
+            "--parallelism.data_parallel_shard_degree", "1"]
+    kept = {device: traced.trace_rank(make_plan(load_config(argv), 2, device, check_only=True), 0).activations
+            for device in ("cpu", "cuda")}
+    assert kept["cuda"] < kept["cpu"]
+
+
+@pytest.mark.parametrize("mode, passes", [("none", 2), ("full", 3)])
+def test_expert_parallel_all_to_all_bytes(mode, passes):
+    """Balanced routing (routing.py) over EP 2: every MoE layer's exchange moves each of the rank's
+    N·K routed rows out and back in every pass (forward, backward, and AC full's recompute), plus
+    the E counts once per forward; the ep group is the FSDP group here, so named "fsdp=ep"."""
+    argv = [*BASE, "--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--parallelism.expert_parallel_degree", "2",
+            "--activation_checkpoint.mode", mode]
+    plan = make_plan(load_config(argv), 2, "cpu", check_only=True)
+    a, tokens = plan.model_args, plan.batch.local * plan.batch.seq_len
+    rows = 2 * tokens * a.moe.top_k * a.dim * plan.param_dtype.itemsize  # dispatch and combine
+    forwards = passes - 1
+    expected = a.n_layers * (passes * rows + forwards * a.moe.n_experts * 8)
+    assert traced.trace_rank(plan, 0).comm[("all_to_all", "fsdp=ep")] == expected
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -193,7 +227,7 @@ def test_pipeline_in_flight_matches_torch_schedules():
     (["--job.config_file", "/nonexistent.toml"], "config file not found"),
     (["--comm.mode", "fake"], "config key comm.mode: 'fake' is not one of"),
     (["--memory_estimation.disable_fake_mode", "true"], "the estimator traces fake tensors only"),
-    (["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"], "routes tokens to its experts by value"),
+    (["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--formula"], "the closed form covers llama2, llama3 only"),
     (["--model.name", "qwen3", "--model.flavor", "debugmodel", "--formula"], "the closed form covers llama2, llama3 only"),
 ])
 def test_bad_input_one_line_exit_2(argv, message, capsys):

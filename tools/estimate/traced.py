@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.common_utils import get_untyped_storages
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from tessera import fsdp, pp
@@ -33,6 +35,7 @@ from tessera.trainer.train import _optimizer
 from collectives import Collectives, group_dims
 from gpu_kernels import fused_rms_norms
 from live_bytes import LiveBytes
+from routing import balanced_routing
 
 NO_BOS = -1  # no token id: under block-causal masks each sequence is one document (the mask path, not its values)
 
@@ -84,7 +87,8 @@ def trace_rank(plan: JobPlan, rank: int) -> RankMemory:
         if device == "cuda":
             for part in parts:
                 fused_rms_norms(part)
-        with FakeTensorMode(allow_non_fake_inputs=True), LiveBytes() as live, Collectives(group_dims(meshes), live.key) as comm:
+        with balanced_routing(), FakeTensorMode(allow_non_fake_inputs=True), LiveBytes() as live, \
+                Collectives(group_dims(meshes), live.key) as comm:
             for part in parts:
                 part.to_empty(device="cpu")
             optimizers = [_optimizer(part, plan.config) for part in parts]
@@ -115,6 +119,10 @@ def trace_rank(plan: JobPlan, rank: int) -> RankMemory:
     finally:
         if world > 1:
             dist.destroy_process_group()
+            # DTensor caches sharding propagation and redistribution plans by mesh equality, holding
+            # the mesh: the next trace's equal mesh would reuse this one's process groups, gone now
+            _clear_sharding_prop_cache()
+            clear_redistribute_planner_cache()
 
 
 def _state(live: LiveBytes, params, grads, states, buffers) -> dict[str, int]:
