@@ -86,3 +86,38 @@ def test_split_backward_by_name_or_by_the_csv_that_replaces_its_order(tmp_path):
     assert splits_backward("1F1B", str(split)) and not splits_backward("ZBVZeroBubble", str(full))
     with pytest.raises(ValueError, match="bad.csv: Invalid action string: 0Q0"):
         splits_backward("1F1B", str(bad))
+
+
+def test_microbatch_counts_agree_with_torchs_schedule_constructors():
+    """check_microbatches refuses exactly the counts torch's constructors refuse (built over a fake
+    process group on stages of one Linear: nothing runs)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from tessera.pp import check_microbatches, schedule_class
+
+    dist.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
+    try:
+        for schedule, per_rank in (("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2), ("InterleavedZeroBubble", 3),
+                                   ("ZBVZeroBubble", 2), ("DualPipeV", 2)):
+            for pp in (2, 4):
+                n = pp * per_rank
+                group = dist.new_group(list(range(pp)))
+                ids = stage_ids(0, pp, n, schedule)
+                stages = [PipelineStage(torch.nn.Linear(2, 2), s, n, torch.device("cpu"), group=group) for s in ids]
+                for m in range(1, 13):
+                    try:
+                        schedule_class(schedule)(stages if per_rank > 1 else stages[0], n_microbatches=m, loss_fn=torch.sum)
+                        torch_accepts = True
+                    except ValueError:
+                        torch_accepts = False
+                    try:
+                        check_microbatches(schedule, pp, n, m)
+                        ours = True
+                    except ValueError:
+                        ours = False
+                    assert ours == torch_accepts, (schedule, pp, m)
+    finally:
+        dist.destroy_process_group()

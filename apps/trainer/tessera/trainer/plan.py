@@ -269,9 +269,11 @@ def _pipeline(config: JobConfig, spec: ModelSpec, args, dims: ParallelDims) -> P
     if local % size:
         raise ConfigError(f"parallelism.pipeline_parallel_microbatch_size {size} does not divide training.local_batch_size {local}")
     microbatches = local // size
-    if schedule == "DualPipeV" and microbatches < len(parts):
-        raise ConfigError(f"DualPipeV needs at least as many micro-batches as stages: local_batch_size {local} / "
-                          f"pipeline_parallel_microbatch_size {size} = {microbatches} < {len(parts)} stages")
+    try:
+        pp.check_microbatches(schedule, dims.pp, len(parts), microbatches)
+    except ValueError as e:
+        raise ConfigError(f"training.local_batch_size {local} / parallelism.pipeline_parallel_microbatch_size {size}: "
+                          f"{e}") from None
     csv = par.pipeline_parallel_schedule_csv or None
     if csv and not Path(csv).is_file():
         raise ConfigError(f"parallelism.pipeline_parallel_schedule_csv {csv} is not a file")
