@@ -53,6 +53,7 @@ class Collectives(TorchDispatchMode):
         super().__init__()
         self.dims, self.key = dims, key
         self.bytes: collections.Counter = collections.Counter()
+        self.calls: collections.Counter = collections.Counter()  # how many, by the same key
         self.buffers: set[int] = set()  # storage keys of tensors a collective read or wrote
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -62,7 +63,9 @@ class Collectives(TorchDispatchMode):
             kind, index = _OPS[name]
             sized = out if index == "out" else args[index]
             group = _group_name(args)
-            self.bytes[(kind, self.dims.get(group, group or "?"))] += _nbytes(sized)
+            key = (kind, self.dims.get(group, group or "?"))
+            self.bytes[key] += _nbytes(sized)
+            self.calls[key] += 1
             for t in [*_flat(args), *_flat(out)]:
                 self.buffers.add(self.key(t.untyped_storage()))
         return out
@@ -76,18 +79,31 @@ def _flat(value) -> list[torch.Tensor]:
     return []
 
 
-def group_dims(meshes) -> dict[str, str]:
-    """Process-group name -> what it is to the job: the Meshes accessor ("fsdp", "tp", "pp", ...;
-    HSDP's outer dim "dp_replicate"), else the mapping key of the group. Expert parallel's group is
-    often another dimension's too (ep carved out of dp_shard x cp): then both are named, "fsdp=ep"."""
-    names: dict[str, str] = {}
+def _named_groups(meshes) -> dict[str, tuple[str, dist.ProcessGroup]]:
+    """Process-group name -> (what it is to the job, the group): the Meshes accessor ("fsdp", "tp",
+    "pp", ...; HSDP's outer dim "dp_replicate"), else the mapping key of the group. Expert
+    parallel's group is often another dimension's too (ep carved out of dp_shard x cp): then both
+    are named, "fsdp=ep"."""
+    named: dict[str, tuple[str, dist.ProcessGroup]] = {}
     accessors = [(name, getattr(meshes, name)) for name in ("fsdp", "tp", "pp", "cp", "ep", "expert_fsdp", "dp_replicate", "loss", "batch")]
     for key, mesh in [*accessors, *meshes.items()]:
         if mesh is None or key == "world":
             continue
         for i, dim in enumerate(mesh.mesh_dim_names or ()):
-            group, name = mesh.get_group(i).group_name, key if i == mesh.ndim - 1 else dim
-            if name == "ep" and group in names and names[group] != "ep":
-                name = f"{names.pop(group)}=ep"
-            names.setdefault(group, name)
-    return names
+            group = mesh.get_group(i)
+            name = key if i == mesh.ndim - 1 else dim
+            if name == "ep" and group.group_name in named and named[group.group_name][0] != "ep":
+                name = f"{named.pop(group.group_name)[0]}=ep"
+            named.setdefault(group.group_name, (name, group))
+    return named
+
+
+def group_dims(meshes) -> dict[str, str]:
+    """Process-group name -> what it is to the job (_named_groups)."""
+    return {group: name for group, (name, _) in _named_groups(meshes).items()}
+
+
+def group_ranks(meshes) -> dict[str, tuple[int, ...]]:
+    """What a group is to the job -> the global ranks of this rank's group: the nodes a
+    collective along it crosses."""
+    return {name: tuple(dist.get_process_group_ranks(group)) for name, group in _named_groups(meshes).values()}

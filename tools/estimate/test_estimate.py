@@ -133,6 +133,23 @@ def test_cuda_plan_fuses_qwen3_tensor_parallel_qk_norms():
     assert kept["cuda"] < kept["cpu"]
 
 
+@pytest.mark.parametrize("world, argv", [
+    (8, ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--parallelism.expert_parallel_degree", "2",
+         "--parallelism.tensor_parallel_degree", "2"]),
+    (4, ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--parallelism.expert_parallel_degree", "2",
+         "--activation_checkpoint.mode", "full", "--training.global_batch_size", "32"]),  # a dense block first; 2 micro-batches
+    (2, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
+         "--activation_checkpoint.mode", "selective"]),
+])
+def test_trace_by_blocks_matches_the_whole_trace(world, argv):
+    """Two shallow traces extended to every block (what the planner uses for the models without a
+    closed form) against the trace of the whole model: bytes by owner, peaks, collectives exact."""
+    plan = make_plan(load_config([*BASE, *argv]), world, "cuda", check_only=True)
+    whole, by_blocks = traced.trace_rank(plan, 0), traced.trace_by_blocks(plan, 0)
+    for field in ("params", "grads", "optimizer", "buffers", "activations", "peak", "phase_peaks", "comm", "calls"):
+        assert getattr(by_blocks, field) == getattr(whole, field), field
+
+
 @pytest.mark.parametrize("mode, passes", [("none", 2), ("full", 3)])
 def test_expert_parallel_all_to_all_bytes(mode, passes):
     """Balanced routing (routing.py) over EP 2: every MoE layer's exchange moves each of the rank's

@@ -2,11 +2,11 @@
 [--global_batch N] [--top 3] [--efficiency 0.5] [--memory_fraction 0.9]`.
 
 Enumerates layouts the trainer can run (HSDP replicas x FSDP x CP x TP x PP with each pipeline
-schedule and stages per rank, float8, async TP, AC mode, local batch; compiled wherever the
-trainer can compile), keeps those the trainer's own job plan accepts and whose closed-form peak
-(tools/estimate/formulas.py) fits, ranks them by the step-time model of README.md and prints the
-best distinct layouts with their reasoning and the exact trainer flags. Bad input: one line on
-stderr, exit 2.
+schedule and stages per rank, EP for MoE models, float8, async TP, AC mode, local batch; compiled
+wherever the trainer can compile), keeps those the trainer's own job plan accepts and whose peak
+fits (the closed form of tools/estimate/formulas.py for Llama-shaped models, the traced estimate
+for the others), ranks them by the step-time model of README.md and prints the best distinct
+layouts with their reasoning and the exact trainer flags. Bad input: one line on stderr, exit 2.
 """
 
 from __future__ import annotations
@@ -18,11 +18,14 @@ import itertools
 import logging
 import sys
 
+import torch
+
 # torchao's import reports optional kernels it cannot load and deprecated pytree registrations;
 # the planner runs neither
 for _logger in ("torchao", "torch.utils._pytree"):
     logging.getLogger(_logger).setLevel(logging.ERROR)
 
+from tessera import pp as tessera_pp  # noqa: E402
 from tessera.mesh import resolve_parallel_dims  # noqa: E402
 from tessera.models import get_model_spec, list_model_specs  # noqa: E402
 from tessera.trainer.config import ActivationCheckpoint, ConfigError, load_config  # noqa: E402
@@ -30,6 +33,7 @@ from tessera.trainer.plan import JobPlan, make_plan  # noqa: E402
 
 import formulas  # noqa: E402
 import step_time  # noqa: E402
+import traced  # noqa: E402
 from gpus import GIB, GPU, GPUS  # noqa: E402
 from schedules import SCHEDULES, layers_per_stage  # noqa: E402
 
@@ -53,17 +57,20 @@ class Layout:
     local: int
     async_tp: bool = False  # torch's async TP (an inductor pass: compiled plans only)
     reduce_every: bool = False  # FSDP reduce-scatters every accumulation micro-batch, not once after the last
+    ep: int = 1  # expert parallel (MoE models): all cp x tp ranks and part of dp_shard
+    eager: bool = False  # the trainer cannot compile it (MoE layers under TP)
 
     @property
     def compiled(self) -> bool:
-        """torch.compile wherever the trainer allows it (not with CP yet), as in the efficiency's fit."""
-        return self.cp == 1
+        """torch.compile wherever the trainer allows it (not with CP yet, nor MoE layers under TP),
+        as in the efficiency's fit."""
+        return self.cp == 1 and not self.eager
 
     @property
-    def key(self) -> tuple[int, int, int, int]:
-        """What makes layouts distinct in the ranking: (data-parallel, cp, tp, pp) degrees; FSDP
+    def key(self) -> tuple[int, ...]:
+        """What makes layouts distinct in the ranking: (data-parallel, cp, tp, pp, ep) degrees; FSDP
         against HSDP, like the schedule, float8, async TP, AC and batch, is a variant of one."""
-        return self.dp_replicate * self.dp_shard, self.cp, self.tp, self.pp
+        return self.dp_replicate * self.dp_shard, self.cp, self.tp, self.pp, self.ep
 
     def flags(self, args, ac: str) -> list[str]:
         par = "--parallelism."
@@ -74,6 +81,8 @@ class Layout:
                  f"{par}data_parallel_replicate_degree={self.dp_replicate}", f"{par}data_parallel_shard_degree={self.dp_shard}",
                  f"{par}tensor_parallel_degree={self.tp}", f"{par}context_parallel_degree={self.cp}",
                  f"{par}pipeline_parallel_degree={self.pp}", f"--activation_checkpoint.mode={ac}"]
+        if self.ep > 1:
+            flags.append(f"{par}expert_parallel_degree={self.ep}")
         if self.compiled:
             flags.append("--compile.enable=true")
         if self.reduce_every:
@@ -113,13 +122,13 @@ def _shard_options(rest: int, inner: int, gpu: GPU) -> list[tuple[int, int]]:
     return out
 
 
-def _torch_accepts(schedule: str | None, pp: int, microbatches: int) -> bool:
-    """torch 2.13's own schedule checks, which the trainer's job plan does not make yet: 1F1B
-    needs as many micro-batches as stages; the interleaved ones a multiple of their rounds."""
-    if schedule == "1F1B":
-        return microbatches >= pp
-    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
-        return microbatches % max(1, microbatches // pp) == 0
+def _schedule_accepts(schedule: str | None, pp: int, v: int, microbatches: int) -> bool:
+    """The micro-batch rules of torch's schedules (tessera.pp.check_microbatches, which the job
+    plan applies too), before the costlier job plan."""
+    try:
+        tessera_pp.check_microbatches(schedule, pp, pp * v, microbatches)
+    except ValueError:
+        return False
     return True
 
 
@@ -130,11 +139,15 @@ def layouts(args, gpu: GPU):
     the step-time model, so the synchronous variant is not tried); local batch: 1-16 sequences
     without a pipeline, else the whole data-parallel share in one pass of micro-batches of one
     sequence (more micro-batches only shrink a bubble while the held activations stay capped,
-    GPipe's aside)."""
-    layers = get_model_spec(args.model).flavors[args.flavor].n_layers
+    GPipe's aside). Models without the closed form (`traced`): no pipeline, no float8, synchronous
+    TP; for MoE models every expert-parallel degree the trainer takes (a multiple of cp x tp whose
+    quotient divides dp_shard, dividing the experts), eager under TP (the trainer's rule)."""
+    spec = get_model_spec(args.model)
+    a = spec.flavors[args.flavor]
+    layers, experts, traced_model = a.n_layers, spec.n_experts(a), args.model not in formulas.LLAMA_SHAPED
     for tp in (t for t in args.tp if t <= gpu.gpus_per_node):
         for cp in (1, 2, 4, 8) if args.seq_len >= LONG_CONTEXT else (1,):
-            for pp in (1, 2, 4, 8, 16):
+            for pp in (1,) if traced_model else (1, 2, 4, 8, 16):
                 if args.gpus % (tp * cp * pp) or (pp > 1 and layers < 2 * pp):
                     continue
                 pipelines = [(None, 1, None)] if pp == 1 else [
@@ -145,13 +158,17 @@ def layouts(args, gpu: GPU):
                     for schedule, v, per_stage in pipelines:
                         for local in locals_:
                             if per_stage is False or not local or args.global_batch % (local * dp) \
-                                    or not _torch_accepts(schedule, pp, local):
+                                    or not _schedule_accepts(schedule, pp, v, local):
                                 continue
                             accumulates = pp == 1 and shard * cp > 1 and args.global_batch > local * dp
-                            for float8, every in itertools.product((False, True) if gpu.has_float8 else (False,),
-                                                                   (False, True) if accumulates else (False,)):
+                            eps = [e for e in (1, 2, 4, 8, 16, 32, 64, 128, 256) if e == 1 or experts and experts % e == 0
+                                   and e % (cp * tp) == 0 and shard % (e // (cp * tp)) == 0]
+                            for float8, every, ep in itertools.product(
+                                    (False, True) if gpu.has_float8 and not traced_model else (False,),
+                                    (False, True) if accumulates else (False,), eps):
                                 layout = Layout(replicate, shard, cp, tp, pp, schedule, v, per_stage, float8, local,
-                                                async_tp=tp > 1 and cp == 1, reduce_every=every)
+                                                async_tp=tp > 1 and cp == 1 and not traced_model, reduce_every=every, ep=ep,
+                                                eager=bool(experts) and tp > 1)
                                 for ac in AC_MODES:
                                     yield layout, ac
 
@@ -160,13 +177,18 @@ def lower_bound(layout: Layout, ac: str, args, gpu: GPU, a, fp8: frozenset[str])
     """Compute, bubble and TP collectives of the average pp rank of model args `a`: no more than
     the step-time model's total for the layout (the busiest rank computes at least the average, TP
     is linear in a rank's modules, other communication only adds), so the search can skip layouts
-    whose bound exceeds the times already found."""
+    whose bound exceeds the times already found. Models without the closed form: compute and
+    expert parallel's all-to-alls (_all_to_all_floor)."""
     blocks = a.n_layers / layout.pp
     accumulation = args.global_batch // (layout.local * layout.dp_replicate * layout.dp_shard)
     micro = (layout.local if layout.pp > 1 else 1) * accumulation
     tokens = layout.local * args.seq_len * accumulation
     fp8 = fp8 if layout.float8 else frozenset()
     efficiency = step_time.run_efficiency(args.efficiency, layout.compiled)
+    if args.model not in formulas.LLAMA_SHAPED:
+        w = step_time.spec_work(get_model_spec(args.model), a, args.seq_len, tokens, accumulation, layout.tp, layout.cp,
+                                ActivationCheckpoint(mode=ac), "bfloat16", gpu, efficiency)
+        return w.total + _all_to_all_floor(layout, a, tokens / layout.cp / layout.tp, gpu)
     w = step_time.work(a, args.seq_len, tokens, micro, blocks, 1 / layout.pp, layout.tp, layout.cp,
                        step_time.recompute_share(ActivationCheckpoint(mode=ac), blocks), fp8, "bfloat16", gpu, efficiency)
     tp = micro * step_time.tp_seconds(a, tokens / layout.cp / micro, 2, blocks, 1 / layout.pp, 1 / layout.pp, ac, layout.tp,
@@ -174,55 +196,241 @@ def lower_bound(layout: Layout, ac: str, args, gpu: GPU, a, fp8: frozenset[str])
     return w.total + step_time.bubble(layout.schedule, layout.pp, layout.stages_per_rank, w) + tp
 
 
+def _all_to_all_floor(layout: Layout, a, rows: float, gpu: GPU) -> float:
+    """Expert parallel's exchange at its least: every MoE layer sends the rank's routed rows (its
+    `rows` tokens x top_k, bf16) out and back, forward and backward, (ep-1)/ep of them through
+    each GPU's link (the ep group is consecutive ranks: NVLink within a node, else the NIC; the
+    balanced routing the estimate assumes, tools/estimate README)."""
+    if layout.ep <= 1:
+        return 0.0
+    moe_layers = a.n_layers - getattr(a, "n_dense_layers", 0)
+    sent = 2 * 2 * moe_layers * rows * a.moe.top_k * a.dim * 2
+    return step_time.ring_seconds(sent, layout.ep, step_time.group_nodes(layout.ep, 1, gpu), gpu)[1]
+
+
 def search(args, gpu: GPU) -> tuple[list[Candidate], int, int]:
     """The best `args.top` distinct layouts (Layout.key; each with its best variant), exactly:
     layouts are tried in order of their lower bound and the search stops once that bound reaches
-    the top's slowest. Returns (them, layouts enumerated, evaluated)."""
+    the top's slowest. Models without the closed form are traced, a few seconds a layout, so at
+    most `args.max_traced` are (the rest in bound order untried: the result then says so).
+    Returns (them, layouts enumerated, evaluated)."""
     a = get_model_spec(args.model).flavors[args.flavor]  # the vocab of the flavor's tokenizer, as a check-only plan's
-    options = step_time.float8_of(load_config(["--model.converters=float8"]), resolve_parallel_dims(1))
+    traced_model = args.model not in formulas.LLAMA_SHAPED
+    options = None if traced_model else step_time.float8_of(load_config(["--model.converters=float8"]), resolve_parallel_dims(1))
     fp8 = step_time.float8_linears(options, a)
+    counts = _parameter_counts(args) if traced_model else None
     tried = list(layouts(args, gpu))
     queue = [(lower_bound(layout, ac, args, gpu, a, fp8), i, layout, ac) for i, (layout, ac) in enumerate(tried)
-             if _state_fits(layout, args, gpu, a)]
+             if _state_fits(layout, args, gpu, a, counts)]
+    if traced_model:  # the likeliest first, so that a capped search finds them: FSDP's traffic guessed on top
+        queue = [(bound + _fsdp_guess(layout, args, a, counts, gpu, bound) + _tp_guess(layout, ac, args, a, gpu), i, layout,
+                  ac, bound) for bound, i, layout, ac in queue]
+    else:
+        queue = [(bound, i, layout, ac, bound) for bound, i, layout, ac in queue]
     heapq.heapify(queue)
     best: dict[tuple, Candidate] = {}
     plans: dict[tuple[Layout, str], JobPlan | None] = {}
+    traces: dict[tuple[Layout, str], traced.RankMemory] = {}
+    too_big: dict[tuple[Layout, bool], list[tuple[Layout, str]]] = {}  # layouts over memory, by _family
+    kept: dict[tuple, float] = {}  # activation bytes per sequence seen, by _kept_key
     evaluated = 0
     while queue:
-        bound, _, layout, ac = heapq.heappop(queue)
+        priority, i, layout, ac, bound = heapq.heappop(queue)
         top = sorted(c.step_s for c in best.values())[:args.top]
         if len(top) == args.top and bound >= top[-1]:
-            break
+            if not traced_model:  # in bound order: none left can do better
+                break
+            continue
         if layout.key in best and bound >= best[layout.key].step_s:  # cannot improve its layout
             continue
-        candidate = _evaluate(layout, ac, args, gpu, plans)
+        family = _family(layout, args)
+        if any(_needs_more(layout, ac, *over) for over in too_big.get(family, ())):
+            continue
+        if traced_model and priority < _LAST and _likely_over(layout, ac, args, gpu, counts, kept):
+            heapq.heappush(queue, (priority + _LAST, i, layout, ac, bound))  # try it once the likelier fits are
+            continue
+        if traced_model and len(traces) >= args.max_traced:
+            args.stopped_at = min(q[-1] for q in [*queue, (bound,)])  # the least bound left untried
+            break
+        candidate = _evaluate(layout, ac, args, gpu, plans, traces)
         evaluated += 1
+        if (layout, ac) in traces:  # what a sequence keeps (with held gradients): to guess the others' memory
+            kept[_kept_key(layout, ac, args)] = traces[layout, ac].activations / layout.local
+        if candidate is None and plans[layout, ac] is not None:
+            too_big.setdefault(family, []).append((layout, ac))
         if candidate and (layout.key not in best or candidate.step_s < best[layout.key].step_s):
             best[layout.key] = candidate
     found = sorted(best.values(), key=lambda c: (c.step_s, c.peak))[:args.top]
     return found, len(tried), evaluated
 
 
-def _state_fits(layout: Layout, args, gpu: GPU, a) -> bool:
-    """Whether the model state alone (formulas.state_floor, fp32 reduce as the flags ask) leaves
-    room: a check before the job plan, which the pipelined layouts' make_plan makes costly."""
-    held = layout.pp > 1 or (args.global_batch > layout.local * layout.dp_replicate * layout.dp_shard
+def _fsdp_guess(layout: Layout, args, a, counts: tuple[int, int], gpu: GPU, compute: float) -> float:
+    """A guess (to order a capped search, never to prune) at FSDP/HSDP's exposed seconds: every
+    micro-batch gathers the rank's TP-local bf16 weights twice (forward, then backward), every
+    reduction moves their fp32 gradients, over the shard group's links, and the replicas
+    all-reduce the shards; hidden behind `compute` as step_time.traced_step_time hides them."""
+    total, experts = counts
+    weights = ((total - experts) + experts / layout.ep) / layout.tp
+    micro = args.global_batch // (layout.local * layout.dp_replicate * layout.dp_shard)
+    reductions = micro if layout.reduce_every else 1
+    shard = layout.dp_shard * layout.cp
+    nodes = step_time.group_nodes(shard, layout.tp, gpu)
+    seconds = micro * step_time.ring_seconds(2 * 2 * weights, shard, nodes, gpu)[1] + \
+        reductions * step_time.ring_seconds(4 * weights, shard, nodes, gpu)[1]
+    if layout.dp_replicate > 1:
+        seconds += reductions * step_time.ring_seconds(4 * weights / shard, layout.dp_replicate, step_time.group_nodes(
+            layout.dp_replicate, shard * layout.tp, gpu), gpu, all_reduce=True)[1]
+    units = (a.n_layers + 1) * micro
+    return seconds / units + (units - 1) * max(0.0, (seconds - compute) / units) + (1 - step_time.OVERLAP) * min(seconds, compute)
+
+
+def _family(layout: Layout, args) -> tuple[Layout, bool]:
+    """Layouts whose memory orders by _needs_more: alike but for the local batch, the HSDP split,
+    expert parallel and AC, and holding whole gradients alike."""
+    return dataclasses.replace(layout, dp_replicate=0, dp_shard=0, local=0, ep=0), _holds_gradients(layout, args)
+
+
+_AC_KEEPS = {"none": 2, "selective": 1, "full": 0}  # more kept for backward, more memory
+
+
+def _needs_more(layout: Layout, ac: str, over: Layout, over_ac: str) -> bool:
+    """Whether `layout` needs at least the memory of `over` (of its _family): as many sequences or
+    more, its shards as few or fewer ways (its state less split), experts split as few or fewer
+    ways, AC keeping as much or more."""
+    return (layout.local >= over.local and layout.dp_shard <= over.dp_shard and layout.ep <= over.ep
+            and _AC_KEEPS[ac] >= _AC_KEEPS[over_ac])
+
+
+_LAST = 1e6  # added to the priority of a layout deferred as likely over memory
+
+
+def _likely_over(layout: Layout, ac: str, args, gpu: GPU, counts: tuple[int, int], kept: dict) -> bool:
+    """A guess (to order a capped search, never to prune) that the layout will not fit: its state
+    as _state_fits counts it plus the activations per sequence a traced layout alike (_kept_key)
+    kept, times its sequences, over memory by more than 5 %."""
+    per_sequence = kept.get(_kept_key(layout, ac, args))
+    if per_sequence is None:
+        return False
+    state = 3 * formulas.F32 * counts[0] / (layout.tp * layout.dp_shard * layout.cp)
+    return state + per_sequence * layout.local > 1.05 * args.memory_fraction * gpu.memory_gib * GIB
+
+
+def _kept_key(layout: Layout, ac: str, args) -> tuple:
+    """What a sequence's activations depend on, with FSDP's whole gradients (the trace counts those
+    held under accumulation with the activations; expert parallel splits the experts')."""
+    return layout.tp, layout.cp, layout.ep, ac, _holds_gradients(layout, args)
+
+
+def _tp_guess(layout: Layout, ac: str, args, a, gpu: GPU) -> float:
+    """A guess (to order a capped search) at synchronous TP's seconds: sequence parallel's gathers
+    and reduce-scatters of the hidden states, two of each per block and pass (forward, backward,
+    full AC's recompute), each a ring over NVLink."""
+    if layout.tp <= 1:
+        return 0.0
+    micro = args.global_batch // (layout.local * layout.dp_replicate * layout.dp_shard)
+    passes = 3 if ac == "full" else 2
+    one = step_time.ring_seconds(layout.local * args.seq_len / layout.cp * a.dim * 2, layout.tp, 1, gpu)
+    return micro * a.n_layers * passes * 4 * sum(one)
+
+
+def _holds_gradients(layout: Layout, args) -> bool:
+    """Whether FSDP holds whole gradients between backwards (a pipeline, or accumulation reducing
+    once after the last micro-batch)."""
+    return layout.pp > 1 or (args.global_batch > layout.local * layout.dp_replicate * layout.dp_shard
                              and not layout.reduce_every)
-    floor = formulas.state_floor(a, layout.tp, layout.dp_shard * layout.cp, layout.pp, held)
+
+
+def _parameter_counts(args) -> tuple[int, int]:
+    """(all parameters, the routed experts') of the flavor, built on meta."""
+    spec = get_model_spec(args.model)
+    with torch.device("meta"):
+        model = spec.build(spec.flavors[args.flavor])
+    params = dict(model.named_parameters())
+    return sum(p.numel() for p in params.values()), sum(p.numel() for n, p in params.items() if ".experts." in n)
+
+
+def _state_fits(layout: Layout, args, gpu: GPU, a, counts: tuple[int, int] | None) -> bool:
+    """Whether the model state alone (formulas.state_floor, fp32 reduce as the flags ask) leaves
+    room: a check before the job plan, which the pipelined layouts' make_plan makes costly. Models
+    without the closed form (`counts` from _parameter_counts): fp32 weights and AdamW's moments of
+    every parameter split tp x dp_shard x cp ways, the held gradients tp ways (the experts' ep
+    ways more) — TP replicates some, so this is a floor."""
+    held = _holds_gradients(layout, args)
+    if counts is None:
+        floor = formulas.state_floor(a, layout.tp, layout.dp_shard * layout.cp, layout.pp, held)
+    else:
+        total, experts = counts
+        floor = 3 * formulas.F32 * total / (layout.tp * layout.dp_shard * layout.cp) + \
+            held * formulas.F32 * ((total - experts) + experts / layout.ep) / layout.tp
     return floor <= args.memory_fraction * gpu.memory_gib * GIB
 
 
-def _evaluate(layout: Layout, ac: str, args, gpu: GPU, plans: dict) -> Candidate | None:
-    """The trainer's job plan for the layout (None: refused) and, if the peak fits, its time."""
-    flags = layout.flags(args, ac)
+def _job_plan(layout: Layout, ac: str, args, plans: dict) -> JobPlan | None:
+    """The trainer's job plan for the layout (None: refused), made once."""
     if (layout, ac) not in plans:
         try:
-            plans[layout, ac] = make_plan(load_config(flags), args.gpus, "cuda", check_only=True)
+            plans[layout, ac] = make_plan(load_config(layout.flags(args, ac)), args.gpus, "cuda", check_only=True)
         except ConfigError:
             plans[layout, ac] = None
-    plan = plans[layout, ac]
+    return plans[layout, ac]
+
+
+def _reduction(key: tuple[str, str]) -> bool:
+    """Whether a collective (kind, mesh dim) is FSDP/HSDP's gradient reduction."""
+    kind, dim = key
+    return kind in ("reduce_scatter", "all_reduce") and dim.removesuffix("=ep") in step_time.FSDP_DIMS
+
+
+def traced_estimate(layout: Layout, ac: str, args, plans: dict, traces: dict) -> traced.RankMemory:
+    """traced.trace_by_blocks of the layout's job plan, made once. Under accumulation a local batch
+    of 8 or more sequences is extended from the traces of 2 and 4 (accumulating too): the
+    activations and each phase's peak grow by the same bytes per sequence, a step's collectives
+    are its micro-batches' (each linear in the sequences) plus the gradient reductions (once a
+    step, or once a micro-batch). Not from 1: one sequence's peak falls elsewhere in the step
+    (DeepSeek's debug flavor: 1.9 % lower at 4 from 1 and 2). test_plan checks it against the
+    direct trace."""
+    def trace(lay: Layout) -> traced.RankMemory:
+        if (lay, ac) not in traces:
+            traces[lay, ac] = traced.trace_by_blocks(_job_plan(lay, ac, args, plans), 0)
+        return traces[lay, ac]
+
+    accumulation = args.global_batch // (layout.local * layout.dp_replicate * layout.dp_shard)
+    pair = [dataclasses.replace(layout, local=b) for b in (2, 4)]
+    if layout.local < 8 or accumulation < 2 or any(_job_plan(lay, ac, args, plans) is None for lay in pair):
+        return trace(layout)
+    two, four = (trace(lay) for lay in pair)
+    steps = (layout.local - 2) / 2  # of two sequences each, from 2
+    runs = accumulation * layout.local // 2  # micro-batches of a step at 2 sequences each
+
+    def grow(field: str) -> dict:
+        by_2, by_4 = getattr(two, field), getattr(four, field)
+        out = {}
+        for key, value in by_2.items():
+            if _reduction(key):  # once a step, or once a micro-batch
+                out[key] = value * accumulation // runs if layout.reduce_every else value
+            else:  # each micro-batch's, linear in its sequences
+                per_2, per_4 = value / runs, by_4.get(key, 0) / (runs // 2)
+                out[key] = round(accumulation * (per_2 + (per_4 - per_2) * steps))
+        return out
+
+    phases = {k: round(v + (four.phase_peaks[k] - v) * steps) for k, v in two.phase_peaks.items()}
+    return dataclasses.replace(four, activations=round(two.activations + (four.activations - two.activations) * steps),
+                               phase_peaks=phases, peak=max(phases.values()), at_peak={},
+                               comm=grow("comm"), calls=grow("calls"))
+
+
+def _evaluate(layout: Layout, ac: str, args, gpu: GPU, plans: dict, traces: dict) -> Candidate | None:
+    """The trainer's job plan for the layout (None: refused) and, if the peak fits, its time."""
+    flags = layout.flags(args, ac)
+    plan = _job_plan(layout, ac, args, plans)
     if plan is None:
         return None
+    if args.model not in formulas.LLAMA_SHAPED:  # the traced estimate, from shallow traces
+        est = traced_estimate(layout, ac, args, plans, traces)
+        if est.peak > args.memory_fraction * gpu.memory_gib * GIB:
+            return None
+        parts = step_time.traced_step_time(plan, est, gpu, args.efficiency)
+        return Candidate(layout, ac, flags, plan, est.peak, parts["total"], parts)
     estimates = [formulas.estimate_rank(plan, r) for r in range(layout.pp)]
     peak = max(e.peak for e in estimates)
     if peak > args.memory_fraction * gpu.memory_gib * GIB:
@@ -234,6 +442,7 @@ def _evaluate(layout: Layout, ac: str, args, gpu: GPU, plans: dict) -> Candidate
 def describe(c: Candidate, gpu: GPU, rank: int) -> str:
     d, p, lay = c.plan.dims, c.parts, c.layout
     degrees = " x ".join(f"{k} {v}" for k, v in d.degrees().items() if v > 1) or "single"
+    degrees += f" (ep {d.ep} of them)" if d.ep > 1 else ""
     pipeline = f", {lay.schedule} with {lay.stages_per_rank} stage(s) per rank" if lay.schedule else ""
     tokens = c.plan.batch.global_size * c.plan.batch.seq_len
     return "\n".join([
@@ -244,7 +453,8 @@ def describe(c: Candidate, gpu: GPU, rank: int) -> str:
         f"peak {c.peak / GIB:.1f} of {gpu.memory_gib} GiB",
         "    why: " + ", ".join(f"{name} {p[key]:.2f} s" for key, name in (
             ("compute", "compute"), ("bubble", "pipeline bubble"), ("tp", "TP collectives"), ("cp", "CP K/V gathers"),
-            ("fsdp", "exposed FSDP/HSDP"), ("pp", "pipeline transfers")) if p[key] or key == "compute"),
+            ("fsdp", "exposed FSDP/HSDP"), ("ep", "EP all-to-all"), ("pp", "pipeline transfers"),
+            ("other", "other collectives")) if p.get(key) or key == "compute"),
         f"    flags: {' '.join(c.flags)}",
     ])
 
@@ -263,19 +473,18 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--tp", default="1,2,4,8", help="tensor-parallel degrees to try (comma-separated)")
     parser.add_argument("--efficiency", type=float, default=0.35, help="share of the bf16 peak compiled compute reaches (README)")
     parser.add_argument("--memory_fraction", type=float, default=0.9, help="share of GPU memory a plan may use")
+    parser.add_argument("--max_traced", type=int, default=100,
+                        help="models without the closed form: layouts traced at most (seconds each)")
 
     parser.error = lambda message: (_ for _ in ()).throw(ConfigError(message))  # one line, exit 2
     args = parser.parse_args(argv)
     if args.model not in list_model_specs():
         raise ConfigError(f"--model {args.model!r} is not one of {list_model_specs()}")
-    if args.model not in formulas.LLAMA_SHAPED:
-        raise ConfigError(f"--model {args.model}: the planner's closed form covers {', '.join(formulas.LLAMA_SHAPED)} only "
-                          "(tools/estimate traces the others)")
     if args.flavor not in get_model_spec(args.model).flavors:
         raise ConfigError(f"--flavor {args.flavor!r} is not a flavor of {args.model}: {sorted(get_model_spec(args.model).flavors)}")
     if args.gpu not in GPUS:
         raise ConfigError(f"--gpu {args.gpu!r} is not one of {sorted(GPUS)}")
-    for name in ("gpus", "seq_len", "top"):
+    for name in ("gpus", "seq_len", "top", "max_traced"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name} {getattr(args, name)} must be >= 1")
     if not 0 < args.efficiency <= 1 or not 0 < args.memory_fraction <= 1:
@@ -304,6 +513,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.model}/{args.flavor} on {args.gpus} x {gpu.name}, seq_len {args.seq_len}, global batch "
           f"{args.global_batch} sequences: best {len(found)} distinct layouts ({enumerated} candidates, "
           f"{evaluated} evaluated, the rest bounded out or over memory on their model state alone):")
+    if getattr(args, "stopped_at", None) is not None:
+        print(f"(stopped after --max_traced {args.max_traced} traces: layouts left untried take at least "
+              f"{args.stopped_at:.2f} s a step, so a layout below that is exact; raise --max_traced to settle the rest)")
     for i, c in enumerate(found, 1):
         print(describe(c, gpu, i))
     return 0

@@ -310,3 +310,65 @@ def _pipeline_exposed(plan: JobPlan, transfer: float, gpu: GPU) -> float:
     bandwidth = (gpu.inter_node_gbps if across else gpu.intra_node_gbps) * 1e9
     latency = NCCL_BASE_S + (NCCL_NET_STEP_S if across else NCCL_NVLINK_STEP_S)
     return 2 * (len(plan.pipeline.parts) - 1) * (latency + transfer / bandwidth)
+
+
+# Models without the closed form (Qwen3, DeepSeek-V3, MoE): the step from the traced estimate
+# (tools/estimate traced.trace_by_blocks: its collectives' bytes and calls per mesh dimension, and
+# the ranks of each group) and the model spec's FLOPs. Coarser than the Llama model above: no
+# float8, no async TP, no pipeline; FSDP's units are the blocks plus the root, each hiding its
+# collectives behind its own compute, forward and backward together.
+FSDP_DIMS = ("fsdp", "expert_fsdp", "dp_replicate", "dp_shard")
+
+
+def spec_work(spec, a, seq_len: int, tokens: float, microbatches: int, tp: int, cp: int, ac, dtype: str, gpu: GPU,
+              efficiency: float) -> Work:
+    """Compute of a rank for `tokens` tokens of its data-parallel rank per step, from the spec's
+    FLOPs per token: 6 per active weight (a token's routed experts only) plus attention's
+    12·layers·heads·head_dim·seq, halved for the causal mask as `work` does; split forward /
+    input gradient / weight gradient as `work` does; AC reruns the blocks' forward
+    (recompute_share) — all but the output projection's."""
+    peak = gpu.tflops[dtype] * 1e12 * efficiency
+    rank_tokens = tokens / cp / tp
+    linear = spec.flops_per_token(a, 0) * rank_tokens
+    attention = (spec.flops_per_token(a, seq_len) - spec.flops_per_token(a, 0)) / 2 * rank_tokens
+    blocks = linear - 6 * a.vocab_size * a.dim * rank_tokens
+    recomputed = recompute_share(ac, a.n_layers) * (blocks + attention) / 3
+    return Work(forward=(linear + attention) / 3 / peak, backward=(linear / 3 + 2 * attention / 3 + recomputed) / peak,
+                weights=linear / 3 / peak, casts=0.0, microbatches=microbatches)
+
+
+def plan_spec_work(plan: JobPlan, gpu: GPU, efficiency: float) -> Work:
+    b, dims = plan.batch, plan.dims
+    return spec_work(plan.spec, plan.model_args, b.seq_len, b.local * b.seq_len * b.accumulation, b.accumulation,
+                     dims.tp, dims.cp, plan.config.activation_checkpoint, str(plan.param_dtype).removeprefix("torch."),
+                     gpu, run_efficiency(efficiency, compiled(plan.config)))
+
+
+def traced_step_time(plan: JobPlan, est, gpu: GPU, efficiency: float) -> dict[str, float]:
+    """Seconds of one step by part, from a traced estimate `est` (traced.RankMemory: comm, calls,
+    groups): each collective a ring over its group's ranks and nodes (an all-to-all too: (n-1)/n
+    of its buffer through each GPU's link); expert parallel's all-to-alls, TP's and CP's
+    collectives exposed (synchronous); FSDP/HSDP's behind the compute of their unit (blocks + the
+    root, per micro-batch), the first unit's exposed, 1 - OVERLAP of the hidden bandwidth time
+    slowing compute."""
+    w = plan_spec_work(plan, gpu, efficiency)
+    out = dict.fromkeys(("bubble", "tp", "cp", "ep", "fsdp", "pp", "other"), 0.0) | {"compute": w.total}
+    fsdp_total = fsdp_bandwidth = 0.0
+    for key, nbytes in est.comm.items():
+        kind, dim = key
+        calls, ranks = est.calls[key], est.groups.get(dim, ())
+        nodes = len({r // gpu.gpus_per_node for r in ranks})
+        latency, bandwidth = ring_seconds(nbytes / calls, len(ranks), nodes, gpu, all_reduce=kind == "all_reduce")
+        seconds = calls * (latency + bandwidth)
+        if kind == "all_to_all":
+            out["ep"] += seconds
+        elif dim.removesuffix("=ep") in FSDP_DIMS:
+            fsdp_total, fsdp_bandwidth = fsdp_total + seconds, fsdp_bandwidth + calls * bandwidth
+        else:
+            out[dim if dim in ("tp", "cp") else "other"] += seconds
+    units = (plan.model_args.n_layers + 1) * w.microbatches
+    per_unit, compute = fsdp_total / units, w.total / units
+    out["fsdp"] = per_unit + (units - 1) * max(0.0, per_unit - compute) + \
+        (1 - OVERLAP) * (units - 1) * min(fsdp_bandwidth / units, compute)
+    out["total"] = sum(out.values())
+    return out
