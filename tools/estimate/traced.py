@@ -215,8 +215,8 @@ def trace_by_blocks(plan: JobPlan, rank: int) -> RankMemory:
 
     state = {k: getattr(one, k) + (getattr(two, k) - getattr(one, k)) * more
              for k in ("params", "grads", "optimizer", "buffers", "activations")}
-    phases = extend("phase_peaks")
-    return RankMemory(**state, peak=max(phases.values()), at_peak=extend("at_peak"), comm=extend("comm"),
+    phases = extend("phase_peaks")  # (the owners at the peak are not extended: each trace's may be another phase's)
+    return RankMemory(**state, peak=max(phases.values()), at_peak={}, comm=extend("comm"),
                       phase_peaks=phases, calls=extend("calls"), groups=one.groups)
 
 

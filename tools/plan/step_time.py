@@ -356,13 +356,14 @@ def traced_step_time(plan: JobPlan, est, gpu: GPU, efficiency: float) -> dict[st
     fsdp_total = fsdp_bandwidth = 0.0
     for key, nbytes in est.comm.items():
         kind, dim = key
-        calls, ranks = est.calls[key], est.groups.get(dim, ())
+        calls, ranks = est.calls[key], est.groups[dim]  # a collective on a group the trace did not name: a bug
         nodes = len({r // gpu.gpus_per_node for r in ranks})
         latency, bandwidth = ring_seconds(nbytes / calls, len(ranks), nodes, gpu, all_reduce=kind == "all_reduce")
         seconds = calls * (latency + bandwidth)
+        dim = dim.removesuffix("=ep")  # the ep group is often another dimension's too
         if kind == "all_to_all":
             out["ep"] += seconds
-        elif dim.removesuffix("=ep") in FSDP_DIMS:
+        elif dim in FSDP_DIMS:
             fsdp_total, fsdp_bandwidth = fsdp_total + seconds, fsdp_bandwidth + calls * bandwidth
         else:
             out[dim if dim in ("tp", "cp") else "other"] += seconds

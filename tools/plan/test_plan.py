@@ -275,21 +275,28 @@ def test_local_batch_extended_from_two_and_four_sequences(reduce_every, ep, ac):
 
 
 def test_moe_layouts_with_expert_parallel():
-    """A MoE model is planned from traced estimates: expert parallel degrees are enumerated (those
-    dividing dp_shard x cp and the experts), pipelines and float8 are not, and every layout
-    printed is one the trainer accepts, its traced peak within memory."""
+    """A MoE model is planned from traced estimates: expert parallel degrees are those the trainer
+    takes (a multiple of cp x tp whose quotient divides dp_shard, dividing the experts), no
+    pipeline, float8 or async TP, MoE under TP eager; uncapped, the search ranks the layouts
+    exactly as tracing every one of them does."""
     args = plan.parse(["--model", "qwen3", "--flavor", "debugmodel_moe", "--gpus", "8", "--seq_len", "512"])
     tried = list(plan.layouts(args, H100))
     assert {(layout.tp, layout.ep) for layout, _ in tried} == {(1, 1), (1, 2), (1, 4), (1, 8), (2, 1), (2, 2), (2, 4),
                                                                 (2, 8), (4, 1), (4, 4), (4, 8), (8, 1), (8, 8)}
     assert not any(layout.pp > 1 or layout.float8 or layout.async_tp for layout, _ in tried)
     assert all(layout.eager == (layout.tp > 1) for layout, _ in tried)  # the trainer compiles no MoE layer under TP
-    args.tp = (1,)  # one sequence per GPU, FSDP 8 and its ep degrees: 4 layouts x 3 AC modes traced
-    found, _, _ = plan.search(args, H100)
-    assert len(found) == 3 and any(c.layout.ep > 1 for c in found)
+    args.tp = (1,)  # one sequence per GPU, FSDP 8 and its ep degrees: 4 layouts x 3 AC modes
+    found, _, _, stopped_at = plan.search(args, H100)
+    assert stopped_at is None
+    best = {}
+    for layout, ac in plan.layouts(args, H100):
+        p = make_plan(load_config(layout.flags(args, ac)), 8, "cuda", check_only=True)
+        seconds = step_time.traced_step_time(p, traced.trace_by_blocks(p, 0), H100, args.efficiency)["total"]
+        best[layout.ep] = min(best.get(layout.ep, seconds), seconds)
+    assert [c.layout.ep for c in found] == sorted(best, key=best.get)[:3]
+    assert [c.step_s for c in found] == sorted(best.values())[:3]
     for c in found:
-        p = make_plan(load_config(c.flags), 8, "cuda", check_only=True)
-        assert p.dims.ep == c.layout.ep and c.peak <= args.memory_fraction * H100.memory_gib * 2**30
+        assert make_plan(load_config(c.flags), 8, "cuda", check_only=True).dims.ep == c.layout.ep
 
 
 def test_float8_where_the_gpu_has_it():

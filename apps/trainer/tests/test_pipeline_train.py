@@ -207,11 +207,14 @@ def test_bad_pipeline_configs_fail_once_before_any_worker(extra, message):
 
 def test_schedule_csv_actions_decide_split_backward(tmp_path):
     """A CSV's I/W actions make the plan split backward (selective AC keeps saved tensors for
-    the weight pass; FSDP resharding after forward is refused) whatever schedule is named; a
-    malformed action is one line naming the file."""
+    the weight pass; FSDP resharding after forward is refused) whatever schedule is named, and the
+    named schedule's micro-batch rule no longer applies; a malformed action is one line naming
+    the file."""
     argv = [*BASE, *PP2, "--parallelism.pipeline_parallel_schedule_csv", _split_csv(tmp_path)]
     assert make_plan(load_config(argv), 2, "cpu").pipeline.splits_backward
     assert not make_plan(load_config([*BASE, *PP2]), 2, "cpu").pipeline.splits_backward
+    # the CSV's order replaces 1F1B's, and with it 1F1B's rule of a micro-batch per stage
+    assert make_plan(load_config([*argv, "--training.local_batch_size", "1"]), 2, "cpu").pipeline.microbatches == 1
     with pytest.raises(ConfigError, match="'always' with schedule .*split_backward.csv trains with wrong gradients"):
         make_plan(load_config([*argv, "--parallelism.fsdp_reshard_after_forward", "always"]), 2, "cpu")
     bad = tmp_path / "bad.csv"

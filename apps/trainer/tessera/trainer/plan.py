@@ -269,12 +269,13 @@ def _pipeline(config: JobConfig, spec: ModelSpec, args, dims: ParallelDims) -> P
     if local % size:
         raise ConfigError(f"parallelism.pipeline_parallel_microbatch_size {size} does not divide training.local_batch_size {local}")
     microbatches = local // size
+    csv = par.pipeline_parallel_schedule_csv or None
     try:
-        pp.check_microbatches(schedule, dims.pp, len(parts), microbatches)
+        if not csv:  # a CSV's order replaces the named schedule's, and torch's runtime for it has no such rule
+            pp.check_microbatches(schedule, dims.pp, len(parts), microbatches)
     except ValueError as e:
         raise ConfigError(f"training.local_batch_size {local} / parallelism.pipeline_parallel_microbatch_size {size}: "
                           f"{e}") from None
-    csv = par.pipeline_parallel_schedule_csv or None
     if csv and not Path(csv).is_file():
         raise ConfigError(f"parallelism.pipeline_parallel_schedule_csv {csv} is not a file")
     try:

@@ -106,16 +106,16 @@ def check_stage_count(stages: int, pp: int, schedule: str, what: str) -> None:
 def check_microbatches(schedule: str, pp: int, n_stages: int, n_microbatches: int) -> None:
     """What torch 2.13's schedule constructors ask of the micro-batch count, checked before any
     process starts (they raise inside every worker): 1F1B and DualPipeV need at least one per
-    stage; the interleaved ones (Interleaved1F1B, InterleavedZeroBubble) run rounds of
-    ``max(1, n_microbatches // pp)`` and need a multiple of them. ValueError naming the rule."""
+    stage; the interleaved ones (Interleaved1F1B, InterleavedZeroBubble) split the micro-batches
+    into ``max(1, n_microbatches // pp)`` rounds, evenly. ValueError naming the rule."""
     if schedule in ("1F1B", "DualPipeV") and n_microbatches < n_stages:
         raise ValueError(f"schedule {schedule} needs at least as many micro-batches as stages: "
                          f"{n_microbatches} < {n_stages} stages")
-    rounds = max(1, n_microbatches // pp)
-    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and n_microbatches % rounds:
-        raise ValueError(f"schedule {schedule} runs the micro-batches in rounds of max(1, micro-batches // "
-                         f"pipeline_parallel_degree {pp}) = {rounds}: {n_microbatches} micro-batches are not a "
-                         f"multiple of {rounds}")
+    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        rounds = max(1, n_microbatches // pp)
+        if n_microbatches % rounds:
+            raise ValueError(f"schedule {schedule} runs max(1, micro-batches // pipeline_parallel_degree {pp}) = "
+                             f"{rounds} rounds: {n_microbatches} micro-batches do not split evenly into them")
 
 
 def even_split(
