@@ -66,6 +66,11 @@ class Layout:
         as in the efficiency's fit."""
         return self.cp == 1 and not self.eager
 
+    def accumulation(self, global_batch: int) -> int:
+        """Micro-batches of `local` sequences a step takes to reach `global_batch` (with a
+        pipeline: passes of its local batch)."""
+        return global_batch // (self.local * self.dp_replicate * self.dp_shard)
+
     @property
     def key(self) -> tuple[int, ...]:
         """What makes layouts distinct in the ranking: (data-parallel, cp, tp, pp, ep) degrees; FSDP
@@ -180,7 +185,7 @@ def lower_bound(layout: Layout, ac: str, args, gpu: GPU, a, fp8: frozenset[str])
     whose bound exceeds the times already found. Models without the closed form: compute and
     expert parallel's all-to-alls (_all_to_all_floor)."""
     blocks = a.n_layers / layout.pp
-    accumulation = args.global_batch // (layout.local * layout.dp_replicate * layout.dp_shard)
+    accumulation = layout.accumulation(args.global_batch)
     micro = (layout.local if layout.pp > 1 else 1) * accumulation
     tokens = layout.local * args.seq_len * accumulation
     fp8 = fp8 if layout.float8 else frozenset()
@@ -271,9 +276,8 @@ def _fsdp_guess(layout: Layout, args, a, counts: tuple[int, int], gpu: GPU, comp
     reduction moves their fp32 gradients, over the shard group's links (the experts' smaller
     group under EP taken as the shard group), and the replicas all-reduce the shards; hidden
     behind `compute` as step_time.traced_step_time hides them."""
-    total, experts = counts
-    weights = ((total - experts) + experts / layout.ep) / layout.tp
-    micro = args.global_batch // (layout.local * layout.dp_replicate * layout.dp_shard)
+    weights = _tp_local_weights(layout, counts)
+    micro = layout.accumulation(args.global_batch)
     reductions = micro if layout.reduce_every else 1
     shard = layout.dp_shard * layout.cp
     nodes = step_time.group_nodes(shard, layout.tp, gpu)
@@ -282,8 +286,7 @@ def _fsdp_guess(layout: Layout, args, a, counts: tuple[int, int], gpu: GPU, comp
     if layout.dp_replicate > 1:
         seconds += reductions * step_time.ring_seconds(4 * weights / shard, layout.dp_replicate, step_time.group_nodes(
             layout.dp_replicate, shard * layout.tp, gpu), gpu, all_reduce=True)[1]
-    units = (a.n_layers + 1) * micro
-    return seconds / units + (units - 1) * max(0.0, (seconds - compute) / units) + (1 - step_time.OVERLAP) * min(seconds, compute)
+    return step_time.exposed_behind_units(seconds, seconds, compute, (a.n_layers + 1) * micro)
 
 
 def _family(layout: Layout, args) -> tuple[Layout, bool]:
@@ -313,8 +316,7 @@ def _likely_over(layout: Layout, ac: str, args, gpu: GPU, counts: tuple[int, int
     per_sequence = kept.get(_kept_key(layout, ac, args))
     if per_sequence is None:
         return False
-    state = 3 * formulas.F32 * counts[0] / (layout.tp * layout.dp_shard * layout.cp)
-    return state + per_sequence * layout.local > 1.05 * args.memory_fraction * gpu.memory_gib * GIB
+    return _sharded_state(layout, counts) + per_sequence * layout.local > 1.05 * args.memory_fraction * gpu.memory_gib * GIB
 
 
 def _kept_key(layout: Layout, ac: str, args) -> tuple:
@@ -329,7 +331,7 @@ def _tp_guess(layout: Layout, ac: str, args, a, gpu: GPU) -> float:
     full AC's recompute), each a ring over NVLink."""
     if layout.tp <= 1:
         return 0.0
-    micro = args.global_batch // (layout.local * layout.dp_replicate * layout.dp_shard)
+    micro = layout.accumulation(args.global_batch)
     passes = 3 if ac == "full" else 2
     one = step_time.ring_seconds(layout.local * args.seq_len / layout.cp * a.dim * 2, layout.tp, 1, gpu)
     return micro * a.n_layers * passes * 4 * sum(one)
@@ -338,8 +340,20 @@ def _tp_guess(layout: Layout, ac: str, args, a, gpu: GPU) -> float:
 def _holds_gradients(layout: Layout, args) -> bool:
     """Whether FSDP holds whole gradients between backwards (a pipeline, or accumulation reducing
     once after the last micro-batch)."""
-    return layout.pp > 1 or (args.global_batch > layout.local * layout.dp_replicate * layout.dp_shard
-                             and not layout.reduce_every)
+    return layout.pp > 1 or (layout.accumulation(args.global_batch) > 1 and not layout.reduce_every)
+
+
+def _sharded_state(layout: Layout, counts: tuple[int, int]) -> float:
+    """fp32 weights and AdamW's two moments of every parameter (`counts`: _parameter_counts) split
+    tp x dp_shard x cp ways: TP replicates some, so a floor."""
+    return 3 * formulas.F32 * counts[0] / (layout.tp * layout.dp_shard * layout.cp)
+
+
+def _tp_local_weights(layout: Layout, counts: tuple[int, int]) -> float:
+    """Parameters a rank holds whole between FSDP's gathers: all split tp ways, the routed experts
+    ep ways more."""
+    total, experts = counts
+    return ((total - experts) + experts / layout.ep) / layout.tp
 
 
 def _parameter_counts(args) -> tuple[int, int]:
@@ -361,9 +375,7 @@ def _state_fits(layout: Layout, args, gpu: GPU, a, counts: tuple[int, int] | Non
     if counts is None:
         floor = formulas.state_floor(a, layout.tp, layout.dp_shard * layout.cp, layout.pp, held)
     else:
-        total, experts = counts
-        floor = 3 * formulas.F32 * total / (layout.tp * layout.dp_shard * layout.cp) + \
-            held * formulas.F32 * ((total - experts) + experts / layout.ep) / layout.tp
+        floor = _sharded_state(layout, counts) + held * formulas.F32 * _tp_local_weights(layout, counts)
     return floor <= args.memory_fraction * gpu.memory_gib * GIB
 
 
@@ -380,7 +392,7 @@ def _job_plan(layout: Layout, ac: str, args, plans: dict) -> JobPlan | None:
 def _reduction(key: tuple[str, str]) -> bool:
     """Whether a collective (kind, mesh dim) is FSDP/HSDP's gradient reduction."""
     kind, dim = key
-    return kind in ("reduce_scatter", "all_reduce") and dim.removesuffix("=ep") in step_time.FSDP_DIMS
+    return kind in ("reduce_scatter", "all_reduce") and step_time.job_dim(dim) in step_time.FSDP_DIMS
 
 
 def traced_estimate(layout: Layout, ac: str, args, plans: dict, traces: dict) -> traced.RankMemory:
@@ -396,7 +408,7 @@ def traced_estimate(layout: Layout, ac: str, args, plans: dict, traces: dict) ->
             traces[lay, ac] = traced.trace_by_blocks(_job_plan(lay, ac, args, plans), 0)
         return traces[lay, ac]
 
-    accumulation = args.global_batch // (layout.local * layout.dp_replicate * layout.dp_shard)
+    accumulation = layout.accumulation(args.global_batch)
     pair = [dataclasses.replace(layout, local=b) for b in (2, 4)]
     if layout.local < 8 or accumulation < 2 or any(_job_plan(lay, ac, args, plans) is None for lay in pair):
         return trace(layout)

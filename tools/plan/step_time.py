@@ -320,6 +320,20 @@ def _pipeline_exposed(plan: JobPlan, transfer: float, gpu: GPU) -> float:
 FSDP_DIMS = ("fsdp", "expert_fsdp", "dp_replicate", "dp_shard")
 
 
+def job_dim(dim: str) -> str:
+    """A traced collective's mesh dimension as the job knows it: the ep group is often another
+    dimension's too ("fsdp=ep"), and its all-to-alls are told apart by their kind."""
+    return dim.removesuffix("=ep")
+
+
+def exposed_behind_units(seconds: float, bandwidth: float, compute: float, units: int) -> float:
+    """Collectives spread over `units` (each block and the root, per micro-batch), each unit's
+    behind its own compute: the first unit's exposed, each other one's beyond its compute, and
+    1 - OVERLAP of the bandwidth time hidden slowing that compute."""
+    per_unit, compute = seconds / units, compute / units
+    return per_unit + (units - 1) * (max(0.0, per_unit - compute) + (1 - OVERLAP) * min(bandwidth / units, compute))
+
+
 def spec_work(spec, a, seq_len: int, tokens: float, microbatches: int, tp: int, cp: int, ac, dtype: str, gpu: GPU,
               efficiency: float) -> Work:
     """Compute of a rank for `tokens` tokens of its data-parallel rank per step, from the spec's
@@ -360,16 +374,13 @@ def traced_step_time(plan: JobPlan, est, gpu: GPU, efficiency: float) -> dict[st
         nodes = len({r // gpu.gpus_per_node for r in ranks})
         latency, bandwidth = ring_seconds(nbytes / calls, len(ranks), nodes, gpu, all_reduce=kind == "all_reduce")
         seconds = calls * (latency + bandwidth)
-        dim = dim.removesuffix("=ep")  # the ep group is often another dimension's too
+        dim = job_dim(dim)
         if kind == "all_to_all":
             out["ep"] += seconds
         elif dim in FSDP_DIMS:
             fsdp_total, fsdp_bandwidth = fsdp_total + seconds, fsdp_bandwidth + calls * bandwidth
         else:
             out[dim if dim in ("tp", "cp") else "other"] += seconds
-    units = (plan.model_args.n_layers + 1) * w.microbatches
-    per_unit, compute = fsdp_total / units, w.total / units
-    out["fsdp"] = per_unit + (units - 1) * max(0.0, per_unit - compute) + \
-        (1 - OVERLAP) * (units - 1) * min(fsdp_bandwidth / units, compute)
+    out["fsdp"] = exposed_behind_units(fsdp_total, fsdp_bandwidth, w.total, (plan.model_args.n_layers + 1) * w.microbatches)
     out["total"] = sum(out.values())
     return out
