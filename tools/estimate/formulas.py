@@ -9,7 +9,12 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import torch
+
 from tessera import pp
+from tessera.float8 import Float8Options
+from tessera.float8.convert import selected
+from tessera.trainer.float8_converter import SECTIONS, float8_options
 from tessera.trainer.plan import JobPlan
 
 F32 = 4
@@ -32,6 +37,22 @@ def block_linears(a) -> dict[str, tuple[int, int, int]]:
 def _block_params(a) -> list[tuple[int, int, int | None]]:
     """(rows, cols, dim tensor parallel splits) of one block's parameters (None: replicated)."""
     return [*block_linears(a).values(), (a.dim, 1, None), (a.dim, 1, None)]
+
+
+def float8_of(config, dims) -> Float8Options | None:
+    """The float8 converter's options as the trainer resolves them for this layout, or None."""
+    names = [n for n in config.model.converters if n in SECTIONS]
+    return float8_options(config, dims, names[0]) if names else None
+
+
+def float8_linears(options: Float8Options | None, a) -> frozenset[str]:
+    """Names within a block (and "output") of the linears the converter swaps: tessera.float8's
+    own rule, on the full (pre-TP) shapes."""
+    if options is None:
+        return frozenset()
+    shapes = {f"layers.0.{k}": (i, o) for k, (o, i, _) in block_linears(a).items()} | {"output": (a.dim, a.vocab_size)}
+    return frozenset(name.removeprefix("layers.0.") for name, (i, o) in shapes.items()
+                     if selected(name, torch.nn.Linear(i, o, bias=False, device="meta"), options))
 
 
 def _module_params(a, name: str) -> list[tuple[int, int, int | None]]:
@@ -85,20 +106,24 @@ def estimate_rank(plan: JobPlan, pp_rank: int = 0) -> FormulaEstimate:
     tp_local_block = sum(_local_elements(r, c, s, dims.tp, 1) for r, c, s in _block_params(a))
     # FSDP keeps the last block, the output and the final norm gathered from forward into backward
     # ("default"; "never": every group, "always": none)
-    kept = _kept_gathered(plan, modules, tp_local_block) if fsdp > 1 else 0
+    kept = _kept_gathered(plan, modules) if fsdp > 1 else 0
     act = activations(plan, pp_rank) + kept
     grads = params
     if dims.tp > 1 and fsdp == 1 and "tok_embeddings" in modules:
         grads += F32 * a.vocab_size // dims.tp * a.dim  # measured: the vocab-parallel embedding's gradient storage is twice its size
-    logits_grad = F32 * _microbatch_tokens(plan) * a.vocab_size // dims.tp if "output" in modules else 0
-    held = _held_grads(plan, shapes, grads, fsdp)
-    # backward: gradients take the place of the activations they free; the largest moment is its
-    # start (the logits' gradient) with a checkpointed block rebuilt, or the optimizer step
-    # (gradients, + foreach AdamW's parameter-sized temporaries; the fused kernel updates in place)
+    held = _held_grads(plan, shapes, grads, fsdp, "tok_embeddings" in modules)
+    # backward: gradients take the place of the activations they free. Its tallest moments: the
+    # loss's (the logits' gradient beside every activation), and the last block's (the head's
+    # activations freed, the block's forward rebuilt, and under FSDP this block's and the prefetched
+    # one's gathered weights with this block's unsharded gradients, all in the param dtype); or the
+    # optimizer step (gradients, + foreach AdamW's parameter-sized temporaries; fused: in place)
+    last_block = _recompute_bytes(plan) + (3 * plan.param_dtype.itemsize * tp_local_block if _regathers(plan, fsdp) else 0)
+    if "output" in modules:
+        last_block -= _head_activations(plan)
     temporaries = params if plan.config.optimizer.implementation == "foreach" else 0
-    peak = params + optimizer + buffers + max(act + logits_grad + _recompute_bytes(plan) + held, grads + temporaries)
+    peak = params + optimizer + buffers + max(act + held + max(_logits_grad(plan, modules), last_block), grads + temporaries)
     return FormulaEstimate(params, grads, optimizer, buffers, act, peak, rank_flops(plan, pp_rank),
-                           comm_bytes(plan, elements, kept, blocks, modules, pp_rank))
+                           comm_bytes(plan, elements, _kept_gathered(plan, modules, stored=False) if fsdp > 1 else 0, blocks, modules, pp_rank))
 
 
 def rank_flops(plan: JobPlan, pp_rank: int) -> float:
@@ -109,18 +134,21 @@ def rank_flops(plan: JobPlan, pp_rank: int) -> float:
     return plan.flops_per_token * tokens * blocks / plan.model_args.n_layers / plan.dims.tp / plan.dims.cp
 
 
-def _held_grads(plan: JobPlan, shapes: list[tuple[int, int, int | None]], grads: int, fsdp: int) -> int:
+def _held_grads(plan: JobPlan, shapes: list[tuple[int, int, int | None]], grads: int, fsdp: int, embedding: bool) -> int:
     """Bytes of the gradients a backward finds already there: with accumulation or a pipeline
     (more than one backward per step), those of the micro-batches before. Without FSDP, or where
     each micro-batch reduces (`reductions`), they are the parameters' own (`grads`). Otherwise
     FSDP2 reduces once, after the last backward (tessera.trainer.step.gradient_sync; torch's
     pipeline stages likewise), holding each gradient whole (TP-local) in the reduce dtype until
-    then."""
+    then — the vocab-parallel embedding's whole across the tp ranks too (traced: torch's backward
+    of the vocab-sharded lookup returns the full vocabulary's gradient; 3.4 GiB more for 70B at TP 8)."""
     if plan.pipeline is None and plan.batch.accumulation == 1:
         return 0
     if fsdp == 1 or reductions(plan) > 1:
         return grads
-    return plan.reduce_dtype.itemsize * sum(_local_elements(r, c, s, plan.dims.tp, 1) for r, c, s in shapes)
+    a, tp = plan.model_args, plan.dims.tp
+    whole_embedding = a.vocab_size * a.dim - _local_elements(a.vocab_size, a.dim, 0, tp, 1) if embedding and tp > 1 else 0
+    return plan.reduce_dtype.itemsize * (sum(_local_elements(r, c, s, tp, 1) for r, c, s in shapes) + whole_embedding)
 
 
 def state_floor(a, tp: int, fsdp: int, pp: int, held: bool) -> float:
@@ -133,19 +161,29 @@ def state_floor(a, tp: int, fsdp: int, pp: int, held: bool) -> float:
     return 3 * F32 * local / fsdp + (F32 * local if held else 0)
 
 
-def _kept_gathered(plan: JobPlan, modules: list[str], tp_local_block: int) -> int:
-    """Bytes of gathered (param dtype) weights FSDP keeps from forward into backward."""
-    a, dims = plan.model_args, plan.dims
+def _regathers(plan: JobPlan, fsdp: int) -> bool:
+    """Whether FSDP gathers each block again for its backward (it resharded after forward): a
+    pipeline keeps its stages gathered, as does the "never" policy."""
+    return fsdp > 1 and plan.pipeline is None and plan.config.parallelism.fsdp_reshard_after_forward != "never"
+
+
+def _kept_gathered(plan: JobPlan, modules: list[str], stored: bool = True) -> int:
+    """Bytes of gathered weights FSDP keeps from forward into backward, in the param dtype; as
+    stored (`stored`): float8 for the converter's linears under FSDP's float8 all-gather."""
+    a, dims, e = plan.model_args, plan.dims, plan.param_dtype.itemsize
     policy = plan.pipeline.reshard_after_forward if plan.pipeline else plan.config.parallelism.fsdp_reshard_after_forward
+    options = float8_of(plan.config, dims)
+    fp8 = float8_linears(options, a) if stored and options and options.enable_fsdp_float8_all_gather else frozenset()
     blocks = [m for m in modules if m.startswith("layers.")]
-    every = {"tok_embeddings": a.vocab_size * a.dim // dims.tp, "norm": a.dim,
-             "output": 0 if a.tie_embeddings else a.vocab_size * a.dim // dims.tp}
+    block = sum(_local_elements(o, i, split, dims.tp, 1) * (1 if name in fp8 else e) for name, (o, i, split) in block_linears(a).items())
+    block += 2 * a.dim * e  # the two norms
+    head = 0 if a.tie_embeddings else a.vocab_size * a.dim // dims.tp * (1 if "output" in fp8 else e)
+    every = {"tok_embeddings": a.vocab_size * a.dim // dims.tp * e, "norm": a.dim * e, "output": head}
     if policy == "always":
         return 0
     if policy == "never":
-        return plan.param_dtype.itemsize * (tp_local_block * len(blocks) + sum(every.get(m, 0) for m in modules))
-    kept = tp_local_block * bool(blocks) + sum(every[m] for m in ("norm", "output") if m in modules)
-    return plan.param_dtype.itemsize * kept
+        return block * len(blocks) + sum(every.get(m, 0) for m in modules)
+    return block * bool(blocks) + sum(every[m] for m in ("norm", "output") if m in modules)
 
 
 def local_stages(plan: JobPlan, pp_rank: int) -> list[int]:
@@ -211,10 +249,34 @@ def _every_nth(plan: JobPlan) -> int | None:
     return int(ac.selective_ac_option) if ac.mode == "selective" and ac.selective_ac_option != "op" else None
 
 
+def _head_activations(plan: JobPlan) -> float:
+    """Bytes the head keeps per micro-batch to the loss: the final norm's output, what it keeps and
+    its gathered output, then the logits in the compute dtype (the step holds them until the loss
+    is computed) and their fp32 log-softmax; the fp32 upcast between them is freed."""
+    a, t, e = plan.model_args, plan.dims.tp, _compute_bytes(plan)
+    tokens = _microbatch_tokens(plan)
+    return tokens * (e * a.dim / t + norm_kept(plan) * a.dim / t + e * a.dim * (t - 1) / t) + tokens * a.vocab_size / t * (F32 + e)
+
+
+def _logits_grad(plan: JobPlan, modules: list[str]) -> float:
+    """The logits' gradient at the loss's backward: fp32, and (without loss parallel, below fp32)
+    its cast to the compute dtype beside it; under loss parallel only the fp32 one is live. A
+    float8 output projection adds its input's gradient, whole (gathered under sequence parallel),
+    in the compute dtype, and under loss parallel the gradient's two float8 casts (row- and
+    column-major, for the input- and weight-gradient matmuls): traced, to the byte."""
+    if "output" not in modules:
+        return 0
+    a, e, tokens = plan.model_args, _compute_bytes(plan), _microbatch_tokens(plan)
+    cast = e if e != F32 and not plan.loss_parallel else 0
+    grad = tokens * a.vocab_size / plan.dims.tp * (F32 + cast)
+    if "output" in float8_linears(float8_of(plan.config, plan.dims), a):
+        grad += tokens * a.dim * e + (2 * tokens * a.vocab_size / plan.dims.tp if plan.loss_parallel else 0)
+    return grad
+
+
 def _microbatch_activations(plan: JobPlan, modules: list[str]) -> float:
     """Bytes one micro-batch leaves in `modules` at the end of its forward: each block's share
     under the AC mode, the head's logits (last stage), the token ids and labels (first stage)."""
-    a, t, e = plan.model_args, plan.dims.tp, _compute_bytes(plan)
     blocks = sum(m.startswith("layers.") for m in modules)
     mode, every = plan.config.activation_checkpoint.mode, _every_nth(plan)
     if every:
@@ -222,12 +284,10 @@ def _microbatch_activations(plan: JobPlan, modules: list[str]) -> float:
         out = full * block_activations(plan, "full") + (blocks - full) * block_activations(plan, "none")
     else:
         out = blocks * block_activations(plan, mode)
-    tokens = _microbatch_tokens(plan)
-    if "output" in modules:  # final norm's output and kept bytes (+ its gathered output), then fp32 logits and log-softmax
-        out += (tokens * (e * a.dim / t + norm_kept(plan) * a.dim / t + e * a.dim * (t - 1) / t)
-                + tokens * a.vocab_size / t * (8 + (e if e != F32 else 0)))
+    if "output" in modules:
+        out += _head_activations(plan)
     if "tok_embeddings" in modules:
-        out += 2 * tokens * 8  # token ids and labels
+        out += 2 * _microbatch_tokens(plan) * 8  # token ids and labels
     return out
 
 

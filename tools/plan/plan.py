@@ -222,8 +222,8 @@ def search(args, gpu: GPU) -> tuple[list[Candidate], int, int, float | None]:
     untried, else None)."""
     a = get_model_spec(args.model).flavors[args.flavor]  # the vocab of the flavor's tokenizer, as a check-only plan's
     traced_model = args.model not in formulas.LLAMA_SHAPED
-    options = None if traced_model else step_time.float8_of(load_config(["--model.converters=float8"]), resolve_parallel_dims(1))
-    fp8 = step_time.float8_linears(options, a)
+    options = None if traced_model else formulas.float8_of(load_config(["--model.converters=float8"]), resolve_parallel_dims(1))
+    fp8 = formulas.float8_linears(options, a)
     counts = _parameter_counts(args) if traced_model else None
     tried = list(layouts(args, gpu))
     queue = [(lower_bound(layout, ac, args, gpu, a, fp8), i, layout, ac) for i, (layout, ac) in enumerate(tried)

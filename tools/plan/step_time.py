@@ -11,14 +11,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import torch
-
-from tessera.float8 import Float8Options
-from tessera.float8.convert import selected
-from tessera.trainer.float8_converter import SECTIONS, float8_options
 from tessera.trainer.plan import JobPlan
 
 import formulas
+from formulas import float8_linears, float8_of
 from gpus import GPU
 from schedules import SCHEDULES
 
@@ -95,22 +91,6 @@ class Work:
     @property
     def total(self) -> float:
         return self.forward + self.backward + self.weights + self.casts
-
-
-def float8_of(config, dims) -> Float8Options | None:
-    """The float8 converter's options as the trainer resolves them for this layout, or None."""
-    names = [n for n in config.model.converters if n in SECTIONS]
-    return float8_options(config, dims, names[0]) if names else None
-
-
-def float8_linears(options: Float8Options | None, a) -> frozenset[str]:
-    """Names within a block (and "output") of the linears the converter swaps: tessera.float8's
-    own rule, on the full (pre-TP) shapes."""
-    if options is None:
-        return frozenset()
-    shapes = {f"layers.0.{k}": (i, o) for k, (o, i, _) in formulas.block_linears(a).items()} | {"output": (a.dim, a.vocab_size)}
-    return frozenset(name.removeprefix("layers.0.") for name, (i, o) in shapes.items()
-                     if selected(name, torch.nn.Linear(i, o, bias=False, device="meta"), options))
 
 
 def compiled(config) -> bool:

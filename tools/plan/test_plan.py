@@ -49,12 +49,20 @@ def test_8b_on_8_gpus_is_fsdp_first():
     assert _search("--flavor", "8B", "--gpus", "8")[0].layout.key == (8, 1, 1, 1, 1)
 
 
-def test_70b_on_256_gpus_recipe_in_top_3():
+def test_70b_on_256_gpus_recipe_rank_is_stated(capsys):
     """torchtitan's 70B recipe, FSDP 32 x TP 8 (global batch 512, its own), over every TP degree:
-    in the top 3 once FSDP's whole gradients held between reductions count (accumulating and
-    pipelined TP 4 layouts no longer fit; README)."""
-    keys = [c.layout.key for c in _search("--flavor", "70B", "--gpus", "256", "--global_batch", "512")]
-    assert (32, 1, 8, 1, 1) in keys
+    8th, 18 % behind PP 2 x FSDP 16 x TP 8 (ZBV, selective AC). Its variant that was 2nd, selective
+    AC over 16 accumulating micro-batches, needs 74.2 GiB (whole trace and formula alike; the formula
+    said 71.2 before its full-size check) of the 72 allowed, so the recipe keeps
+    full AC or reduces every micro-batch, while a pipeline lets selective AC or none fit (README)."""
+    found = _search("--flavor", "70B", "--gpus", "256", "--global_batch", "512", "--top", "8")
+    keys = [c.layout.key for c in found]
+    rank = keys.index((32, 1, 8, 1, 1)) + 1
+    recipe = found[rank - 1]
+    print(f"70B FSDP 32 x TP 8: rank {rank}, {recipe.step_s / found[0].step_s - 1:+.1%} vs the best; AC {recipe.ac}, "
+          f"local {recipe.layout.local} x {recipe.plan.batch.accumulation}")
+    assert rank <= 8 and recipe.step_s < 1.2 * found[0].step_s
+    assert all(c.layout.pp > 1 for c in found[:3])
 
 
 def test_405b_on_512_gpus_recipe_rank_is_stated(capsys):
