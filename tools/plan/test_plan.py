@@ -49,19 +49,25 @@ def test_8b_on_8_gpus_is_fsdp_first():
     assert _search("--flavor", "8B", "--gpus", "8")[0].layout.key == (8, 1, 1, 1, 1)
 
 
+def _recipe_rank(name: str, key: tuple, *argv: str) -> tuple[list, int]:
+    """The planner's layouts for `argv` and the rank of the recipe's (`key`), printed with its variant."""
+    found = _search(*argv)
+    rank = [c.layout.key for c in found].index(key) + 1
+    recipe = found[rank - 1]
+    print(f"{name}: rank {rank}, {recipe.step_s / found[0].step_s - 1:+.1%} vs the best; AC {recipe.ac}, local "
+          f"{recipe.layout.local} x {recipe.plan.batch.accumulation}, schedule {recipe.layout.schedule} x {recipe.layout.stages_per_rank}")
+    return found, rank
+
+
 def test_70b_on_256_gpus_recipe_rank_is_stated(capsys):
     """torchtitan's 70B recipe, FSDP 32 x TP 8 (global batch 512, its own), over every TP degree:
     8th, 18 % behind PP 2 x FSDP 16 x TP 8 (ZBV, selective AC). Its variant that was 2nd, selective
     AC over 16 accumulating micro-batches, needs 74.2 GiB (whole trace and formula alike; the formula
-    said 71.2 before its full-size check) of the 72 allowed, so the recipe keeps
-    full AC or reduces every micro-batch, while a pipeline lets selective AC or none fit (README)."""
-    found = _search("--flavor", "70B", "--gpus", "256", "--global_batch", "512", "--top", "8")
-    keys = [c.layout.key for c in found]
-    rank = keys.index((32, 1, 8, 1, 1)) + 1
-    recipe = found[rank - 1]
-    print(f"70B FSDP 32 x TP 8: rank {rank}, {recipe.step_s / found[0].step_s - 1:+.1%} vs the best; AC {recipe.ac}, "
-          f"local {recipe.layout.local} x {recipe.plan.batch.accumulation}")
-    assert rank <= 8 and recipe.step_s < 1.2 * found[0].step_s
+    said 71.2 before its full-size check) of the 72 allowed, so the recipe keeps full AC or reduces
+    every micro-batch, while a pipeline lets selective AC or none fit (README)."""
+    found, rank = _recipe_rank("70B FSDP 32 x TP 8", (32, 1, 8, 1, 1), "--flavor", "70B", "--gpus", "256", "--global_batch", "512",
+                               "--top", "8")
+    assert rank <= 8 and found[rank - 1].step_s < 1.2 * found[0].step_s
     assert all(c.layout.pp > 1 for c in found[:3])
 
 
@@ -69,13 +75,9 @@ def test_405b_on_512_gpus_recipe_rank_is_stated(capsys):
     """torchtitan's 405B recipe, FSDP 8 x TP 8 x PP 8 (global batch 256, its own), over every TP
     degree: 4th, behind three FSDP x TP layouts without a pipeline, within 5.5 % of the best;
     README says why the model prefers no pipeline at 512 GPUs."""
-    found = _search("--flavor", "405B", "--gpus", "512", "--global_batch", "256", "--top", "4")
-    keys = [c.layout.key for c in found]
-    rank = keys.index((8, 1, 8, 8, 1)) + 1
-    recipe = found[rank - 1]
-    print(f"405B FSDP 8 x TP 8 x PP 8: rank {rank}, {recipe.step_s / found[0].step_s - 1:+.1%} vs the best; "
-          f"best schedule {recipe.layout.schedule} x {recipe.layout.stages_per_rank}")
-    assert rank <= 4 and recipe.step_s < 1.055 * found[0].step_s
+    found, rank = _recipe_rank("405B FSDP 8 x TP 8 x PP 8", (8, 1, 8, 8, 1), "--flavor", "405B", "--gpus", "512",
+                               "--global_batch", "256", "--top", "4")
+    assert rank <= 4 and found[rank - 1].step_s < 1.055 * found[0].step_s
     assert all(c.layout.pp == 1 for c in found[:rank - 1])
 
 
