@@ -104,26 +104,31 @@ def estimate_rank(plan: JobPlan, pp_rank: int = 0) -> FormulaEstimate:
     buffers = 8 * plan.batch.seq_len * a.head_dim // 2 * (len(local_stages(plan, pp_rank)))  # complex64 RoPE table per part
     blocks = sum(m.startswith("layers.") for m in modules)
     tp_local_block = sum(_local_elements(r, c, s, dims.tp, 1) for r, c, s in _block_params(a))
+    options = float8_of(plan.config, dims)
+    fp8 = float8_linears(options, a)
     # FSDP keeps the last block, the output and the final norm gathered from forward into backward
-    # ("default"; "never": every group, "always": none)
-    kept = _kept_gathered(plan, modules) if fsdp > 1 else 0
+    # ("default"; "never": every group, "always": none), float8 ones in float8 under its float8 all-gather
+    kept = _kept_gathered(plan, modules, fp8 if options and options.enable_fsdp_float8_all_gather else frozenset()) if fsdp > 1 else 0
     act = activations(plan, pp_rank) + kept
     grads = params
     if dims.tp > 1 and fsdp == 1 and "tok_embeddings" in modules:
-        grads += F32 * a.vocab_size // dims.tp * a.dim  # measured: the vocab-parallel embedding's gradient storage is twice its size
+        grads += F32 * _whole_embedding(plan)
     held = _held_grads(plan, shapes, grads, fsdp, "tok_embeddings" in modules)
     # backward: gradients take the place of the activations they free. Its tallest moments: the
-    # loss's (the logits' gradient beside every activation), and the last block's (the head's
-    # activations freed, the block's forward rebuilt, and under FSDP this block's and the prefetched
-    # one's gathered weights with this block's unsharded gradients, all in the param dtype); or the
-    # optimizer step (gradients, + foreach AdamW's parameter-sized temporaries; fused: in place)
+    # loss's (the logits' gradient beside every activation), and a block's near the top (the head's
+    # activations freed, the block's forward rebuilt, and where FSDP regathers: a per-block
+    # 3·e·P_b, fitted to whole traces of 405B (tools/estimate README: -8 % to +1 %) and read as
+    # this block's gathered weights, the next one's prefetched and this block's unsharded
+    # gradients, in the param dtype whatever the all-gather's; the kept last block is freed by
+    # then, and the last reduce-scatter's fp32 input overlaps them in an order this does not follow);
+    # or the optimizer step (gradients, + foreach AdamW's parameter-sized temporaries; fused: in place)
     last_block = _recompute_bytes(plan) + (3 * plan.param_dtype.itemsize * tp_local_block if _regathers(plan, fsdp) else 0)
     if "output" in modules:
         last_block -= _head_activations(plan)
     temporaries = params if plan.config.optimizer.implementation == "foreach" else 0
-    peak = params + optimizer + buffers + max(act + held + max(_logits_grad(plan, modules), last_block), grads + temporaries)
+    peak = params + optimizer + buffers + max(act + held + max(_logits_grad(plan, modules, fp8), last_block), grads + temporaries)
     return FormulaEstimate(params, grads, optimizer, buffers, act, peak, rank_flops(plan, pp_rank),
-                           comm_bytes(plan, elements, _kept_gathered(plan, modules, stored=False) if fsdp > 1 else 0, blocks, modules, pp_rank))
+                           comm_bytes(plan, elements, _kept_gathered(plan, modules, frozenset()) if fsdp > 1 else 0, blocks, modules, pp_rank))
 
 
 def rank_flops(plan: JobPlan, pp_rank: int) -> float:
@@ -140,15 +145,22 @@ def _held_grads(plan: JobPlan, shapes: list[tuple[int, int, int | None]], grads:
     each micro-batch reduces (`reductions`), they are the parameters' own (`grads`). Otherwise
     FSDP2 reduces once, after the last backward (tessera.trainer.step.gradient_sync; torch's
     pipeline stages likewise), holding each gradient whole (TP-local) in the reduce dtype until
-    then — the vocab-parallel embedding's whole across the tp ranks too (traced: torch's backward
-    of the vocab-sharded lookup returns the full vocabulary's gradient; 3.4 GiB more for 70B at TP 8)."""
+    then — the vocab-parallel embedding's whole vocabulary's (_whole_embedding; 3.4 GiB more for
+    70B at TP 8)."""
     if plan.pipeline is None and plan.batch.accumulation == 1:
         return 0
     if fsdp == 1 or reductions(plan) > 1:
         return grads
+    whole = _whole_embedding(plan) if embedding else 0
+    return plan.reduce_dtype.itemsize * (sum(_local_elements(r, c, s, plan.dims.tp, 1) for r, c, s in shapes) + whole)
+
+
+def _whole_embedding(plan: JobPlan) -> int:
+    """Elements the vocab-parallel embedding's gradient holds beyond its TP-local shard: torch's
+    backward of the vocab-sharded lookup returns the whole vocabulary's gradient (traced; the real
+    CPU runs agree at TP 2)."""
     a, tp = plan.model_args, plan.dims.tp
-    whole_embedding = a.vocab_size * a.dim - _local_elements(a.vocab_size, a.dim, 0, tp, 1) if embedding and tp > 1 else 0
-    return plan.reduce_dtype.itemsize * (sum(_local_elements(r, c, s, tp, 1) for r, c, s in shapes) + whole_embedding)
+    return a.vocab_size * a.dim - _local_elements(a.vocab_size, a.dim, 0, tp, 1) if tp > 1 else 0
 
 
 def state_floor(a, tp: int, fsdp: int, pp: int, held: bool) -> float:
@@ -161,19 +173,21 @@ def state_floor(a, tp: int, fsdp: int, pp: int, held: bool) -> float:
     return 3 * F32 * local / fsdp + (F32 * local if held else 0)
 
 
+def _reshard_policy(plan: JobPlan) -> str:
+    """FSDP's reshard-after-forward policy for the plan's modules (a pipeline's "default" is "never")."""
+    return plan.pipeline.reshard_after_forward if plan.pipeline else plan.config.parallelism.fsdp_reshard_after_forward
+
+
 def _regathers(plan: JobPlan, fsdp: int) -> bool:
-    """Whether FSDP gathers each block again for its backward (it resharded after forward): a
-    pipeline keeps its stages gathered, as does the "never" policy."""
-    return fsdp > 1 and plan.pipeline is None and plan.config.parallelism.fsdp_reshard_after_forward != "never"
+    """Whether FSDP gathers each block again for its backward (it resharded after forward)."""
+    return fsdp > 1 and _reshard_policy(plan) != "never"
 
 
-def _kept_gathered(plan: JobPlan, modules: list[str], stored: bool = True) -> int:
-    """Bytes of gathered weights FSDP keeps from forward into backward, in the param dtype; as
-    stored (`stored`): float8 for the converter's linears under FSDP's float8 all-gather."""
+def _kept_gathered(plan: JobPlan, modules: list[str], fp8: frozenset[str]) -> int:
+    """Bytes of gathered weights FSDP keeps from forward into backward: the param dtype's, one
+    byte for the `fp8` linears (those FSDP gathers in float8; the collective bytes pass none)."""
     a, dims, e = plan.model_args, plan.dims, plan.param_dtype.itemsize
-    policy = plan.pipeline.reshard_after_forward if plan.pipeline else plan.config.parallelism.fsdp_reshard_after_forward
-    options = float8_of(plan.config, dims)
-    fp8 = float8_linears(options, a) if stored and options and options.enable_fsdp_float8_all_gather else frozenset()
+    policy = _reshard_policy(plan)
     blocks = [m for m in modules if m.startswith("layers.")]
     block = sum(_local_elements(o, i, split, dims.tp, 1) * (1 if name in fp8 else e) for name, (o, i, split) in block_linears(a).items())
     block += 2 * a.dim * e  # the two norms
@@ -258,7 +272,7 @@ def _head_activations(plan: JobPlan) -> float:
     return tokens * (e * a.dim / t + norm_kept(plan) * a.dim / t + e * a.dim * (t - 1) / t) + tokens * a.vocab_size / t * (F32 + e)
 
 
-def _logits_grad(plan: JobPlan, modules: list[str]) -> float:
+def _logits_grad(plan: JobPlan, modules: list[str], fp8: frozenset[str]) -> float:
     """The logits' gradient at the loss's backward: fp32, and (without loss parallel, below fp32)
     its cast to the compute dtype beside it; under loss parallel only the fp32 one is live. A
     float8 output projection adds its input's gradient, whole (gathered under sequence parallel),
@@ -269,7 +283,7 @@ def _logits_grad(plan: JobPlan, modules: list[str]) -> float:
     a, e, tokens = plan.model_args, _compute_bytes(plan), _microbatch_tokens(plan)
     cast = e if e != F32 and not plan.loss_parallel else 0
     grad = tokens * a.vocab_size / plan.dims.tp * (F32 + cast)
-    if "output" in float8_linears(float8_of(plan.config, plan.dims), a):
+    if "output" in fp8:
         grad += tokens * a.dim * e + (2 * tokens * a.vocab_size / plan.dims.tp if plan.loss_parallel else 0)
     return grad
 

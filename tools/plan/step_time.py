@@ -14,7 +14,6 @@ import math
 from tessera.trainer.plan import JobPlan
 
 import formulas
-from formulas import float8_linears, float8_of
 from gpus import GPU
 from schedules import SCHEDULES
 
@@ -154,7 +153,7 @@ def rank_work(plan: JobPlan, pp_rank: int, gpu: GPU, efficiency: float) -> Work:
     return work(plan.model_args, batch.seq_len, batch.local * batch.seq_len * batch.accumulation, micro * batch.accumulation,
                 blocks, "output" in modules, plan.dims.tp, plan.dims.cp,
                 recompute_share(plan.config.activation_checkpoint, blocks),
-                float8_linears(float8_of(plan.config, plan.dims), plan.model_args),
+                formulas.float8_linears(formulas.float8_of(plan.config, plan.dims), plan.model_args),
                 str(plan.param_dtype).removeprefix("torch."), gpu, run_efficiency(efficiency, compiled(plan.config)))
 
 
@@ -212,8 +211,8 @@ def step_time(plan: JobPlan, gpu: GPU, efficiency: float, estimates: list | None
 def _rank_step(plan: JobPlan, pp_rank: int, est, gpu: GPU, efficiency: float) -> dict[str, float]:
     dims, batch = plan.dims, plan.batch
     w = rank_work(plan, pp_rank, gpu, efficiency)
-    options = float8_of(plan.config, plan.dims)
-    fp8 = float8_linears(options, plan.model_args)
+    options = formulas.float8_of(plan.config, plan.dims)
+    fp8 = formulas.float8_linears(options, plan.model_args)
     a, e, micro = plan.model_args, plan.param_dtype.itemsize, plan.pipeline.microbatches if plan.pipeline else 1
     rows = batch.local * batch.seq_len // micro // dims.cp  # a micro-batch's tokens on the rank (gathered)
     one = rows * a.dim * e  # their hidden states
