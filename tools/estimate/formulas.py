@@ -55,6 +55,11 @@ def float8_linears(options: Float8Options | None, a) -> frozenset[str]:
                      if selected(name, torch.nn.Linear(i, o, bias=False, device="meta"), options))
 
 
+def fsdp_float8(options: Float8Options | None, fp8: frozenset[str]) -> frozenset[str]:
+    """Of the float8 linears `fp8`, those FSDP gathers in float8 (float8.enable_fsdp_float8_all_gather)."""
+    return fp8 if options and options.enable_fsdp_float8_all_gather else frozenset()
+
+
 def _module_params(a, name: str) -> list[tuple[int, int, int | None]]:
     if name.startswith("layers."):
         return _block_params(a)
@@ -108,7 +113,7 @@ def estimate_rank(plan: JobPlan, pp_rank: int = 0) -> FormulaEstimate:
     fp8 = float8_linears(options, a)
     # FSDP keeps the last block, the output and the final norm gathered from forward into backward
     # ("default"; "never": every group, "always": none), float8 ones in float8 under its float8 all-gather
-    kept = _kept_gathered(plan, modules, fp8 if options and options.enable_fsdp_float8_all_gather else frozenset()) if fsdp > 1 else 0
+    kept = _kept_gathered(plan, modules, fsdp_float8(options, fp8)) if fsdp > 1 else 0
     act = activations(plan, pp_rank) + kept
     grads = params
     if dims.tp > 1 and fsdp == 1 and "tok_embeddings" in modules:
@@ -173,21 +178,16 @@ def state_floor(a, tp: int, fsdp: int, pp: int, held: bool) -> float:
     return 3 * F32 * local / fsdp + (F32 * local if held else 0)
 
 
-def _reshard_policy(plan: JobPlan) -> str:
-    """FSDP's reshard-after-forward policy for the plan's modules (a pipeline's "default" is "never")."""
-    return plan.pipeline.reshard_after_forward if plan.pipeline else plan.config.parallelism.fsdp_reshard_after_forward
-
-
 def _regathers(plan: JobPlan, fsdp: int) -> bool:
     """Whether FSDP gathers each block again for its backward (it resharded after forward)."""
-    return fsdp > 1 and _reshard_policy(plan) != "never"
+    return fsdp > 1 and plan.fsdp_reshard_after_forward != "never"
 
 
 def _kept_gathered(plan: JobPlan, modules: list[str], fp8: frozenset[str]) -> int:
     """Bytes of gathered weights FSDP keeps from forward into backward: the param dtype's, one
     byte for the `fp8` linears (those FSDP gathers in float8; the collective bytes pass none)."""
     a, dims, e = plan.model_args, plan.dims, plan.param_dtype.itemsize
-    policy = _reshard_policy(plan)
+    policy = plan.fsdp_reshard_after_forward
     blocks = [m for m in modules if m.startswith("layers.")]
     block = sum(_local_elements(o, i, split, dims.tp, 1) * (1 if name in fp8 else e) for name, (o, i, split) in block_linears(a).items())
     block += 2 * a.dim * e  # the two norms

@@ -228,7 +228,7 @@ def _rank_step(plan: JobPlan, pp_rank: int, est, gpu: GPU, efficiency: float) ->
     # CP's K and V gathers (dK, dV reduce-scatters), each a whole sequence's: synchronous with attention, exposed
     lat, bw = ring_seconds(kv, dims.cp, group_nodes(dims.cp, dims.tp, gpu), gpu)
     out["cp"] = sum(est.comm.get((kind, "cp"), 0) for kind in ("all_gather", "reduce_scatter")) / kv * (lat + bw)
-    out["fsdp"] = _fsdp_exposed(plan, pp_rank, est, w, fp8 if options and options.enable_fsdp_float8_all_gather else frozenset(), gpu)
+    out["fsdp"] = _fsdp_exposed(plan, pp_rank, est, w, formulas.fsdp_float8(options, fp8), gpu)
     out["pp"] = _pipeline_exposed(plan, one / dims.tp, gpu)
     out["total"] = sum(out.values())
     return out

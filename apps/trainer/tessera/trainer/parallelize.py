@@ -85,7 +85,7 @@ def parallelize(model: nn.Module, plan: JobPlan, meshes: Meshes | None) -> nn.Mo
     if dims.fsdp_enabled:
         fsdp.apply_fsdp(
             model, meshes.fsdp, param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype,
-            reshard_after_forward=plan.pipeline.reshard_after_forward if plan.pipeline else config.parallelism.fsdp_reshard_after_forward,
+            reshard_after_forward=plan.fsdp_reshard_after_forward,
             cpu_offload=config.training.enable_cpu_offload,
             own_meshes=[(module, meshes.expert_fsdp, _expert_placement(module, meshes)) for module in experts],
         )

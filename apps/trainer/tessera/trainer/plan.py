@@ -87,6 +87,12 @@ class JobPlan:
     notes: tuple[str, ...] = ()  # what a check-only plan could not verify on this host
 
     @property
+    def fsdp_reshard_after_forward(self) -> str:
+        """FSDP's reshard-after-forward policy for the model's parts: the pipeline's (whose "default"
+        keeps stages gathered) or the config's."""
+        return self.pipeline.reshard_after_forward if self.pipeline else self.config.parallelism.fsdp_reshard_after_forward
+
+    @property
     def post_optimizer_hooks(self) -> tuple:
         return tuple(hook for converter in self.converters for hook in converter.post_optimizer_hooks)
 
