@@ -82,7 +82,7 @@ def ring_kernel_job(argv: list[str], world_size: int) -> dict:
     ours = [t.to(device, dtype).requires_grad_() for t in (q, k, v)]
     want = torch.nn.functional.scaled_dot_product_attention(
         ref[0], ref[1].repeat_interleave(2, 1), ref[2].repeat_interleave(2, 1), is_causal=True)
-    got = RingAttention(dist.group.WORLD, "alltoall")(*ours)
+    got = RingAttention(dist.group.WORLD, "alltoall").attend(*ours)
     grad = torch.randn(want.shape, generator=g)
     want.backward(grad.double())
     got.backward(grad.to(device, dtype))

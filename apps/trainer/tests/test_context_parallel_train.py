@@ -10,7 +10,7 @@ from final_params import assert_params_close, final_params
 
 from tessera.mesh.testing import run_on_ranks
 from tessera.trainer.config import ConfigError, load_config
-from tessera.trainer.plan import cp_gathers_kv, make_plan
+from tessera.trainer.plan import make_plan
 from tessera.trainer.train import train
 
 TOL = 1e-5
@@ -118,10 +118,16 @@ def test_the_kernel_follows_the_masks_and_the_device():
     """torch's ring on the flash kernel wherever it runs; all-gather-KV for document masks and for
     fp32 attention on CUDA, which the flash kernels do not take (alltoall there: one line)."""
     bf16 = ["--training.mixed_precision_param", "bfloat16"]
-    assert not cp_gathers_kv(load_config([*BASE, *CP2]), "cpu")
-    assert not cp_gathers_kv(load_config([*BASE, *CP2, *bf16]), "cuda")
-    assert cp_gathers_kv(load_config([*BASE, *CP2]), "cuda")
-    assert cp_gathers_kv(load_config([*BASE, *CP2, "--model.attn_mask_type", "block_causal"]), "cpu")
+
+    def exchange(flags, device):
+        return make_plan(load_config([*BASE, *CP2, *flags]), 2, device, check_only=True).attention.cp_exchange
+
+    assert exchange([], "cpu") == "ring"
+    assert exchange(bf16, "cuda") == "ring"
+    assert exchange([], "cuda") == "gather"
+    assert exchange(["--model.attn_mask_type", "block_causal"], "cpu") == "gather"
+    plan = make_plan(load_config([*BASE, *CP2, "--model.attn_mask_type", "block_causal"]), 2, "cpu")
+    assert plan.attention.describe() == "causal + document -> blocked | context parallel: all-gather-KV"
     with pytest.raises(ConfigError, match="on CUDA no fp32"):
         make_plan(load_config([*BASE, *CP2, *RING]), 2, "cuda")
     make_plan(load_config([*BASE, *CP2, *RING, *bf16]), 2, "cuda")

@@ -1,7 +1,10 @@
 """The trainer's extension points, used from outside as another team would, with no edit to
-apps/trainer: a model family registered from this file (not from tessera.models) trains single
-process, under FSDP 2 and under TP 2 with the same losses; a model converter registered here runs
-before tensor parallel wraps the model and its post-optimizer hook runs after every step."""
+apps/trainer: a model family registered from this file (not from tessera.models), whose layers
+alternate sliding-window attention with attention sinks and global causal attention (tessera's
+InnerAttention, the attention kinds declared in its spec), trains single process, under FSDP 2,
+TP 2 (sinks split with the heads) and CP 2 (all-gather-KV, the window applied to the whole
+sequence) with the same losses; a model converter registered here runs before tensor parallel
+wraps the model and its post-optimizer hook runs after every step."""
 
 import dataclasses
 import math
@@ -12,9 +15,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.mesh.testing import run_on_ranks
-from tessera.models import ModelSpec, register_model_spec
+from tessera.models import CAUSAL, AttentionMask, InnerAttention, ModelSpec, register_model_spec
+from tessera.models.attention import attention_batch
 from tessera.trainer.config import load_config
 from tessera.trainer.converters import ModelConverter, register_converter
+from tessera.trainer.plan import make_plan
 from tessera.trainer.train import train
 
 
@@ -27,19 +32,29 @@ class ParallelGPTArgs:
     max_seq_len: int = 64
 
 
-class SelfAttention(nn.Module):
-    """Causal multi-head attention without position encoding (NoPE): causality alone orders tokens."""
+WINDOW = AttentionMask(window=8)  # shorter than seq_len 32: the window changes what a query sees
 
-    def __init__(self, args: ParallelGPTArgs):
+
+def _layer_attention(layer_id: int) -> tuple[AttentionMask, bool]:
+    """Even layers: a sliding window with attention sinks; odd layers: global causal."""
+    return (WINDOW, True) if layer_id % 2 == 0 else (CAUSAL, False)
+
+
+class SelfAttention(nn.Module):
+    """Multi-head attention without position encoding (NoPE): causality alone orders tokens."""
+
+    def __init__(self, args: ParallelGPTArgs, layer_id: int):
         super().__init__()
         self.head_dim = args.dim // args.n_heads
         self.qkv_q, self.qkv_k, self.qkv_v = (nn.Linear(args.dim, args.dim, bias=False) for _ in range(3))
         self.proj = nn.Linear(args.dim, args.dim, bias=False)
+        mask, sinks = _layer_attention(layer_id)
+        self.inner_attention = InnerAttention(mask, sinks=args.n_heads if sinks else None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attention=None) -> torch.Tensor:
         bs, seq, _ = x.shape
         q, k, v = (lin(x).view(bs, seq, -1, self.head_dim).transpose(1, 2) for lin in (self.qkv_q, self.qkv_k, self.qkv_v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = self.inner_attention(q, k, v, attention)
         return self.proj(out.transpose(1, 2).reshape(bs, seq, -1))
 
 
@@ -56,22 +71,22 @@ class MLP(nn.Module):
 class ParallelBlock(nn.Module):
     """GPT-J's parallel block: attention and MLP read the same normed input, x + attn(n) + mlp(n)."""
 
-    def __init__(self, args: ParallelGPTArgs):
+    def __init__(self, args: ParallelGPTArgs, layer_id: int):
         super().__init__()
         self.ln = nn.LayerNorm(args.dim, bias=False)
-        self.attn = SelfAttention(args)
+        self.attn = SelfAttention(args, layer_id)
         self.mlp = MLP(args)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, attention=None) -> torch.Tensor:
         n = self.ln(x)
-        return x + self.attn(n) + self.mlp(n)
+        return x + self.attn(n, attention=attention) + self.mlp(n)
 
 
 class ParallelGPT(nn.Module):
     def __init__(self, args: ParallelGPTArgs):
         super().__init__()
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): ParallelBlock(args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): ParallelBlock(args, i) for i in range(args.n_layers)})
         self.norm = nn.LayerNorm(args.dim, bias=False)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.init_weights()
@@ -82,11 +97,15 @@ class ParallelGPT(nn.Module):
                 nn.init.normal_(module.weight, std=0.02)
             elif isinstance(module, nn.LayerNorm):
                 module.reset_parameters()
+            elif isinstance(module, InnerAttention) and module.sinks is not None:
+                nn.init.normal_(module.sinks)  # uneven sinks, so they matter from the first step
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """positions: given under context parallel (this rank's tokens); NoPE does not read them."""
         h = self.tok_embeddings(tokens)
+        attention = attention_batch(self.layers, None, tokens.shape[1], h.device)
         for layer in self.layers.values():
-            h = layer(h)
+            h = layer(h, attention=attention)
         return self.output(self.norm(h))
 
 
@@ -108,6 +127,7 @@ register_model_spec(ModelSpec(
         "layers.*.attn.qkv_k": "colwise",
         "layers.*.attn.qkv_v": "colwise",
         "layers.*.attn.proj": "rowwise",
+        "layers.*.attn.inner_attention": "per_head",
         "layers.*.mlp": "block_input",
         "layers.*.mlp.fc_in": "colwise",
         "layers.*.mlp.fc_out": "rowwise",
@@ -115,6 +135,7 @@ register_model_spec(ModelSpec(
         "output": "vocab_output",
     },
     tp_divisible=lambda args: {"n_heads": args.n_heads, "vocab_size": args.vocab_size, "mlp": 4 * args.dim},
+    attention_kinds=lambda args: tuple(dict.fromkeys(_layer_attention(i) for i in range(args.n_layers))),
 ))
 
 
@@ -148,6 +169,7 @@ BASE = ["--model.name", "parallel_gpt", "--model.flavor", "tiny", "--training.se
 LAYOUTS = {
     "fsdp2": ["--parallelism.data_parallel_shard_degree", "2"],
     "tp2": ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
+    "cp2": ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
 }
 
 
@@ -168,6 +190,8 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_family_registered_outside_trains_under_every_layout(tmp_path, reference, layout):
     local_batch = 2 if layout == "fsdp2" else 4
+    plan = make_plan(load_config([*BASE, *LAYOUTS[layout], "--training.local_batch_size", str(local_batch)]), 2, "cpu")
+    assert plan.attention.describe().startswith("causal + window 8 + sinks -> blocked; causal -> ")
     argv = [*BASE, *LAYOUTS[layout], "--training.local_batch_size", str(local_batch), "--job.dump_folder", str(tmp_path)]
     for rank_losses in run_on_ranks(_rank, 2, argv):
         for (loss, norm), (ref_loss, ref_norm) in zip(rank_losses, reference):
@@ -197,3 +221,10 @@ def test_converter_runs_before_tensor_parallel_and_hooks_after_each_step(tmp_pat
     for (loss, _), (ref_loss, _) in zip(result["losses"], reference):
         assert loss == pytest.approx(ref_loss, rel=1e-5)
     assert math.isfinite(result["losses"][-1][0])
+
+
+def test_the_familys_attention_kinds_and_sink_names():
+    model = ParallelGPT(ParallelGPTArgs())
+    assert [name for name in model.state_dict() if "sinks" in name] == ["layers.0.attn.inner_attention.sinks"]
+    declared = {(inner.mask, inner.sinks is not None) for inner in (layer.attn.inner_attention for layer in model.layers.values())}
+    assert declared == {(WINDOW, True), (CAUSAL, False)}

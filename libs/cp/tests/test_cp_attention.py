@@ -1,14 +1,14 @@
 """Context-parallel attention against full-sequence SDPA in one process: outputs and dQ/dK/dV of
 every rank's tokens equal to fp32 rounding, for cp 2 and 4, with and without load balancing,
 with grouped-query K/V (half as many heads as Q: only those travel) — for the all-gather-KV
-kernel and for torch's ring with either rotation."""
+exchange (every mask: documents, windows, chunks, sinks) and for torch's ring with either rotation."""
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tessera.cp import AllGatherKVAttention, RingAttention, check_seq_len, local_positions
+from tessera.cp import KVGather, RingAttention, check_seq_len, local_positions
 from tessera.mesh.testing import run_on_ranks
 
 B, H, T, D = 2, 4, 16, 8
@@ -28,8 +28,17 @@ def _reference():
     return out.detach(), q.grad, k.grad, v.grad
 
 
-KERNELS = {"allgather_kv": AllGatherKVAttention, "ring_alltoall": lambda group, balance: RingAttention(group, "alltoall", balance),
-           "ring_allgather": lambda group, balance: RingAttention(group, "allgather", balance)}
+def _gathered(group, load_balance, mask=None):
+    """A model's inner attention with the all-gather-KV exchange (what apply_cp sets)."""
+    from tessera.models import AttentionMask, InnerAttention
+
+    inner = InnerAttention(mask or AttentionMask())
+    inner.context_parallel = KVGather(group, load_balance)
+    return inner
+
+
+KERNELS = {"allgather_kv": _gathered, "ring_alltoall": lambda group, balance: RingAttention(group, "alltoall", balance).attend,
+           "ring_allgather": lambda group, balance: RingAttention(group, "allgather", balance).attend}
 
 
 def _cp_rank(rank, world_size, load_balance, kernel):
@@ -119,29 +128,70 @@ def _documents():
     return ids
 
 
-def _reference_block_causal():
-    from tessera.models.attention import CausalSDPA
+MASKS = {"document": (None, True), "window": ({"window": 5}, False), "chunk+document": ({"chunk": 4}, True),
+         "window+sinks": ({"window": 3}, False)}
+
+
+def _masked(name, group=None, load_balance=True):
+    """The model's inner attention with one of MASKS (sinks: fixed, uneven logits), alone or
+    with the all-gather-KV exchange."""
+    from tessera.models import AttentionMask, InnerAttention
+
+    limits, _ = MASKS[name]
+    inner = InnerAttention(AttentionMask(**(limits or {})), sinks=H if "sinks" in name else None)
+    if inner.sinks is not None:
+        with torch.no_grad():
+            inner.sinks.copy_(torch.tensor([0.5, -1.0, 2.0, 0.0]))
+    if group is not None:
+        inner.context_parallel = KVGather(group, load_balance)
+    return inner
+
+
+def _reference_masked(name):
+    from tessera.models import AttentionBatch
 
     q, k, v = (t.clone().requires_grad_() for t in _inputs())
-    out = CausalSDPA()(q, k, v, document_ids=_documents())
+    inner = _masked(name)
+    out = inner(q, k, v, AttentionBatch(_documents() if MASKS[name][1] else None))
     out.backward(torch.ones_like(out))
-    return out.detach(), q.grad, k.grad, v.grad
+    return out.detach(), q.grad, k.grad, v.grad, *([inner.sinks.grad] if inner.sinks is not None else [])
 
 
-def _cp_rank_documents(rank, world_size):
-    positions = local_positions(T, world_size, rank)
+def _cp_rank_masked(rank, world_size, name, load_balance):
+    from tessera.models import AttentionBatch
+
+    positions = local_positions(T, world_size, rank, load_balance)
     q, k, v = (t.index_select(2, positions).clone().requires_grad_() for t in _inputs())
-    out = AllGatherKVAttention(dist.group.WORLD)(q, k, v, document_ids=_documents().index_select(1, positions))
+    inner = _masked(name, dist.group.WORLD, load_balance)
+    documents = _documents().index_select(1, positions) if MASKS[name][1] else None
+    out = inner(q, k, v, AttentionBatch(documents))
     out.backward(torch.ones_like(out))
-    return positions, out.detach(), q.grad, k.grad, v.grad
+    sinks = [inner.sinks.grad.clone()] if inner.sinks is not None else []
+    for grad in sinks:  # a parameter's gradient is summed over the cp ranks, as FSDP's reduction does
+        dist.all_reduce(grad)
+    return positions, out.detach(), q.grad, k.grad, v.grad, *sinks
 
 
-def test_block_causal_masks_match_full_sequence_and_stay_in_each_document():
-    ref = _reference_block_causal()
+@pytest.mark.parametrize("load_balance", [True, False])
+@pytest.mark.parametrize("name", sorted(MASKS))
+def test_every_mask_matches_full_sequence_attention_under_cp(name, load_balance):
+    """The all-gather-KV exchange with the layer's own kernel: documents, windows, chunks and
+    sinks give every rank's queries the whole sequence's outputs and gradients."""
+    ref = _reference_masked(name)
     plain = _reference()
-    assert not torch.allclose(ref[0], plain[0])  # the documents' boundaries change the result
-    # a query in the first document sees the same keys with or without document masking
-    torch.testing.assert_close(ref[0][:, :, :3], plain[0][:, :, :3])
-    for positions, *got in run_on_ranks(_cp_rank_documents, 2):
-        for name, value, full in zip(("out", "dq", "dk", "dv"), got, ref):
-            torch.testing.assert_close(value, full.index_select(2, positions), rtol=1e-5, atol=1e-6, msg=name)
+    assert not torch.allclose(ref[0], plain[0])  # the mask changes the result
+    for positions, *got in run_on_ranks(_cp_rank_masked, 2, name, load_balance):
+        for what, value, full in zip(("out", "dq", "dk", "dv"), got, ref):
+            torch.testing.assert_close(value, full.index_select(2, positions), rtol=1e-5, atol=1e-6, msg=what)
+        if len(got) > 4:
+            torch.testing.assert_close(got[4], ref[4], rtol=1e-5, atol=1e-6, msg="d sinks")
+
+
+def test_the_ring_refuses_a_mask_it_cannot_apply():
+    from tessera.models import AttentionMask, InnerAttention
+
+    inner = InnerAttention(AttentionMask(window=4))
+    inner.context_parallel = RingAttention.__new__(RingAttention)  # no group needed to refuse
+    q, k, v = _inputs()
+    with pytest.raises(ValueError, match="ring runs plain causal attention only, not causal \\+ window 4"):
+        inner(q, k, v)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.models.attention import CPU_FP32_MAX_SEQ_TIMES_HEAD_DIM, CausalSDPA
+from tessera.models.attention import CPU_FP32_MAX_SEQ_TIMES_HEAD_DIM, InnerAttention
 from tessera.models.rms_norm import RMSNorm
 
 
@@ -56,7 +56,7 @@ def _qkv(batch, heads, seq, head_dim, dtype):
 def test_short_low_precision_attention_runs_in_fp32(autocast):
     q, k, v = _qkv(2, 4, 64, 16, torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        out = CausalSDPA()(q, k, v)
+        out = InnerAttention()(q, k, v)
     expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True).to(torch.bfloat16)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
@@ -69,15 +69,5 @@ def test_short_low_precision_attention_runs_in_fp32(autocast):
 def test_long_low_precision_attention_keeps_its_dtype():
     seq = 2 * CPU_FP32_MAX_SEQ_TIMES_HEAD_DIM // 16
     q, k, v = _qkv(1, 1, seq, 16, torch.bfloat16)
-    out = CausalSDPA()(q, k, v)
+    out = InnerAttention()(q, k, v)
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True), rtol=0, atol=0)
-
-
-def test_document_masked_attention_in_fp32_matches_the_masked_kernel():
-    q, k, v = _qkv(2, 2, 32, 16, torch.bfloat16)
-    documents = torch.tensor([[0] * 10 + [1] * 22, [0] * 32])
-    out = CausalSDPA()(q, k, v, document_ids=documents)
-    same = documents[:, :, None] == documents[:, None, :]
-    mask = (same & torch.ones(32, 32, dtype=torch.bool).tril())[:, None]
-    expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask).to(torch.bfloat16)
-    torch.testing.assert_close(out, expected, rtol=0, atol=0)

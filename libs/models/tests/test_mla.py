@@ -84,7 +84,7 @@ def test_inner_attention_sees_qk_and_v_widths():
     attn, seen = Attention(ARGS), {}
 
     class Record(torch.nn.Module):
-        def forward(self, q, k, v):
+        def forward(self, q, k, v, batch=None):
             seen.update(q=q.shape, k=k.shape, v=v.shape)
             return torch.zeros(*q.shape[:3], v.shape[-1])
 

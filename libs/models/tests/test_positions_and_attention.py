@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.models import CausalSDPA
+from tessera.models import InnerAttention
 from tessera.models.attention import repeat_kv_heads
 from tessera.models.llama import ModelArgs, RopeScaling, Transformer, apply_rotary_emb, precompute_freqs_cis
 
@@ -43,9 +43,9 @@ class Recorder(nn.Module):
         super().__init__()
         self.calls = []
 
-    def forward(self, q, k, v):
+    def forward(self, q, k, v, batch=None):
         self.calls.append((q, k, v))
-        return CausalSDPA()(q, k, v)
+        return InnerAttention()(q, k, v, batch)
 
 
 class PrefixAttention(nn.Module):
@@ -56,10 +56,10 @@ class PrefixAttention(nn.Module):
         super().__init__()
         self.prefix = None
 
-    def forward(self, q, k, v):
+    def forward(self, q, k, v, batch=None):
         if self.prefix is None:
             self.prefix = (k, v)
-            return CausalSDPA()(q, k, v)
+            return InnerAttention()(q, k, v)
         (k_prefix, v_prefix), n_prefix, n_chunk = self.prefix, self.prefix[0].shape[2], q.shape[2]
         visible = torch.ones(n_chunk, n_prefix + n_chunk, dtype=torch.bool).tril(diagonal=n_prefix)
         k, v = (repeat_kv_heads(torch.cat(pair, dim=2), q.shape[1]) for pair in ((k_prefix, k), (v_prefix, v)))
@@ -78,7 +78,7 @@ def test_inner_attention_is_a_swappable_submodule_called_with_bhsd_layout():
     model = tiny_model()
     tokens = torch.randint(0, TINY.vocab_size, (3, 10))
     expected = model(tokens)
-    assert isinstance(model.layers["0"].attention.inner_attention, CausalSDPA)
+    assert isinstance(model.layers["0"].attention.inner_attention, InnerAttention)
     recorders = {}
     for name, block in model.layers.items():
         block.attention.inner_attention = recorders[name] = Recorder()

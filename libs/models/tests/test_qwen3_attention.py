@@ -53,7 +53,7 @@ def test_qk_norm_normalises_each_head():
     attn, seen = Attention(ARGS), {}
 
     class Record(torch.nn.Module):
-        def forward(self, q, k, v):
+        def forward(self, q, k, v, batch=None):
             seen.update(q=q, k=k)
             return q
 

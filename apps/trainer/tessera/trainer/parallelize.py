@@ -26,8 +26,8 @@ from torch.distributed.tensor import Shard
 from tessera import cp, ep, fsdp, pp, tp
 from tessera.fsdp import MIXED_PRECISION_DTYPES
 from tessera.mesh import Meshes
-from tessera.models import apply_activation_checkpointing, apply_compile
-from tessera.trainer.plan import JobPlan, cp_gathers_kv
+from tessera.models import apply_activation_checkpointing, apply_compile, inner_attentions
+from tessera.trainer.plan import JobPlan
 from tessera.trainer.step import LossFn
 
 
@@ -60,10 +60,12 @@ def parallelize(model: nn.Module, plan: JobPlan, meshes: Meshes | None) -> nn.Mo
             model, meshes.tp, plan.spec.tp_plan, sequence_parallel=True, loss_parallel=plan.loss_parallel,
             styles=plan.tp_styles, missing_ok=True,
         )
+    for inner in inner_attentions(model):  # the planned kernel of each layer's mask
+        inner.kernel = plan.attention.kernel(inner.mask, inner.sinks is not None)
     if dims.cp_enabled and len(model.layers):  # each attention: this rank's queries, every rank's keys
         cp.apply_cp(model, meshes.cp.get_group(), load_balance=config.parallelism.context_parallel_load_balancer is not None,
                     rotate_method=config.parallelism.context_parallel_rotate_method,
-                    gathered_kernel=cp_gathers_kv(config, plan.device))
+                    gathered_kernel=plan.attention.cp_exchange == "gather")
     experts = ep.find_experts(model) if dims.ep_enabled and _has_experts(model) else []
     # each rank its share of every layer's experts; FSDP then shards them over the ranks beside ep
     # (expert_tensor_parallel_degree 1: the ep group holds the tp ranks, each sending its share of the tokens)

@@ -20,7 +20,7 @@ from tessera import cp, ep, pp, tp
 from tessera.data import load_tokenizer, parse_mixture
 from tessera.fsdp import MIXED_PRECISION_DTYPES
 from tessera.mesh import MeshLayout, ParallelDims, device_type, mesh_layout, resolve_parallel_dims
-from tessera.models import ModelSpec, get_model_spec
+from tessera.models import AttentionMask, ModelSpec, choose_kernel, get_model_spec
 from tessera.trainer.config import ConfigError, JobConfig, user_directory, user_input
 from tessera.trainer.converters import ModelConverter, build_converters
 from tessera.trainer.hf_assets import check_hf_weights, flavor_args, initial_load_folder
@@ -65,6 +65,30 @@ class PipelinePlan:
 
 
 @dataclasses.dataclass(frozen=True)
+class AttentionPlan:
+    """The kernel of each kind of layer attention the model declares (``ModelSpec.attention_kinds``)
+    and how context parallel reaches the other ranks' keys."""
+
+    documents: bool  # block-causal: attention stays within each packed document
+    kernels: tuple[tuple[AttentionMask, bool, str], ...]  # (mask, has sinks, tessera.models kernel)
+    cp_exchange: str | None  # "ring" (torch's, plain causal), "gather" (all-gather-KV, any mask), None: no CP
+
+    def kernel(self, mask: AttentionMask, sinks: bool) -> str:
+        for known, has_sinks, kernel in self.kernels:
+            if (known, has_sinks) == (mask, sinks):
+                return kernel
+        raise ValueError(f"a layer's attention ({mask.describe()}{', sinks' if sinks else ''}) is not among the "
+                         f"model spec's attention_kinds {[(m.describe(), s) for m, s, _ in self.kernels]}")
+
+    def describe(self) -> str:
+        kinds = "; ".join(f"{mask.describe(self.documents)}{' + sinks' if sinks else ''} -> {kernel}"
+                          for mask, sinks, kernel in self.kernels)
+        exchange = {None: "", "ring": " | context parallel: torch's ring",
+                    "gather": " | context parallel: all-gather-KV"}[self.cp_exchange]
+        return kinds + exchange
+
+
+@dataclasses.dataclass(frozen=True)
 class JobPlan:
     config: JobConfig
     world_size: int
@@ -81,6 +105,7 @@ class JobPlan:
     converters: tuple[ModelConverter, ...]
     pipeline: PipelinePlan | None  # None: no pipeline parallelism
     tp_styles: Mapping[str, tp.StyleFactory]  # tessera.tp's role styles, with the converters' overrides
+    attention: AttentionPlan
     flops_per_token: float
     dataset: str | None  # None: the embedded corpus
     validation_dataset: str | None
@@ -161,7 +186,8 @@ def make_plan(config: JobConfig, world_size: int, device: str | None = None, *, 
     styles = tp.styles_with({"moe": moe, **{role: f for c in converters for role, f in c.tp_styles.items()}})
     _check_tensor_parallel(config, spec, args, dims, styles)
     _check_expert_parallel(config, spec, args, dims)
-    _check_layout(config, dims, device)
+    attention = _attention(config, spec, args, dims, device)
+    _check_layout(config, dims, device, attention)
     _check_checkpoint(config, spec, world_size)
     _check_paths(config, notes if check_only else None)
     check_hf_weights(config, spec, args)
@@ -174,7 +200,8 @@ def make_plan(config: JobConfig, world_size: int, device: str | None = None, *, 
         reduce_dtype=MIXED_PRECISION_DTYPES[training.mixed_precision_reduce],
         autocast=param_dtype != torch.float32 and not dims.fsdp_enabled,
         loss_parallel=dims.tp_enabled and not par.disable_loss_parallel,
-        converters=converters, pipeline=_pipeline(config, spec, args, dims), tp_styles=styles, flops_per_token=_flops_per_token(config, spec, args),
+        converters=converters, pipeline=_pipeline(config, spec, args, dims), tp_styles=styles, attention=attention,
+        flops_per_token=_flops_per_token(config, spec, args),
         dataset=dataset, validation_dataset=validation, notes=tuple(notes),
     )
 
@@ -359,14 +386,24 @@ def _check_expert_parallel(config: JobConfig, spec: ModelSpec, args, dims: Paral
         ep.check_ep_degree(experts, dims.ep)
 
 
-def cp_gathers_kv(config: JobConfig, device: str) -> bool:
-    """Whether context parallel needs tessera.cp's all-gather-KV kernel rather than torch's ring on
-    the flash kernel: for document masks, and for fp32 attention on CUDA (no fp32 flash there)."""
-    fp32_attention = config.training.mixed_precision_param == "float32" and config.training.dtype == "float32"
-    return config.model.attn_mask_type == "block_causal" or (device == "cuda" and fp32_attention)
+def _attention(config: JobConfig, spec: ModelSpec, args, dims: ParallelDims, device: str) -> AttentionPlan:
+    """Kernels by device and mask (tessera.models.choose_kernel). Context parallel takes torch's
+    ring on the flash kernel where every layer is plain causal without sinks and the flash kernel
+    takes the dtype (CUDA has no fp32 flash); else all-gather-KV, under which each layer's own
+    blocked kernel applies its mask to the whole sequence's keys."""
+    documents = config.model.attn_mask_type == "block_causal"
+    kinds = tuple(spec.attention_kinds(args))
+    exchange = None
+    if dims.cp_enabled:
+        plain = not documents and all(mask.is_plain_causal and not sinks for mask, sinks in kinds)
+        fp32_attention = config.training.mixed_precision_param == "float32" and config.training.dtype == "float32"
+        exchange = "ring" if plain and not (device == "cuda" and fp32_attention) else "gather"
+    kernels = tuple((mask, sinks, "blocked" if exchange == "gather" else choose_kernel(device, mask, documents, sinks))
+                    for mask, sinks in kinds)
+    return AttentionPlan(documents, kernels, exchange)
 
 
-def _check_layout(config: JobConfig, dims: ParallelDims, device: str) -> None:
+def _check_layout(config: JobConfig, dims: ParallelDims, device: str, attention: AttentionPlan) -> None:
     """Combinations the trainer cannot run."""
     training = config.training
     if (dims.cp_enabled or dims.pp_enabled) and validation_shape(config) != (training.local_batch_size, training.seq_len):
@@ -375,10 +412,10 @@ def _check_layout(config: JobConfig, dims: ParallelDims, device: str) -> None:
     if dims.cp_enabled:
         with user_input():
             cp.check_seq_len(config.training.seq_len, dims.cp, config.parallelism.context_parallel_load_balancer is not None)
-        if config.parallelism.context_parallel_rotate_method == "alltoall" and cp_gathers_kv(config, device):
+        if config.parallelism.context_parallel_rotate_method == "alltoall" and attention.cp_exchange == "gather":
             raise ConfigError("context_parallel_rotate_method alltoall runs torch's ring on the flash kernel, which takes no "
-                              "document mask (model.attn_mask_type block_causal) and on CUDA no fp32 (training."
-                              "mixed_precision_param float32): use allgather")
+                              "document mask (model.attn_mask_type block_causal), no window, chunk or sink layers, and on "
+                              "CUDA no fp32 (training.mixed_precision_param float32): use allgather")
         if config.compile.enable and "model" in config.compile.components:
             raise ConfigError("compile.enable with context_parallel_degree > 1 is not supported yet: the context-parallel "
                               "attention's collectives break the compiled block's graph")

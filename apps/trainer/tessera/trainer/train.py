@@ -265,6 +265,7 @@ def _banner(plan: JobPlan, model: ParallelModel, peak: float, tokenizer, data_so
         f"  dtype: parameters {training.dtype}, compute {training.mixed_precision_param}, reduce "
         f"{training.mixed_precision_reduce} | AC {ac.mode}{f' ({ac.selective_ac_option})' if ac.mode == 'selective' else ''} | "
         f"compile {'on' if config.compile.enable else 'off'}",
+        f"  attention: {plan.attention.describe()}",
         f"  lr: {config.optimizer.name} {config.optimizer.lr:g}, {sched.warmup_steps} warm-up steps, {sched.decay_type} decay "
         f"over {decay} to {sched.min_lr_factor:g}x",
         f"  MFU against {peak:,.1f} TFLOP/s, attention FLOPs "

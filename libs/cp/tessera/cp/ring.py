@@ -18,7 +18,6 @@ import contextlib
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.tensor.experimental._context_parallel import _attention as torch_ring
 
 ROTATE_METHODS = {"allgather": torch_ring._RotateMethod.ALL_GATHER, "alltoall": torch_ring._RotateMethod.ALL_TO_ALL}
@@ -96,18 +95,20 @@ class _Ring(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-class RingAttention(nn.Module):
-    """A drop-in for a model's inner attention (q [batch, heads, local_seq, head_dim], k, v
-    [batch, kv_heads, local_seq, head_dim] -> out), exact causal attention of the whole sequence
-    for this rank's queries by torch's ring. The shards must be laid out as
-    ``local_positions(..., load_balance)`` lays them. No document masks: the flash kernels take
-    none."""
+class RingAttention:
+    """Context parallel's ring exchange for a model's inner attention (the convention of
+    ``tessera.models.attention``: ``kind`` "ring"): ``attend(q [batch, heads, local_seq, head_dim],
+    k, v [batch, kv_heads, local_seq, head_dim])`` -> out, exact causal attention of the whole
+    sequence for this rank's queries by torch's ring. The shards must be laid out as
+    ``local_positions(..., load_balance)`` lays them. Plain causal attention only: the flash
+    kernels take no other mask and return no log-sum-exp for sinks."""
+
+    kind = "ring"
 
     def __init__(self, group: dist.ProcessGroup, rotate_method: str = "alltoall", load_balance: bool = True) -> None:
-        super().__init__()
         if rotate_method not in ROTATE_METHODS:
             raise ValueError(f"rotate_method {rotate_method!r}: one of {sorted(ROTATE_METHODS)}")
         self.group, self.rotate_method, self.load_balance = group, rotate_method, load_balance
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return _Ring.apply(q, k, v, self.group, self.rotate_method, self.load_balance)

@@ -31,6 +31,16 @@ def local_positions(seq_len: int, cp: int, cp_rank: int, load_balance: bool = Tr
     return torch.cat([head, torch.arange(tail_chunk * size, (tail_chunk + 1) * size, device=device)])
 
 
+def local_runs(seq_len: int, cp: int, cp_rank: int, load_balance: bool = True) -> tuple[tuple[int, int], ...]:
+    """``local_positions`` as runs of consecutive positions: ((start, count), ...)."""
+    check_seq_len(seq_len, cp, load_balance)
+    if not load_balance:
+        size = seq_len // cp
+        return ((cp_rank * size, size),)
+    size = seq_len // (2 * cp)
+    return ((cp_rank * size, size), ((2 * cp - 1 - cp_rank) * size, size))
+
+
 def shard_sequence(tensor: torch.Tensor, positions: torch.Tensor, dim: int = 1) -> torch.Tensor:
     """The entries of `tensor` at `positions` along the sequence dim (inputs, labels, masks)."""
     return tensor.index_select(dim, positions.to(tensor.device))

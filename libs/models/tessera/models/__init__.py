@@ -1,7 +1,8 @@
 """Tessera model code, per-block transforms and the model-spec registry. Importing registers
 "llama2", "llama3", "deepseek_v3" and "qwen3"."""
 
-from tessera.models.attention import CausalSDPA
+from tessera.models.attention import KERNELS, AttentionBatch, InnerAttention, choose_kernel, inner_attentions
+from tessera.models.masks import CAUSAL, AttentionMask
 from tessera.models.blocks import AC_MODES, apply_activation_checkpointing, apply_compile
 from tessera.models.hf_config import CONFIG_FILE, read_hf_config
 from tessera.models.rms_norm import RMSNorm
@@ -29,12 +30,18 @@ __all__ = [
     "AC_MODES",
     "ARGS_FILE",
     "CONFIG_FILE",
-    "CausalSDPA",
+    "AttentionBatch",
+    "AttentionMask",
+    "CAUSAL",
+    "InnerAttention",
+    "KERNELS",
     "ModelSpec",
     "RMSNorm",
     "StepHooks",
     "apply_activation_checkpointing",
     "apply_compile",
+    "choose_kernel",
+    "inner_attentions",
     "args_record",
     "get_model_spec",
     "list_model_specs",

@@ -5,12 +5,14 @@ Conventions (see ``tessera.models.llama.model`` and the package README): module
 names ``tok_embeddings``, ``layers`` (``nn.ModuleDict`` keyed "0".."n-1"), ``norm``, ``output``;
 pipeline stages may set the first and last three to None and delete layers; positions are indexed
 once at entry, where the tokens are the whole sequence this rank holds, and every block gets those
-rows whole as the keyword ``rope`` (with ``document_ids`` for block-causal attention).
+rows whole as the keyword ``rope``, with the step's ``AttentionBatch`` as the keyword ``attention``
+(document ids for block-causal attention, block masks built once for every layer).
 """
 
 import torch
 from torch import nn
 
+from tessera.models.attention import AttentionBatch, attention_batch, inner_attentions
 from tessera.models.feed_forward import BASE_INIT_STD, FeedForward
 from tessera.models.moe import MoE
 from tessera.models.rms_norm import RMSNorm
@@ -27,7 +29,7 @@ def depth_init_std(layer_id: int, n_layers: int, depth_init: bool = True) -> flo
 class TransformerBlock(nn.Module):
     """h = x + attention(attention_norm(x)); out = h + ffn(ffn_norm(h)), where the ffn is the
     submodule ``feed_forward`` (a dense SwiGLU) or ``moe`` (``tessera.models.moe.MoE``); the
-    other one is None. ``attention`` takes ``(x, *, rope, document_ids)`` and offers
+    other one is None. ``attention`` takes ``(x, *, rope, attention)`` (an ``AttentionBatch``) and offers
     ``init_weights(init_std)``."""
 
     def __init__(self, dim: int, norm_eps: float, attention: nn.Module, ffn: FeedForward | MoE, init_std: float):
@@ -48,8 +50,8 @@ class TransformerBlock(nn.Module):
         else:
             self.feed_forward.init_weights(self.weight_init_std)
 
-    def forward(self, x: torch.Tensor, *, rope: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope=rope, document_ids=document_ids)
+    def forward(self, x: torch.Tensor, *, rope: torch.Tensor, attention: AttentionBatch | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope=rope, attention=attention)
         ffn = self.feed_forward if self.moe is None else self.moe
         return h + ffn(self.ffn_norm(h))
 
@@ -58,7 +60,7 @@ class Decoder(nn.Module):
     """tokens [B, T] (long) -> logits [B, T, vocab_size] in the parameter dtype.
 
     A family subclasses it, passing its blocks, and says how its RoPE table is made
-    (``rope_table``); blocks take ``(h, *, rope, document_ids)`` and offer
+    (``rope_table``); blocks take ``(h, *, rope, attention)`` and offer
     ``init_weights(buffer_device)``. Construction initialises the weights; after building on the
     meta device call ``to_empty(device=...)`` then ``init_weights()``.
     """
@@ -111,6 +113,8 @@ class Decoder(nn.Module):
             nn.init.normal_(self.tok_embeddings.weight)
         for layer in self.layers.values():
             layer.init_weights(buffer_device)
+        for inner in inner_attentions(self.layers):  # attention sinks
+            inner.init_weights()
         if self.norm is not None:
             self.norm.reset_parameters()
         if self.output is not None:
@@ -125,8 +129,9 @@ class Decoder(nn.Module):
         positions: position ids (long, [T] or [B, T], each < ``max_seq_len``) of the T tokens,
         default 0..T-1; a rank holding a later part of a sequence passes that part's ids, and so
         does a later pipeline stage under sequence parallel (its input is a sequence shard).
-        document_ids: [B, T], the document of each token when a window packs several; attention
-        then stays within a document (block-causal). None: plain causal attention.
+        document_ids: [B, T], the document of each token when a window packs several (ids that
+        count documents, so they never decrease along a row); attention then stays within a
+        document (block-causal). None: each layer's own mask alone.
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if positions is None:
@@ -134,7 +139,8 @@ class Decoder(nn.Module):
         # Indexed here, from the tokens: under sequence parallel h already holds only this rank's
         # shard of the sequence, while attention sees (and rotates) all T tokens.
         rope = self.rope[positions]
+        attention = attention_batch(self.layers, document_ids, positions.shape[-1], h.device)
         for layer in self.layers.values():
-            h = layer(h, rope=rope, document_ids=document_ids)
+            h = layer(h, rope=rope, attention=attention)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h

@@ -12,6 +12,8 @@ from typing import Any
 
 from torch import nn
 
+from tessera.models.masks import CAUSAL, AttentionMask
+
 
 def _no_loss_scale(model: nn.Module, scale: float) -> None:
     pass
@@ -23,6 +25,10 @@ def _no_step(model: nn.Module, group: Any) -> dict:
 
 def _no_force(model: nn.Module) -> None:
     pass
+
+
+def _causal_layers(args) -> tuple[tuple[AttentionMask, bool], ...]:
+    return ((CAUSAL, False),)
 
 
 @dataclass(frozen=True)
@@ -65,7 +71,8 @@ class ModelSpec:
         "vocab_embedding" (embedding sharded on vocab), "vocab_output" (output projection
         sharded on vocab), "norm" (sequence-parallel norm), "block_input" (a module whose first
         positional input gets redistributed), "colwise", "rowwise", "replicated" (run whole on
-        every rank), "head_norm" (a norm over the local heads); tessera.ep's: "moe".
+        every rank), "head_norm" (a norm over the local heads), "per_head" (parameters with one entry
+        per query head on dim 0: attention sinks); tessera.ep's: "moe".
     tp_divisible: args -> {quantity name: value} that a tensor-parallel degree must divide.
     hf_adapter: object with ``to_hf(state_dict, args)`` and ``from_hf(state_dict, args)``
         converting state dicts to and from Hugging Face names, or None. A family whose tensors
@@ -80,6 +87,10 @@ class ModelSpec:
     n_experts: args -> routed experts per MoE layer (0: a dense model), held by modules under
         the attribute name ``experts`` that follow the expert seam (``tessera.models.moe``);
         expert parallelism splits them.
+    attention_kinds: args -> the distinct (mask, has sinks) pairs of the model's layers
+        (``tessera.models.attention.InnerAttention``'s mask and sinks), so a job plan chooses
+        kernels and the context-parallel exchange without building the model; default: plain
+        causal attention without sinks everywhere.
     """
 
     name: str
@@ -92,6 +103,7 @@ class ModelSpec:
     hf_config: Any = None
     step_hooks: "StepHooks" = dataclasses.field(default_factory=lambda: NO_STEP_HOOKS)
     n_experts: Callable[[Any], int] = lambda args: 0
+    attention_kinds: Callable[[Any], tuple[tuple[AttentionMask, bool], ...]] = _causal_layers
 
 
 _REGISTRY: dict[str, ModelSpec] = {}

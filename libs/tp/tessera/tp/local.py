@@ -75,14 +75,14 @@ def _local_class(cls: type) -> type:
 
 class LocalShards(ParallelStyle):
     """The module's own parameters become DTensors on the TP mesh, ``Replicate`` or the
-    ``placements`` given by name (e.g. ``{"w1": Shard(1)}``); its forward then runs on plain
-    tensors (see the module docstring). Its inputs and outputs are plain tensors: a DTensor input
-    is read as its replicated value. ValueError for a placement naming no parameter or for
-    parameters held by submodules (give each submodule its own style)."""
+    ``placements`` given by name (e.g. ``{"w1": Shard(1)}``), the others ``default``; its forward
+    then runs on plain tensors (see the module docstring). Its inputs and outputs are plain
+    tensors: a DTensor input is read as its replicated value. ValueError for a placement naming
+    no parameter or for parameters held by submodules (give each submodule its own style)."""
 
-    def __init__(self, placements: Mapping[str, Placement] | None = None):
+    def __init__(self, placements: Mapping[str, Placement] | None = None, default: Placement = Replicate()):
         super().__init__()
-        self.placements = dict(placements or {})
+        self.placements, self.default = dict(placements or {}), default
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         name = type(module).__name__
@@ -93,7 +93,7 @@ class LocalShards(ParallelStyle):
         if unknown:
             raise ValueError(f"tensor parallel: {name} has no parameters {unknown}")
         for pname, param in params.items():
-            placement = self.placements.get(pname, Replicate())
+            placement = self.placements.get(pname, self.default)
             sharded = distribute_tensor(param.detach(), device_mesh, [placement], src_data_rank=self.src_data_rank)
             module.register_parameter(pname, nn.Parameter(sharded, requires_grad=param.requires_grad))
         module.__class__ = _local_class(type(module))

@@ -72,9 +72,12 @@ DEFAULT_STYLES: Mapping[str, StyleFactory] = MappingProxyType({
     "colwise": lambda layouts: ColwiseFromShare(),
     "rowwise": lambda layouts: RowwiseParallel(output_layouts=layouts.between_blocks),
     # run whole on every rank (tessera.tp.local): a module on the block's replicated input
-    # (MLA's latent projections and norms), a norm over head_dim applied to the local heads
+    # (MLA's latent projections and norms), a norm over head_dim applied to the local heads;
+    # "per_head": parameters with one entry per query head on dim 0 (attention sinks), split
+    # like the heads of the colwise projections
     "replicated": lambda layouts: LocalShards(),
     "head_norm": lambda layouts: LocalShards(),
+    "per_head": lambda layouts: LocalShards(default=Shard(0)),
 })
 ROLES = frozenset(DEFAULT_STYLES)
 

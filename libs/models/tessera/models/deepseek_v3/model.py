@@ -10,7 +10,7 @@ linears holding fewer local heads (tensor parallel) work unchanged.
 import torch
 from torch import nn
 
-from tessera.models.attention import CausalSDPA
+from tessera.models.attention import AttentionBatch, InnerAttention
 from tessera.models.decoder import BASE_INIT_STD, Decoder, TransformerBlock, depth_init_std
 from tessera.models.deepseek_v3.args import DeepSeekV3Args
 from tessera.models.deepseek_v3.rope import yarn_frequencies
@@ -48,7 +48,7 @@ class Attention(nn.Module):
         self.wkv_b = nn.Linear(self.kv_lora_rank, args.n_heads * (self.nope_dim + self.v_dim), bias=False)
         self.wo = nn.Linear(args.n_heads * self.v_dim, args.dim, bias=False)
         self.q_scale = args.yarn.attention_factor() if args.yarn_active else 1.0  # softmax_scale * sqrt(qk_head_dim)
-        self.inner_attention = CausalSDPA()
+        self.inner_attention = InnerAttention()
 
     def init_weights(self, init_std: float) -> None:
         projections = [self.wq] if self.q_lora_rank == 0 else [self.wq_a, self.wq_b]
@@ -58,9 +58,9 @@ class Attention(nn.Module):
         for norm in [self.kv_norm] + ([] if self.q_lora_rank == 0 else [self.q_norm]):
             norm.reset_parameters()
 
-    def forward(self, x: torch.Tensor, *, rope: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, rope: torch.Tensor, attention: AttentionBatch | None = None) -> torch.Tensor:
         """x [bs, seqlen, dim]; rope: the RoPE rows of the seqlen tokens, [seqlen, qk_rope_head_dim]
-        or [bs, seqlen, qk_rope_head_dim]; document_ids: see ``Decoder.forward``."""
+        or [bs, seqlen, qk_rope_head_dim]; attention: the step's ``AttentionBatch``."""
         bs, seqlen, _ = x.shape
         q = self.wq(x) if self.q_lora_rank == 0 else self.wq_b(self.q_norm(self.wq_a(x)))
         q = q.view(bs, seqlen, -1, self.nope_dim + self.rope_dim)
@@ -73,8 +73,7 @@ class Attention(nn.Module):
         k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
         if self.q_scale != 1.0:
             q = q * self.q_scale
-        masks = {} if document_ids is None else {"document_ids": document_ids}
-        out = self.inner_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **masks)
+        out = self.inner_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attention)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
 

@@ -10,11 +10,10 @@ Conventions other libraries rely on:
   ``norm``, ``output``;
 - heads are reshaped with ``-1``, so tensor-parallel linears holding fewer local heads work
   unchanged;
-- ``attention.inner_attention`` is the swappable attention kernel (default
-  ``tessera.models.attention.CausalSDPA``): q [batch, heads, seq, head_dim], k and v
-  [batch, kv_heads, seq, head_dim] (it repeats them to the query heads), causal over the tokens
-  it is given -> [batch, heads, seq, head_dim]; it also gets
-  the keyword ``document_ids`` [batch, seq] when the caller asks for block-causal masking;
+- ``attention.inner_attention`` is the attention kernel (``tessera.models.attention.InnerAttention``:
+  the layer's mask, the kernel choice, context parallel's exchange): q [batch, heads, seq, head_dim],
+  k and v [batch, kv_heads, seq, head_dim], and the step's ``AttentionBatch`` (document ids for
+  block-causal masking) -> [batch, heads, seq, head_dim];
 - positions are explicit: ``forward(tokens, positions=None)`` takes position ids ([T] or [B, T],
   default 0..T-1), and the RoPE table is indexed by them once at model entry, where the tokens
   are the whole sequence this rank holds; blocks get that rotation as the keyword ``rope``
@@ -27,7 +26,7 @@ Conventions other libraries rely on:
 import torch
 from torch import nn
 
-from tessera.models.attention import CausalSDPA
+from tessera.models.attention import AttentionBatch, InnerAttention
 from tessera.models.decoder import Decoder, TransformerBlock, depth_init_std
 from tessera.models.feed_forward import BASE_INIT_STD, FeedForward, trunc_normal
 from tessera.models.llama.args import ModelArgs
@@ -45,23 +44,22 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
-        self.inner_attention = CausalSDPA()
+        self.inner_attention = InnerAttention()
 
     def init_weights(self, init_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
             trunc_normal(linear.weight, BASE_INIT_STD)
         trunc_normal(self.wo.weight, init_std)
 
-    def forward(self, x: torch.Tensor, *, rope: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, rope: torch.Tensor, attention: AttentionBatch | None = None) -> torch.Tensor:
         """x [bs, seqlen, dim]; rope: the rotation (complex) of each of the seqlen tokens,
-        [seqlen, head_dim // 2] or [bs, seqlen, head_dim // 2]; document_ids: see Decoder.forward."""
+        [seqlen, head_dim // 2] or [bs, seqlen, head_dim // 2]; attention: the step's AttentionBatch."""
         bs, seqlen, _ = x.shape
         q = self.wq(x).view(bs, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bs, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         q, k = apply_rotary_emb(q, k, rope)
-        masks = {} if document_ids is None else {"document_ids": document_ids}
-        out = self.inner_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **masks)
+        out = self.inner_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attention)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
 

@@ -11,7 +11,7 @@ k_norm included, load without permutation. Module names: the decoder's, and per 
 import torch
 from torch import nn
 
-from tessera.models.attention import CausalSDPA
+from tessera.models.attention import AttentionBatch, InnerAttention
 from tessera.models.decoder import BASE_INIT_STD, Decoder, TransformerBlock, depth_init_std
 from tessera.models.feed_forward import FeedForward
 from tessera.models.moe import MoE
@@ -32,7 +32,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.q_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps)
         self.k_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps)
-        self.inner_attention = CausalSDPA()
+        self.inner_attention = InnerAttention()
 
     def init_weights(self, init_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
@@ -41,16 +41,15 @@ class Attention(nn.Module):
         self.q_norm.reset_parameters()
         self.k_norm.reset_parameters()
 
-    def forward(self, x: torch.Tensor, *, rope: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, rope: torch.Tensor, attention: AttentionBatch | None = None) -> torch.Tensor:
         """x [bs, seqlen, dim]; rope: the RoPE rows of the seqlen tokens, [seqlen, head_dim] or
-        [bs, seqlen, head_dim]; document_ids: see ``Decoder.forward``."""
+        [bs, seqlen, head_dim]; attention: the step's ``AttentionBatch``."""
         bs, seqlen, _ = x.shape
         q = self.q_norm(self.wq(x).view(bs, seqlen, -1, self.head_dim))
         k = self.k_norm(self.wk(x).view(bs, seqlen, -1, self.head_dim))
         v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         q, k = apply_rope_half(q, rope), apply_rope_half(k, rope)
-        masks = {} if document_ids is None else {"document_ids": document_ids}
-        out = self.inner_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **masks)
+        out = self.inner_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attention)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
 
