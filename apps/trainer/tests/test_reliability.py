@@ -18,6 +18,8 @@ import torch
 from tessera.ckpt import read_dcp
 from tessera.data import load_dataset
 from tessera.models import get_model_spec
+from tessera.trainer import data_wiring
+from tessera.trainer import validation as validation_module
 from tessera.trainer import train as train_module
 from tessera.trainer.config import ConfigError, load_config
 from tessera.trainer.main import main
@@ -356,13 +358,14 @@ def test_stop_grace_ends_a_process_that_cannot_stop(tmp_path):
 
 def _record_datasets(monkeypatch):
     """The datasets the trainer builds loaders from: training first, then validation's."""
-    seen, build = [], train_module.build_dataloader
+    seen, build = [], data_wiring.build_dataloader
 
     def recording(dataset, *args, **kwargs):
         seen.append(dataset)
         return build(dataset, *args, **kwargs)
 
-    monkeypatch.setattr(train_module, "build_dataloader", recording)
+    monkeypatch.setattr(data_wiring, "build_dataloader", recording)
+    monkeypatch.setattr(validation_module, "build_dataloader", recording)
     return seen
 
 

@@ -182,6 +182,19 @@ def test_query_runs_and_keys_beyond_the_queries():
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
+def test_value_heads_narrower_than_query_heads():
+    """MLA's shape (DeepSeek-V3): v has its own head size; the blocked kernel takes it."""
+    mask, documents = AttentionMask(window=9), _documents()
+    q, k, _ = _inputs(torch.float32)
+    v = torch.randn(B, KV, S, D // 2, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    out = blocked_attention(q, k, v, mask, documents=documents)
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref = dense_reference(*leaves, mask, documents, None)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    for got, want in zip(_grads(out, (q, k, v)), _grads(ref, leaves)):
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
 def test_sinks_are_a_stable_parameter():
     model = torch.nn.Module()
     model.inner_attention = InnerAttention(AttentionMask(window=128), sinks=8)

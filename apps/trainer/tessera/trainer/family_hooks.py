@@ -17,11 +17,8 @@ class FamilyHooks:
 
     def __init__(self, plan: JobPlan, parts: list[nn.Module], meshes: Meshes) -> None:
         hooks = plan.spec.step_hooks
-        # under TP each rank's backward gives its share of a gradient (tessera.tp.local), while a
-        # loss attached inside the model (MoE balance loss) is whole on every tp rank
-        scale = 1 / (plan.batch.accumulation * plan.dims.tp)
-        for part in parts:
-            hooks.set_loss_scale(part, scale)
+        for part in parts:  # the family divides its own whole-on-every-tp-rank losses by tp
+            hooks.set_loss_scale(part, 1 / plan.batch.accumulation, plan.dims.tp)
             if plan.config.debug.moe_force_load_balance:
                 hooks.force_load_balance(part)
         self._after = hooks.after_optimizer_step

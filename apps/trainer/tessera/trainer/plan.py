@@ -20,7 +20,7 @@ from tessera import cp, ep, pp, tp
 from tessera.data import load_tokenizer, parse_mixture
 from tessera.fsdp import MIXED_PRECISION_DTYPES
 from tessera.mesh import MeshLayout, ParallelDims, device_type, mesh_layout, resolve_parallel_dims
-from tessera.models import AttentionMask, ModelSpec, choose_kernel, get_model_spec
+from tessera.models import AttentionMask, ModelSpec, RunLayout, choose_kernel, get_model_spec
 from tessera.trainer.config import ConfigError, JobConfig, user_directory, user_input
 from tessera.trainer.converters import ModelConverter, build_converters
 from tessera.trainer.hf_assets import check_hf_weights, flavor_args, initial_load_folder
@@ -185,6 +185,7 @@ def make_plan(config: JobConfig, world_size: int, device: str | None = None, *, 
     moe = functools.partial(moe_tp_style, split_experts=not dims.ep_spans_tp)  # else ep takes the experts whole
     styles = tp.styles_with({"moe": moe, **{role: f for c in converters for role, f in c.tp_styles.items()}})
     _check_tensor_parallel(config, spec, args, dims, styles)
+    _check_family(config, spec, args, dims, device)
     _check_expert_parallel(config, spec, args, dims)
     attention = _attention(config, spec, args, dims, device)
     _check_layout(config, dims, device, attention)
@@ -360,15 +361,18 @@ def _check_tensor_parallel(config: JobConfig, spec: ModelSpec, args, dims: Paral
         raise ConfigError(f"model.converters {list(config.model.converters)} with tensor_parallel_degree {dims.tp}: "
                           f"{spec.name}'s replicated modules need tessera.tp's colwise style, which these replace; "
                           "use a rowwise float8 recipe or tp 1")
-    if dims.tp_enabled and spec.n_experts(args) and config.compile.enable and "model" in config.compile.components:
-        # measured (torch 2.13, CPU): the experts' token counts are data-dependent sizes, and the
-        # backward of their tensor-parallel shards cannot guard on them inside the compiled block
-        raise ConfigError(f"compile.enable with tensor_parallel_degree > 1 is not supported yet for "
-                          f"{spec.name}/{config.model.flavor}: its MoE layers fail to compile under TP")
     if dims.tp_enabled:
         with user_input():  # sequence parallel splits every sequence across the tp ranks, too
             tp.check_tp_degree(dims.tp, {**spec.tp_divisible(args), "seq_len": config.training.seq_len,
                                          "validation.seq_len": validation_shape(config)[1]})
+
+
+def _check_family(config: JobConfig, spec: ModelSpec, args, dims: ParallelDims, device: str) -> None:
+    """The layouts the model family itself refuses (ModelSpec.refusals), the first in one line."""
+    layout = RunLayout(tp=dims.tp, cp=dims.cp, ep=dims.ep, pp=dims.pp, dp=dims.dp, device=device,
+                       compile=config.compile.enable and "model" in config.compile.components)
+    for what, why in spec.refusals(args, layout):
+        raise ConfigError(f"{what} is not supported yet for {spec.name}/{config.model.flavor}: {why}")
 
 
 def _check_expert_parallel(config: JobConfig, spec: ModelSpec, args, dims: ParallelDims) -> None:

@@ -9,6 +9,7 @@ from tessera.models.rms_norm import RMSNorm
 from tessera.models.spec import (
     ARGS_FILE,
     ModelSpec,
+    RunLayout,
     StepHooks,
     args_record,
     get_model_spec,
@@ -36,6 +37,7 @@ __all__ = [
     "InnerAttention",
     "KERNELS",
     "ModelSpec",
+    "RunLayout",
     "RMSNorm",
     "StepHooks",
     "apply_activation_checkpointing",

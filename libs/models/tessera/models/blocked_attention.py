@@ -7,7 +7,7 @@ FlexAttention has no CPU backward (torch 2.13) and SDPA with a boolean mask need
 keys it may reach (``masks.key_range``; with documents, also from the first query's document
 start) under a mask made from the layer's mask function (the one FlexAttention gets on CUDA),
 through torch's fused CPU flash kernel, which takes a mask and returns the log-sum-exp; on
-other devices through plain PyTorch ops. Only the output and the log-sum-exp per query are
+other devices, and for value heads narrower than the query's (MLA), through plain PyTorch ops. Only the output and the log-sum-exp per query are
 kept; backward remakes each block's mask and calls the kernel's backward (or recomputes the
 probabilities, FlashAttention's Alg. 2: dS = P * (dP - delta), delta_i = do_i . o_i).
 
@@ -35,6 +35,11 @@ BLOCK_ELEMENTS = 1 << 24
 MIN_ROWS, MAX_ROWS = 16, 1024
 FUSED_DEVICES = ("cpu",)  # where torch's flash kernel takes a mask and returns the log-sum-exp
 aten = torch.ops.aten
+
+
+def _fused(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """The flash kernel takes one head size for q, k and v (MLA's value heads are narrower)."""
+    return q.device.type in FUSED_DEVICES and q.shape[-1] == v.shape[-1]
 
 
 def query_blocks(mask: AttentionMask, q_runs: tuple[tuple[int, int], ...], rows: int) -> list[tuple[int, int, int, int, int]]:
@@ -86,7 +91,7 @@ def _fold(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 def _forward_block(q, k, v, bias, scale):
     """(out, lse [.., rows] fp32) of one block: CPU's fused flash kernel, else PyTorch ops."""
-    if q.device.type in FUSED_DEVICES:
+    if _fused(q, v):
         return aten._scaled_dot_product_flash_attention_for_cpu.default(q, k, v, 0.0, False, attn_mask=bias, scale=scale)
     scores = (q.float() @ k.float().transpose(-1, -2)) * scale + bias.float()
     lse = torch.logsumexp(scores, dim=-1)
@@ -94,7 +99,7 @@ def _forward_block(q, k, v, bias, scale):
 
 
 def _backward_block(grad_out, q, k, v, out, lse, bias, scale):
-    if q.device.type in FUSED_DEVICES:
+    if _fused(q, v):
         return aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
             grad_out.contiguous(), q, k, v, out, lse, 0.0, False, attn_mask=bias, scale=scale)
     q32, k32, v32, do = q.float(), k.float(), v.float(), grad_out.float()

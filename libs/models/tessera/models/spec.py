@@ -15,7 +15,7 @@ from torch import nn
 from tessera.models.masks import CAUSAL, AttentionMask
 
 
-def _no_loss_scale(model: nn.Module, scale: float) -> None:
+def _no_loss_scale(model: nn.Module, scale: float, tp: int) -> None:
     pass
 
 
@@ -27,6 +27,24 @@ def _no_force(model: nn.Module) -> None:
     pass
 
 
+@dataclass(frozen=True)
+class RunLayout:
+    """What a family may refuse a run for (``ModelSpec.refusals``): the parallel degrees, the
+    device and the wrappers the job plan resolved."""
+
+    tp: int = 1
+    cp: int = 1
+    ep: int = 1
+    pp: int = 1
+    dp: int = 1
+    compile: bool = False
+    device: str = "cpu"
+
+
+def _no_refusals(args, layout: RunLayout) -> tuple[tuple[str, str], ...]:
+    return ()
+
+
 def _causal_layers(args) -> tuple[tuple[AttentionMask, bool], ...]:
     return ((CAUSAL, False),)
 
@@ -35,9 +53,12 @@ def _causal_layers(args) -> tuple[tuple[AttentionMask, bool], ...]:
 class StepHooks:
     """A family's part in each training step, for state outside the parameters (MoE routers).
 
-    set_loss_scale(model, scale): once after building; ``scale`` is the factor the trainer applies
-        to each micro-batch's loss before backward (1 / micro-batches per step), for losses the
-        model adds inside its forward (the MoE sequence-wise balance loss).
+    set_loss_scale(model, scale, tp): once after building; ``scale`` is the factor the trainer
+        applies to each micro-batch's loss before backward (1 / micro-batches per step), for
+        losses the model adds inside its forward (the MoE sequence-wise balance loss); ``tp`` the
+        tensor-parallel degree: under tessera.tp's share convention each rank's backward gives
+        its share of a gradient, so a loss the family computes whole on every tp rank takes
+        scale / tp. The family knows which of its losses are whole; the trainer does not.
     after_optimizer_step(model, group) -> {name: tensor}: after every optimizer step, on every
         rank, for the model or each pipeline stage; ``group`` spans the ranks that see different
         tokens (data and context parallel; None alone). Returns readings for metrics (MoE: each
@@ -46,7 +67,7 @@ class StepHooks:
         experts round-robin, so every expert gets the same load.
     """
 
-    set_loss_scale: Callable[[nn.Module, float], None] = _no_loss_scale
+    set_loss_scale: Callable[[nn.Module, float, int], None] = _no_loss_scale
     after_optimizer_step: Callable[[nn.Module, Any], dict] = _no_step
     force_load_balance: Callable[[nn.Module], None] = _no_force
 
@@ -87,6 +108,9 @@ class ModelSpec:
     n_experts: args -> routed experts per MoE layer (0: a dense model), held by modules under
         the attribute name ``experts`` that follow the expert seam (``tessera.models.moe``);
         expert parallelism splits them.
+    refusals: (args, RunLayout) -> ((what, why), ...): layouts the family cannot train and why
+        (MoE layers under TP with compile); a job plan stops on the first with one line
+        "<what> is not supported yet for <model>/<flavor>: <why>".
     attention_kinds: args -> the distinct (mask, has sinks) pairs of the model's layers
         (``tessera.models.attention.InnerAttention``'s mask and sinks), so a job plan chooses
         kernels and the context-parallel exchange without building the model; default: plain
@@ -104,6 +128,7 @@ class ModelSpec:
     step_hooks: "StepHooks" = dataclasses.field(default_factory=lambda: NO_STEP_HOOKS)
     n_experts: Callable[[Any], int] = lambda args: 0
     attention_kinds: Callable[[Any], tuple[tuple[AttentionMask, bool], ...]] = _causal_layers
+    refusals: Callable[[Any, RunLayout], tuple[tuple[str, str], ...]] = _no_refusals
 
 
 _REGISTRY: dict[str, ModelSpec] = {}

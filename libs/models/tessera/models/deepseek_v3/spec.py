@@ -4,7 +4,7 @@ from tessera.models.deepseek_v3 import hf_adapter, hf_config
 from tessera.models.deepseek_v3.args import DeepSeekV3Args
 from tessera.models.deepseek_v3.flavors import deepseek_v3_flavors
 from tessera.models.deepseek_v3.model import DeepSeekV3
-from tessera.models.moe.balance import MOE_STEP_HOOKS
+from tessera.models.moe.balance import MOE_STEP_HOOKS, moe_refusals
 from tessera.models.spec import ModelSpec
 
 # Patterns for every flavor: a flavor has either wq or wq_a/q_norm/wq_b. "replicated" (a module
@@ -71,6 +71,10 @@ def tp_divisible(args: DeepSeekV3Args) -> dict[str, int]:
     return quantities
 
 
+def _n_experts(args) -> int:
+    return args.moe.n_experts
+
+
 deepseek_v3_spec = ModelSpec(
     name="deepseek_v3",
     flavors=deepseek_v3_flavors,
@@ -81,5 +85,6 @@ deepseek_v3_spec = ModelSpec(
     hf_adapter=hf_adapter,
     hf_config=hf_config,
     step_hooks=MOE_STEP_HOOKS,
-    n_experts=lambda args: args.moe.n_experts,
+    refusals=moe_refusals(_n_experts),
+    n_experts=_n_experts,
 )

@@ -1,12 +1,15 @@
 """What a training loop calls on a model's MoE layers: the auxiliary-loss-free bias update (a
-post-optimizer hook), the aux-loss scale, and expert-load readings for metrics."""
+post-optimizer hook), the aux-loss scale, expert-load readings for metrics, and the layouts an
+MoE family refuses."""
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from tessera.models.moe.layer import MoE
-from tessera.models.spec import StepHooks
+from tessera.models.spec import RunLayout, StepHooks
 
 
 # modules that activation checkpointing and torch.compile put around a block: not in a layer's name
@@ -67,11 +70,26 @@ def force_load_balance(model: nn.Module) -> None:
         layer.router.force_load_balance = True
 
 
-def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
+def set_aux_loss_scale(model: nn.Module, scale: float, tp: int = 1) -> None:
     """The factor the trainer multiplies the training loss by before backward (1 / micro-batches
-    per step): the sequence-wise balance loss's gradient gets the same (see ``aux_loss``)."""
+    per step): the sequence-wise balance loss's gradient gets the same (see ``aux_loss``),
+    divided by the tensor-parallel degree, since every tp rank routes all tokens and computes
+    the loss whole, while each rank's backward gives its share of a gradient."""
     for layer in moe_layers(model).values():
-        layer.aux_loss_scale = scale
+        layer.aux_loss_scale = scale / tp
+
+
+def moe_refusals(n_experts) -> Callable:
+    """ModelSpec.refusals of an MoE family whose flavors may be dense (``n_experts(args)`` 0)."""
+
+    def refusals(args, layout: RunLayout) -> tuple[tuple[str, str], ...]:
+        if n_experts(args) and layout.tp > 1 and layout.compile:
+            # measured (torch 2.13, CPU): the experts' token counts are data-dependent sizes, and
+            # the backward of their tensor-parallel shards cannot guard on them inside the compiled block
+            return (("compile.enable with tensor_parallel_degree > 1", "its MoE layers fail to compile under TP"),)
+        return ()
+
+    return refusals
 
 
 # ModelSpec.step_hooks of the MoE families: the balance loss's scale, the router-bias update.

@@ -5,7 +5,7 @@ from tessera.models.qwen3 import hf_adapter, hf_config
 from tessera.models.qwen3.args import Qwen3Args
 from tessera.models.qwen3.flavors import qwen3_flavors
 from tessera.models.qwen3.model import Qwen3
-from tessera.models.moe.balance import MOE_STEP_HOOKS
+from tessera.models.moe.balance import MOE_STEP_HOOKS, moe_refusals
 from tessera.models.spec import ModelSpec
 
 # Patterns for every flavor: a dense flavor's blocks have feed_forward, an MoE flavor's moe.
@@ -62,6 +62,10 @@ def tp_divisible(args: Qwen3Args) -> dict[str, int]:
     return quantities
 
 
+def _n_experts(args) -> int:
+    return args.moe.n_experts if args.moe is not None else 0
+
+
 qwen3_spec = ModelSpec(
     name="qwen3",
     flavors=qwen3_flavors,
@@ -72,5 +76,6 @@ qwen3_spec = ModelSpec(
     hf_adapter=hf_adapter,
     hf_config=hf_config,
     step_hooks=MOE_STEP_HOOKS,
-    n_experts=lambda args: args.moe.n_experts if args.moe is not None else 0,
+    refusals=moe_refusals(_n_experts),
+    n_experts=_n_experts,
 )

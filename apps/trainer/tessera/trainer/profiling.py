@@ -1,0 +1,57 @@
+"""torch.profiler traces and CUDA memory snapshots over the training loop, their cycles
+counted in training steps (a resumed run's too), as torchtitan's [profiling] keys say."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+from tessera.trainer.config import JobConfig
+
+
+def profiler(config: JobConfig, dump: Path, rank: int, device: str, start_step: int):
+    """torch.profiler over the loop, its cycles counted in training steps (a resumed run's too)."""
+    prof = config.profiling
+    if prof.enable_memory_snapshot:
+        torch.cuda.memory._record_memory_history(max_entries=100_000)
+    if not prof.enable_profiling:
+        return contextlib.nullcontext(None)
+    folder = dump / prof.save_traces_folder
+    # Kineto prints a line at every trace start and stop unless told otherwise; keep the log clean
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    # each cycle's trace is written by export() before the next starts: clearing is what we want
+    warnings.filterwarnings("ignore", message="Warning: Profiler clears events at the end of each cycle")
+    warnings.filterwarnings("ignore", message="Profiler won't be using warmup")  # profiler_warmup 0 asks for that
+
+    def export(p):
+        if p.step_num % prof.profile_freq:  # the run ended inside a cycle: no partial trace
+            return
+        out = folder / f"iteration_{p.step_num}"
+        out.mkdir(parents=True, exist_ok=True)
+        p.export_chrome_trace(str(out / f"rank{rank}_trace.json"))
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    profiler = torch.profiler.profile(activities=activities, schedule=profile_schedule(prof), on_trace_ready=export)
+    profiler.step_num = start_step
+    return profiler
+
+
+def profile_schedule(prof) -> torch.profiler.schedule:
+    """Traces of profiler_active steps ending at every multiple of profile_freq, each after
+    profiler_warmup unrecorded steps, as torchtitan: with freq 10, warm-up 3 and active 1, steps
+    10, 20, ... are traced. Only complete cycles: none cut short at the end of the run. The
+    warm-up and active steps must fit in one period."""
+    freq, warmup, active = prof.profile_freq, prof.profiler_warmup, prof.profiler_active
+    return torch.profiler.schedule(wait=freq - warmup - active, warmup=warmup, active=active)
+
+
+def save_memory_snapshot(config: JobConfig, dump: Path, rank: int, step: int) -> None:
+    folder = dump / config.profiling.save_memory_snapshot_folder / f"iteration_{step}"
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.cuda.memory._dump_snapshot(str(folder / f"rank{rank}_memory_snapshot.pickle"))
