@@ -29,12 +29,12 @@ from tessera import pp as tessera_pp  # noqa: E402
 from tessera.mesh import resolve_parallel_dims  # noqa: E402
 from tessera.models import get_model_spec, list_model_specs  # noqa: E402
 from tessera.trainer.config import ActivationCheckpoint, ConfigError, load_config  # noqa: E402
+from tessera.trainer.gpus import GIB, GPU, PLANNED as GPUS  # noqa: E402
 from tessera.trainer.plan import JobPlan, make_plan  # noqa: E402
 
 import formulas  # noqa: E402
 import step_time  # noqa: E402
 import traced  # noqa: E402
-from gpus import GIB, GPU, GPUS  # noqa: E402
 from schedules import SCHEDULES, layers_per_stage  # noqa: E402
 
 AC_MODES = ("none", "selective", "full")

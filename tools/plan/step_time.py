@@ -14,7 +14,7 @@ import math
 from tessera.trainer.plan import JobPlan
 
 import formulas
-from gpus import GPU
+from tessera.trainer.gpus import GPU
 from schedules import SCHEDULES
 
 # NCCL's ring cost model (NVIDIA/nccl src/graph/tuning.cc, Ring/Simple): a collective's latency is

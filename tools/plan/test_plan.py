@@ -16,7 +16,7 @@ import formulas
 import plan
 import step_time
 import traced
-from gpus import GPUS
+from tessera.trainer.gpus import PLANNED as GPUS
 from schedules import SCHEDULES, layers_per_stage
 
 H100 = GPUS["h100"]

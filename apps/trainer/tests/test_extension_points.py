@@ -2,7 +2,7 @@
 apps/trainer: a model family registered from this file (not from tessera.models), whose layers
 alternate sliding-window attention with attention sinks and global causal attention (tessera's
 InnerAttention, the attention kinds declared in its spec), trains single process, under FSDP 2,
-TP 2 (sinks split with the heads) and CP 2 (all-gather-KV, the window applied to the whole
+TP 2 (sinks split with the heads, as InnerAttention declares) and CP 2 (all-gather-KV, the window applied to the whole
 sequence) with the same losses; a model converter registered here runs before tensor parallel
 wraps the model and its post-optimizer hook runs after every step."""
 
@@ -127,7 +127,7 @@ register_model_spec(ModelSpec(
         "layers.*.attn.qkv_k": "colwise",
         "layers.*.attn.qkv_v": "colwise",
         "layers.*.attn.proj": "rowwise",
-        "layers.*.attn.inner_attention": "per_head",
+        "layers.*.attn.inner_attention": "local",
         "layers.*.mlp": "block_input",
         "layers.*.mlp.fc_in": "colwise",
         "layers.*.mlp.fc_out": "rowwise",

@@ -20,13 +20,13 @@ def gpu(monkeypatch):
 
 @pytest.mark.parametrize("name, peak", [
     ("NVIDIA H200 NVL", 835.0),
-    ("NVIDIA H200", 989.0),
-    ("NVIDIA GH200 480GB", 989.0),
+    ("NVIDIA H200", 989.4),
+    ("NVIDIA GH200 480GB", 989.4),
     ("NVIDIA GB200", 2500.0),
     ("NVIDIA B200", 2250.0),
     ("NVIDIA H100 NVL", 835.0),
     ("NVIDIA H100 PCIe", 756.0),
-    ("NVIDIA H100 80GB HBM3", 989.0),
+    ("NVIDIA H100 80GB HBM3", 989.4),
     ("NVIDIA A100-SXM4-80GB", 312.0),
 ])
 def test_gpu_names_match_most_specific_entry(gpu, name, peak):
@@ -40,7 +40,7 @@ def test_fp32_uses_the_tf32_rate_only_while_tf32_is_on(gpu):
     before = torch.backends.cuda.matmul.allow_tf32
     try:
         torch.backends.cuda.matmul.allow_tf32 = True
-        assert metrics.peak_tflops("cuda", torch.float32) == 989.0 / 2
+        assert metrics.peak_tflops("cuda", torch.float32) == 989.4 / 2
         torch.backends.cuda.matmul.allow_tf32 = False
         assert metrics.peak_tflops("cuda", torch.float32) == 123.0
     finally:

@@ -1,13 +1,13 @@
-"""The MoE layer under tensor parallel (MoETensorParallel, 2 ranks, gloo, fp32) against the same
-layer on one process: output, input gradient and every parameter gradient, with sequence
-parallel on and off, shared experts, group-limited sigmoid routing and the sequence-wise balance
-loss (its scale divided by the TP degree, as the trainer sets it)."""
+"""The MoE layer under tensor parallel (the family's own plan, tessera.models.moe.moe_tp_plan, applied
+by tessera.tp: 2 ranks, gloo, fp32) against the same layer on one process: output, input
+gradient and every parameter gradient, with sequence parallel on and off, shared experts,
+group-limited sigmoid routing and the sequence-wise balance loss (its scale divided by the TP
+degree, as the family's set_aux_loss_scale does)."""
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
-from tessera.trainer.moe_tensor_parallel import MoETensorParallel
 from tessera.mesh.testing import run_on_ranks
 
 DIM, BATCH, SEQ, TP = 16, 2, 8, 2
@@ -33,7 +33,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _compare(rank, world_size, sequence_parallel):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import parallelize_module
+
+    from tessera import tp
+    from tessera.models.moe import moe_tp_plan, set_aux_loss_scale
 
     g = torch.Generator().manual_seed(1)
     x, grad = torch.randn(BATCH, SEQ, DIM, generator=g), torch.randn(BATCH, SEQ, DIM, generator=g)
@@ -43,8 +45,9 @@ def _compare(rank, world_size, sequence_parallel):
     (ref_out * grad).sum().backward()
 
     layer = _layer()
-    layer.aux_loss_scale = 1 / TP
-    parallelize_module(layer, init_device_mesh("cpu", (TP,)), MoETensorParallel(Shard(1) if sequence_parallel else Replicate()))
+    set_aux_loss_scale(layer, 1.0, TP)
+    tp.apply_tp(torch.nn.ModuleDict({"moe": layer}), init_device_mesh("cpu", (TP,)), moe_tp_plan("moe"),
+                sequence_parallel=sequence_parallel, loss_parallel=False)
     rows = slice(rank * SEQ // TP, (rank + 1) * SEQ // TP) if sequence_parallel else slice(None)
     local_x = x[:, rows].clone().requires_grad_()
     out = layer(local_x)

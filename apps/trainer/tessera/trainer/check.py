@@ -9,24 +9,23 @@ import torch
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from tessera import pp, tp
-from tessera.trainer.moe_tensor_parallel import MoETensorParallel
 from tessera.trainer.parallelize import convert
 from tessera.trainer.plan import JobPlan
 
 
 def _tp_sharded(model: torch.nn.Module, plan: JobPlan) -> set[int]:
     """ids of the parameters tensor parallel splits: those of modules with a column- or row-wise
-    style, and an MoE layer's shared experts and (unless expert parallel takes them whole) routed
-    experts."""
+    style, and the Shard-placed ones of LocalShards modules (routed experts, unless expert
+    parallel takes them whole; attention sinks)."""
     layouts = tp.Layouts(sequence_parallel=True, loss_parallel=plan.loss_parallel)
     sharded = set()
     for path, role in tp.resolve_plan(model, plan.spec.tp_plan, plan.tp_styles.keys(), missing_ok=True).items():
         style, module = plan.tp_styles[role](layouts), model.get_submodule(path)
         if isinstance(style, (ColwiseParallel, RowwiseParallel)):
             sharded.update(id(p) for p in module.parameters(recurse=False))
-        elif isinstance(style, MoETensorParallel):
-            sharded.update(id(p) for name, p in module.named_parameters()
-                           if not name.startswith("router.") and (style.split_experts or not name.startswith("experts.")))
+        elif isinstance(style, tp.LocalShards):
+            sharded.update(id(module.get_parameter(name)) for name, placement in style.placements_of(module).items()
+                           if placement.is_shard())
     return sharded
 
 

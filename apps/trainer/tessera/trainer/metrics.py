@@ -12,26 +12,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-# Dense bf16/fp16 tensor-core peaks (TFLOP/s, no sparsity) from the vendors' data sheets. The
-# longest marker in the device name wins: "H200 NVL" before "H200", "GB200" before "B200",
-# "H100 NVL" / "H100 PCIe" before "H100" (and GH200 is H100-class, not an H200).
-GPU_PEAK_TFLOPS = {
-    "GB200": 2500.0,
-    "B200": 2250.0,
-    "H200 NVL": 835.0,
-    "H200": 989.0,
-    "GH200": 989.0,
-    "H100 NVL": 835.0,
-    "H100 PCIe": 756.0,
-    "H100": 989.0,
-    "A100": 312.0,
-}
-
+from tessera.trainer.gpus import datasheet
 
 def datasheet_peak_tflops(gpu_name: str) -> float | None:
-    """The dense bf16 peak of the most specific table entry in `gpu_name`, or None if unknown."""
-    found = [marker for marker in GPU_PEAK_TFLOPS if marker.upper() in gpu_name.upper()]
-    return GPU_PEAK_TFLOPS[max(found, key=len)] if found else None
+    """The dense bf16 peak of the most specific data-sheet entry in `gpu_name` (tessera.trainer.gpus),
+    or None if unknown."""
+    gpu = datasheet(gpu_name)
+    return gpu.tflops["bfloat16"] if gpu is not None else None
 
 
 @functools.lru_cache(maxsize=None)

@@ -9,7 +9,6 @@ It reads the config and the tokenizer's size and nothing else; file paths are on
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,6 @@ from tessera.models import AttentionMask, ModelSpec, RunLayout, choose_kernel, g
 from tessera.trainer.config import ConfigError, JobConfig, user_directory, user_input
 from tessera.trainer.converters import ModelConverter, build_converters
 from tessera.trainer.hf_assets import check_hf_weights, flavor_args, initial_load_folder
-from tessera.trainer.moe_tensor_parallel import moe_tp_style
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,9 +179,9 @@ def make_plan(config: JobConfig, world_size: int, device: str | None = None, *, 
         spec = get_model_spec(config.model.name)
     args = _model_args(config, spec, _vocab_size(config, spec, notes if check_only else None))
     converters = build_converters(config, dims)
-    # the MoE layer's style comes from tessera.ep (tessera.tp knows no model layers)
-    moe = functools.partial(moe_tp_style, split_experts=not dims.ep_spans_tp)  # else ep takes the experts whole
-    styles = tp.styles_with({"moe": moe, **{role: f for c in converters for role, f in c.tp_styles.items()}})
+    # expert_tensor_parallel_degree 1: the ep group holds the tp ranks and takes the experts whole
+    experts = {"experts": lambda layouts: None} if dims.ep_spans_tp else {}
+    styles = tp.styles_with({**experts, **{role: f for c in converters for role, f in c.tp_styles.items()}})
     _check_tensor_parallel(config, spec, args, dims, styles)
     _check_family(config, spec, args, dims, device)
     _check_expert_parallel(config, spec, args, dims)

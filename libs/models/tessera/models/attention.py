@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.models.blocked_attention import blocked_attention
+from tessera.models.blocked_attention import blocked_attention, repeat_kv_heads
 from tessera.models.masks import CAUSAL, AttentionMask, mask_function
 
 KERNELS = ("sdpa", "flex", "blocked")
@@ -46,13 +46,6 @@ KERNELS = ("sdpa", "flex", "blocked")
 # (4,8,512,32) 1.02x, (2,4,512,64) 0.95x, (4,16,1024,16) 0.91x, (2,16,1024,32) 0.82x.
 # So on CPU, sequences with seq * head_dim up to this many run in fp32 (more precise, too).
 CPU_FP32_MAX_SEQ_TIMES_HEAD_DIM = 8192
-
-
-def repeat_kv_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """[batch, kv_heads, seq, head_dim] -> [batch, heads, seq, head_dim]: each K/V head serves the
-    heads // kv_heads consecutive query heads of its group."""
-    n_rep = heads // x.shape[1]
-    return x if n_rep == 1 else torch.repeat_interleave(x, n_rep, dim=1)
 
 
 def choose_kernel(device_type: str, mask: AttentionMask, documents: bool, sinks: bool) -> str:
@@ -86,6 +79,8 @@ class InnerAttention(nn.Module):
     of query heads when the layer has attention sinks (a parameter of that many logits, zero at
     init), else None. scale: the softmax scale, default head_dim ** -0.5. ``kernel`` is None
     (chosen per call by ``choose_kernel``) or one of ``KERNELS``, set by a job plan."""
+
+    tp_shard_dims = {"sinks": 0}  # one sink per query head: tensor parallel splits them with the heads
 
     def __init__(self, mask: AttentionMask = CAUSAL, sinks: int | None = None, scale: float | None = None):
         super().__init__()

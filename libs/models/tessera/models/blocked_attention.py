@@ -79,12 +79,14 @@ def _block_mask(mask_mod, batch: int, q_start: int, n: int, lo: int, hi: int, dt
     return torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
 
 
-def _repeat(x: torch.Tensor, heads: int) -> torch.Tensor:
+def repeat_kv_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """[batch, kv_heads, seq, head_dim] -> [batch, heads, seq, head_dim]: each K/V head serves the
+    heads // kv_heads consecutive query heads of its group."""
     return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
 
 
 def _fold(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """Gradient of _repeat: each K/V head's group of query heads summed."""
+    """Gradient of repeat_kv_heads: each K/V head's group of query heads summed."""
     batch, heads, seq, dim = grad.shape
     return grad if heads == kv_heads else grad.view(batch, kv_heads, heads // kv_heads, seq, dim).sum(2)
 
@@ -119,7 +121,7 @@ class _BlockedAttention(torch.autograd.Function):
         for r0, r1, q_start, lo, hi in blocks:
             bias = _block_mask(mask_mod, batch, q_start, r1 - r0, lo, hi, q.dtype, q.device)
             out[:, :, r0:r1], lse[:, :, r0:r1] = _forward_block(
-                q[:, :, r0:r1], _repeat(k[:, :, lo:hi], heads), _repeat(v[:, :, lo:hi], heads), bias, scale)
+                q[:, :, r0:r1], repeat_kv_heads(k[:, :, lo:hi], heads), repeat_kv_heads(v[:, :, lo:hi], heads), bias, scale)
         if sinks is not None:
             sigma = torch.sigmoid(lse - sinks.float().view(1, -1, 1))
             out = (out.float() * sigma.unsqueeze(-1)).to(q.dtype)
@@ -144,7 +146,7 @@ class _BlockedAttention(torch.autograd.Function):
         for r0, r1, q_start, lo, hi in ctx.blocks:
             bias = _block_mask(mask_mod, batch, q_start, r1 - r0, lo, hi, q.dtype, q.device)
             dq_block, dk_block, dv_block = _backward_block(
-                grad_out[:, :, r0:r1], q[:, :, r0:r1], _repeat(k[:, :, lo:hi], heads), _repeat(v[:, :, lo:hi], heads),
+                grad_out[:, :, r0:r1], q[:, :, r0:r1], repeat_kv_heads(k[:, :, lo:hi], heads), repeat_kv_heads(v[:, :, lo:hi], heads),
                 out[:, :, r0:r1], lse[:, :, r0:r1], bias, scale)
             dq[:, :, r0:r1] = dq_block
             dk[:, :, lo:hi] += _fold(dk_block.float(), kv_heads)

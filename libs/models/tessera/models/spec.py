@@ -92,8 +92,9 @@ class ModelSpec:
         "vocab_embedding" (embedding sharded on vocab), "vocab_output" (output projection
         sharded on vocab), "norm" (sequence-parallel norm), "block_input" (a module whose first
         positional input gets redistributed), "colwise", "rowwise", "replicated" (run whole on
-        every rank), "head_norm" (a norm over the local heads), "per_head" (parameters with one entry
-        per query head on dim 0: attention sinks); tessera.ep's: "moe".
+        every rank), "head_norm" (a norm over the local heads), "local" (parameters split on the
+        dims the module declares in ``tp_shard_dims``: attention sinks), "experts",
+        "partial_region", "rowwise_partial" (an MoE layer: ``tessera.models.moe.moe_tp_plan``).
     tp_divisible: args -> {quantity name: value} that a tensor-parallel degree must divide.
     hf_adapter: object with ``to_hf(state_dict, args)`` and ``from_hf(state_dict, args)``
         converting state dicts to and from Hugging Face names, or None. A family whose tensors

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
@@ -74,29 +75,62 @@ def _local_class(cls: type) -> type:
 
 
 class LocalShards(ParallelStyle):
-    """The module's own parameters become DTensors on the TP mesh, ``Replicate`` or the
-    ``placements`` given by name (e.g. ``{"w1": Shard(1)}``), the others ``default``; its forward
-    then runs on plain tensors (see the module docstring). Its inputs and outputs are plain
+    """The module's own parameters become DTensors on the TP mesh; its forward then runs on plain
+    tensors (see the module docstring). Placements: ``Shard(d)`` for each parameter the module
+    declares in its ``tp_shard_dims`` ({name: dim}: how its family splits it, e.g. experts on
+    their hidden features, attention sinks on heads), overridden by ``placements`` given by name
+    (e.g. ``{"w1": Shard(1)}``), ``Replicate`` for the rest. Its inputs and outputs are plain
     tensors: a DTensor input is read as its replicated value. ValueError for a placement naming
     no parameter or for parameters held by submodules (give each submodule its own style)."""
 
-    def __init__(self, placements: Mapping[str, Placement] | None = None, default: Placement = Replicate()):
+    def __init__(self, placements: Mapping[str, Placement] | None = None):
         super().__init__()
-        self.placements, self.default = dict(placements or {}), default
+        self.placements = dict(placements or {})
+
+    def placements_of(self, module: nn.Module) -> dict[str, Placement]:
+        """Each of the module's own parameters' placement under this style."""
+        params = dict(module.named_parameters(recurse=False))
+        unknown = sorted(set(self.placements) - set(params))
+        if unknown:
+            raise ValueError(f"tensor parallel: {type(module).__name__} has no parameters {unknown}")
+        declared = {name: Shard(dim) for name, dim in getattr(module, "tp_shard_dims", {}).items() if name in params}
+        return {name: self.placements.get(name, declared.get(name, Replicate())) for name in params}
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         name = type(module).__name__
         if any(True for child in module.children() for _ in child.parameters()):
             raise ValueError(f"tensor parallel: {name} has parameters in submodules; style each submodule")
-        params = dict(module.named_parameters(recurse=False))
-        unknown = sorted(set(self.placements) - set(params))
-        if unknown:
-            raise ValueError(f"tensor parallel: {name} has no parameters {unknown}")
-        for pname, param in params.items():
-            placement = self.placements.get(pname, self.default)
+        for pname, placement in self.placements_of(module).items():
+            param = module.get_parameter(pname)
             sharded = distribute_tensor(param.detach(), device_mesh, [placement], src_data_rank=self.src_data_rank)
             module.register_parameter(pname, nn.Parameter(sharded, requires_grad=param.requires_grad))
         module.__class__ = _local_class(type(module))
+        return module
+
+
+class PartialRegion(ParallelStyle):
+    """A module every TP rank runs on the whole input and whose output is a partial sum over the
+    ranks (an MoE layer: every rank routes all tokens, the experts split on hidden features):
+    its input is gathered from ``between`` (the hidden state's layout outside, taken with the
+    share convention), its output reduce-scattered back to ``between`` (all-reduced without
+    sequence parallel). Its submodules get their own styles (router ``LocalShards``, experts
+    ``LocalShards`` on their declared dims, shared experts colwise and rowwise to a partial sum)."""
+
+    def __init__(self, between: Placement):
+        super().__init__()
+        self.between = between
+
+    def _gather_input(self, mesh: DeviceMesh, module: nn.Module, inputs: tuple):
+        x = inputs[0] if isinstance(inputs[0], DTensor) else DTensor.from_local(inputs[0], mesh, [self.between], run_check=False)
+        return (local_share(x), *inputs[1:])
+
+    def _scatter_output(self, mesh: DeviceMesh, module: nn.Module, inputs: tuple, out):
+        partial_sum = DTensor.from_local(out, mesh, [Partial()], run_check=False)
+        return partial_sum.redistribute(placements=[self.between]).to_local()
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_pre_hook(partial(self._gather_input, device_mesh))
+        module.register_forward_hook(partial(self._scatter_output, device_mesh))
         return module
 
 

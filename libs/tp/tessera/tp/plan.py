@@ -15,7 +15,7 @@ from types import MappingProxyType
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -25,7 +25,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from tessera.tp.local import ColwiseFromShare, LocalShards
+from tessera.tp.local import ColwiseFromShare, LocalShards, PartialRegion
 
 
 @dataclass(frozen=True)
@@ -71,13 +71,20 @@ DEFAULT_STYLES: Mapping[str, StyleFactory] = MappingProxyType({
     "block_input": _block_input,
     "colwise": lambda layouts: ColwiseFromShare(),
     "rowwise": lambda layouts: RowwiseParallel(output_layouts=layouts.between_blocks),
-    # run whole on every rank (tessera.tp.local): a module on the block's replicated input
-    # (MLA's latent projections and norms), a norm over head_dim applied to the local heads;
-    # "per_head": parameters with one entry per query head on dim 0 (attention sinks), split
-    # like the heads of the colwise projections
+    # run on plain tensors on every rank (tessera.tp.local), parameters split on the dims the
+    # module declares (tp_shard_dims) and replicated otherwise: a module on the block's
+    # replicated input (MLA's latent projections and norms, a router), a norm over head_dim
+    # applied to the local heads, attention sinks (one per head, declared on dim 0)
     "replicated": lambda layouts: LocalShards(),
     "head_norm": lambda layouts: LocalShards(),
-    "per_head": lambda layouts: LocalShards(default=Shard(0)),
+    "local": lambda layouts: LocalShards(),
+    # stacked experts, split on the hidden features they declare; a caller whose expert parallel
+    # takes the experts whole (its ep group holding the tp ranks) gives this role None
+    "experts": lambda layouts: LocalShards(),
+    # a module run on the whole input whose output is a partial sum (an MoE layer), and a
+    # rowwise linear inside it whose output joins that sum
+    "partial_region": lambda layouts: PartialRegion(layouts.between_blocks),
+    "rowwise_partial": lambda layouts: RowwiseParallel(output_layouts=Partial()),
 })
 ROLES = frozenset(DEFAULT_STYLES)
 

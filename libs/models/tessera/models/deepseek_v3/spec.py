@@ -5,11 +5,13 @@ from tessera.models.deepseek_v3.args import DeepSeekV3Args
 from tessera.models.deepseek_v3.flavors import deepseek_v3_flavors
 from tessera.models.deepseek_v3.model import DeepSeekV3
 from tessera.models.moe.balance import MOE_STEP_HOOKS, moe_refusals
+from tessera.models.moe.sharding import moe_tp_plan
 from tessera.models.spec import ModelSpec
 
 # Patterns for every flavor: a flavor has either wq or wq_a/q_norm/wq_b. "replicated" (a module
 # every TP rank runs whole on the block's replicated input, its weight gradients summed over the
-# TP ranks) is tessera.tp's role, "moe" (the MoE layer: router, experts, shared experts) tessera.ep's.
+# TP ranks) is tessera.tp's role; the MoE layers' entries (router, experts, shared experts) are the
+# family's own (tessera.models.moe.sharding).
 TP_PLAN = {
     "tok_embeddings": "vocab_embedding",
     "layers.*.attention_norm": "norm",
@@ -27,7 +29,7 @@ TP_PLAN = {
     "layers.*.feed_forward.w1": "colwise",
     "layers.*.feed_forward.w2": "rowwise",
     "layers.*.feed_forward.w3": "colwise",
-    "layers.*.moe": "moe",
+    **moe_tp_plan("layers.*.moe"),
     "norm": "norm",
     "output": "vocab_output",
 }

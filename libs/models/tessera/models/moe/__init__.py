@@ -12,6 +12,7 @@ from tessera.models.moe.experts import (
 )
 from tessera.models.moe.layer import MoE, combine, expert_counts
 from tessera.models.moe.router import TopKRouter, expert_scores, select_experts
+from tessera.models.moe.sharding import moe_tp_plan
 
 __all__ = [
     "SCORE_FUNCS",
@@ -30,6 +31,7 @@ __all__ = [
     "grouped_mm_supported",
     "load_imbalance",
     "moe_layers",
+    "moe_tp_plan",
     "run_experts",
     "select_experts",
     "sequence_balance_loss",

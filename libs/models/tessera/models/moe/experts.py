@@ -86,6 +86,9 @@ class GroupedExperts(nn.Module):
     """``n_experts`` SwiGLU MLPs, ``w2(silu(w1 x) * w3 x)`` each, as stacked weights."""
 
     token_group_alignment = 0  # rows each expert's group starts at a multiple of (module docstring)
+    # tensor parallel splits every expert on its hidden features (torchtitan's expert TP):
+    # w1/w3's output rows, w2's input columns (tessera.tp's LocalShards reads this)
+    tp_shard_dims = {"w1": 1, "w2": 2, "w3": 1}
 
     def __init__(self, dim: int, hidden_dim: int, n_experts: int):
         super().__init__()

@@ -6,11 +6,13 @@ from tessera.models.qwen3.args import Qwen3Args
 from tessera.models.qwen3.flavors import qwen3_flavors
 from tessera.models.qwen3.model import Qwen3
 from tessera.models.moe.balance import MOE_STEP_HOOKS, moe_refusals
+from tessera.models.moe.sharding import moe_tp_plan
 from tessera.models.spec import ModelSpec
 
 # Patterns for every flavor: a dense flavor's blocks have feed_forward, an MoE flavor's moe.
 # "head_norm" (q_norm/k_norm: one weight over head_dim applied to the local heads, its gradient
-# summed over the TP ranks) is tessera.tp's role, "moe" (the MoE layer) tessera.ep's.
+# summed over the TP ranks) is tessera.tp's role; the MoE layers' entries are the family's own
+# (tessera.models.moe.sharding).
 TP_PLAN = {
     "tok_embeddings": "vocab_embedding",
     "layers.*.attention_norm": "norm",
@@ -26,7 +28,7 @@ TP_PLAN = {
     "layers.*.feed_forward.w1": "colwise",
     "layers.*.feed_forward.w2": "rowwise",
     "layers.*.feed_forward.w3": "colwise",
-    "layers.*.moe": "moe",
+    **moe_tp_plan("layers.*.moe"),
     "norm": "norm",
     "output": "vocab_output",
 }
