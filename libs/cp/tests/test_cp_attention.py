@@ -41,21 +41,25 @@ KERNELS = {"allgather_kv": _gathered, "ring_alltoall": lambda group, balance: Ri
            "ring_allgather": lambda group, balance: RingAttention(group, "allgather", balance).attend}
 
 
-def _cp_rank(rank, world_size, load_balance, kernel):
+def _cp_rank(rank, world_size, load_balance):
+    """Every kernel of KERNELS on this rank's shard, in one set of processes."""
     positions = local_positions(T, world_size, rank, load_balance)
-    q, k, v = (t.index_select(2, positions).clone().requires_grad_() for t in _inputs())
-    out = KERNELS[kernel](dist.group.WORLD, load_balance)(q, k, v)
-    out.backward(torch.ones_like(out))
-    return positions, out.detach(), q.grad, k.grad, v.grad
+    results = {}
+    for kernel in KERNELS:
+        q, k, v = (t.index_select(2, positions).clone().requires_grad_() for t in _inputs())
+        out = KERNELS[kernel](dist.group.WORLD, load_balance)(q, k, v)
+        out.backward(torch.ones_like(out))
+        results[kernel] = (positions, out.detach(), q.grad, k.grad, v.grad)
+    return results
 
 
-@pytest.mark.parametrize("kernel", sorted(KERNELS))
 @pytest.mark.parametrize("cp, load_balance", [(2, True), (4, True), (2, False)])
-def test_matches_full_sequence_attention(cp, load_balance, kernel):
+def test_matches_full_sequence_attention(cp, load_balance):
     ref = _reference()
-    for positions, *got in run_on_ranks(_cp_rank, cp, load_balance, kernel):
-        for name, value, full in zip(("out", "dq", "dk", "dv"), got, ref):
-            torch.testing.assert_close(value, full.index_select(2, positions), rtol=1e-5, atol=1e-6, msg=name)
+    for results in run_on_ranks(_cp_rank, cp, load_balance):
+        for kernel, (positions, *got) in results.items():
+            for name, value, full in zip(("out", "dq", "dk", "dv"), got, ref):
+                torch.testing.assert_close(value, full.index_select(2, positions), rtol=1e-5, atol=1e-6, msg=f"{kernel} {name}")
 
 
 def test_load_balanced_shards_hold_a_head_and_a_tail_chunk():
@@ -157,34 +161,40 @@ def _reference_masked(name):
     return out.detach(), q.grad, k.grad, v.grad, *([inner.sinks.grad] if inner.sinks is not None else [])
 
 
-def _cp_rank_masked(rank, world_size, name, load_balance):
+def _cp_rank_masked(rank, world_size, load_balance):
+    """Every mask of MASKS on this rank's shard, in one set of processes."""
     from tessera.models import AttentionBatch
 
     positions = local_positions(T, world_size, rank, load_balance)
-    q, k, v = (t.index_select(2, positions).clone().requires_grad_() for t in _inputs())
-    inner = _masked(name, dist.group.WORLD, load_balance)
-    documents = _documents().index_select(1, positions) if MASKS[name][1] else None
-    out = inner(q, k, v, AttentionBatch(documents))
-    out.backward(torch.ones_like(out))
-    sinks = [inner.sinks.grad.clone()] if inner.sinks is not None else []
-    for grad in sinks:  # a parameter's gradient is summed over the cp ranks, as FSDP's reduction does
-        dist.all_reduce(grad)
-    return positions, out.detach(), q.grad, k.grad, v.grad, *sinks
+    results = {}
+    for name in MASKS:
+        q, k, v = (t.index_select(2, positions).clone().requires_grad_() for t in _inputs())
+        inner = _masked(name, dist.group.WORLD, load_balance)
+        documents = _documents().index_select(1, positions) if MASKS[name][1] else None
+        out = inner(q, k, v, AttentionBatch(documents))
+        out.backward(torch.ones_like(out))
+        sinks = [inner.sinks.grad.clone()] if inner.sinks is not None else []
+        for grad in sinks:  # a parameter's gradient is summed over the cp ranks, as FSDP's reduction does
+            dist.all_reduce(grad)
+        results[name] = (positions, out.detach(), q.grad, k.grad, v.grad, *sinks)
+    return results
 
 
 @pytest.mark.parametrize("load_balance", [True, False])
-@pytest.mark.parametrize("name", sorted(MASKS))
-def test_every_mask_matches_full_sequence_attention_under_cp(name, load_balance):
+def test_every_mask_matches_full_sequence_attention_under_cp(load_balance):
     """The all-gather-KV exchange with the layer's own kernel: documents, windows, chunks and
     sinks give every rank's queries the whole sequence's outputs and gradients."""
-    ref = _reference_masked(name)
     plain = _reference()
-    assert not torch.allclose(ref[0], plain[0])  # the mask changes the result
-    for positions, *got in run_on_ranks(_cp_rank_masked, 2, name, load_balance):
-        for what, value, full in zip(("out", "dq", "dk", "dv"), got, ref):
-            torch.testing.assert_close(value, full.index_select(2, positions), rtol=1e-5, atol=1e-6, msg=what)
-        if len(got) > 4:
-            torch.testing.assert_close(got[4], ref[4], rtol=1e-5, atol=1e-6, msg="d sinks")
+    by_rank = run_on_ranks(_cp_rank_masked, 2, load_balance)
+    for name in MASKS:
+        ref = _reference_masked(name)
+        assert not torch.allclose(ref[0], plain[0]), name  # the mask changes the result
+        for results in by_rank:
+            positions, *got = results[name]
+            for what, value, full in zip(("out", "dq", "dk", "dv"), got, ref):
+                torch.testing.assert_close(value, full.index_select(2, positions), rtol=1e-5, atol=1e-6, msg=f"{name} {what}")
+            if len(got) > 4:
+                torch.testing.assert_close(got[4], ref[4], rtol=1e-5, atol=1e-6, msg=f"{name} d sinks")
 
 
 def test_the_ring_refuses_a_mask_it_cannot_apply():

@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor.experimental._context_parallel import _attention as torch_ring
 
+from tessera.mesh import fold_kv_heads, repeat_kv_heads
+
 ROTATE_METHODS = {"allgather": torch_ring._RotateMethod.ALL_GATHER, "alltoall": torch_ring._RotateMethod.ALL_TO_ALL}
 aten = torch.ops.aten
 
@@ -36,36 +38,23 @@ def _ring_options(rotate_method: str, load_balance: bool):
         options.rotate_method, options.enable_load_balance = saved
 
 
-def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """[batch, kv_heads, seq, head_dim] -> [batch, kv_heads * n_rep, ...]: each K/V head serves n_rep
-    consecutive query heads."""
-    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
-
-
-def _fold(grad: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """Gradient of repeat_kv: the n_rep query heads' share of a K/V head summed."""
-    if n_rep == 1:
-        return grad
-    batch, heads, seq, dim = grad.shape
-    return grad.view(batch, heads // n_rep, n_rep, seq, dim).sum(2)
-
-
-def _forward_kernel(device_type: str, n_rep: int):
+def _forward_kernel(device_type: str):
     flash = aten._scaled_dot_product_flash_attention_for_cpu.default if device_type == "cpu" else aten._scaled_dot_product_flash_attention.default
 
     def kernel(q, k, v, **kwargs):
-        return flash(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), **kwargs)
+        return flash(q, repeat_kv_heads(k, q.shape[1]), repeat_kv_heads(v, q.shape[1]), **kwargs)
     return kernel
 
 
-def _backward_kernel(device_type: str, n_rep: int):
+def _backward_kernel(device_type: str):
     flash = (aten._scaled_dot_product_flash_attention_for_cpu_backward.default if device_type == "cpu"
              else aten._scaled_dot_product_flash_attention_backward.default)
 
     def kernel(*, grad_out, query, key, value, **kwargs):
-        dq, dk, dv, *rest = flash(grad_out=grad_out.contiguous(), query=query, key=repeat_kv(key, n_rep),
-                                  value=repeat_kv(value, n_rep), **kwargs)
-        return dq, _fold(dk, n_rep), _fold(dv, n_rep), *rest
+        heads, kv_heads = query.shape[1], key.shape[1]
+        dq, dk, dv, *rest = flash(grad_out=grad_out.contiguous(), query=query, key=repeat_kv_heads(key, heads),
+                                  value=repeat_kv_heads(value, heads), **kwargs)
+        return dq, fold_kv_heads(dk, kv_heads), fold_kv_heads(dv, kv_heads), *rest
     return kernel
 
 
@@ -76,12 +65,12 @@ _CUDA_REST = ("cum_seq_q", "cum_seq_k", "max_q", "max_k", "philox_seed", "philox
 class _Ring(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group: dist.ProcessGroup, rotate_method: str, load_balance: bool):
-        n_rep, device = q.shape[1] // k.shape[1], q.device.type
+        device = q.device.type
         with _ring_options(rotate_method, load_balance):
             out, lse, *rest = torch_ring._templated_ring_attention(
-                group, 2, _forward_kernel(device, n_rep), q, k, v, is_causal=True, dropout_p=0.0)
+                group, 2, _forward_kernel(device), q, k, v, is_causal=True, dropout_p=0.0)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.rotate_method, ctx.load_balance, ctx.n_rep = group, rotate_method, load_balance, n_rep
+        ctx.group, ctx.rotate_method, ctx.load_balance = group, rotate_method, load_balance
         ctx.rest = {} if device == "cpu" else dict(zip(_CUDA_REST, rest))
         return out
 
@@ -90,7 +79,7 @@ class _Ring(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         with _ring_options(ctx.rotate_method, ctx.load_balance):
             dq, dk, dv, *_ = torch_ring._templated_ring_attention_backward(
-                ctx.group, 2, _backward_kernel(q.device.type, ctx.n_rep), grad_out, "grad_out", q, k, v, out, lse,
+                ctx.group, 2, _backward_kernel(q.device.type), grad_out, "grad_out", q, k, v, out, lse,
                 is_causal=True, dropout_p=0.0, **ctx.rest)
         return dq, dk, dv, None, None, None
 

@@ -14,7 +14,6 @@ the forward runs the module's own forward on the local shards between the exchan
 """
 
 from collections.abc import Iterable
-from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -23,27 +22,19 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from tessera.ep.degrees import check_ep_degree
+from tessera.mesh import local_parameters, swapped_class
 from tessera.ep.dispatch import combine, dispatch, plan_exchange
 
-_EP_CLASSES: dict[type, type] = {}
-
-
-@contextmanager
-def _local_parameters(module: nn.Module, grad_divisor: int):
-    """The module's DTensor parameters seen as their local shards (differentiably: gradients
-    reach the DTensors as Shard(0) DTensors, divided by ``grad_divisor``) while the module's own
-    forward runs. Under FSDP these are the unsharded parameters FSDP has just gathered."""
-    saved = dict(module._parameters)
-    try:
-        for name, param in saved.items():
-            if isinstance(param, DTensor):
-                local = param.to_local()
-                if grad_divisor != 1 and local.requires_grad:
-                    local.register_hook(lambda grad: grad / grad_divisor)
-                module._parameters[name] = local
-        yield
-    finally:
-        module._parameters.update(saved)
+def _local_view(grad_divisor: int):
+    """A DTensor parameter seen as its local shard (differentiably: gradients reach the DTensor
+    as Shard(0) DTensors, divided by ``grad_divisor``). Under FSDP these are the unsharded
+    parameters FSDP has just gathered."""
+    def view(param: DTensor) -> torch.Tensor:
+        local = param.to_local()
+        if grad_divisor != 1 and local.requires_grad:
+            local.register_hook(lambda grad: grad / grad_divisor)
+        return local
+    return view
 
 
 def _row_share(x: torch.Tensor, counts: torch.Tensor, rank: int, size: int):
@@ -56,28 +47,23 @@ def _row_share(x: torch.Tensor, counts: torch.Tensor, rank: int, size: int):
     return x[lo:hi], ends.clamp(lo, hi) - (ends - counts).clamp(lo, hi), (lo, n - hi)
 
 
-def _ep_class(cls: type) -> type:
-    """A subclass of ``cls`` whose forward exchanges rows between the ep ranks around
-    ``cls.forward`` (a class swap, as ``fully_shard`` does, so hooks and FSDP wrapping keep
-    working and the state-dict keys stay the same)."""
-    if cls not in _EP_CLASSES:
-        def forward(self, x, num_tokens_per_expert):
-            group = self.ep_mesh.get_group()
-            n_counts, n_experts = num_tokens_per_expert.shape[0], next(iter(self.parameters())).shape[0]
-            if n_counts != n_experts:
-                raise ValueError(f"expert parallel: {n_counts} token counts for {n_experts} experts")
-            split = self.ep_split_rows
-            if split is not None:
-                x, num_tokens_per_expert, (before, after) = _row_share(
-                    x, num_tokens_per_expert, split.get_local_rank(), split.size())
-            exchange = plan_exchange(num_tokens_per_expert, group)
-            data_parallel = self.ep_mesh.size() // (split.size() if split is not None else 1)
-            with _local_parameters(self, data_parallel if self.ep_divides_grads else 1):
-                out = combine(cls.forward(self, dispatch(x, exchange, group), exchange.local_counts), exchange, group)
-            return out if split is None else F.pad(out, (0, 0, before, after))
-
-        _EP_CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (cls,), {"forward": forward})
-    return _EP_CLASSES[cls]
+def _ep_forward(cls: type):
+    """A forward that exchanges rows between the ep ranks around ``cls.forward``."""
+    def forward(self, x, num_tokens_per_expert):
+        group = self.ep_mesh.get_group()
+        n_counts, n_experts = num_tokens_per_expert.shape[0], next(iter(self.parameters())).shape[0]
+        if n_counts != n_experts:
+            raise ValueError(f"expert parallel: {n_counts} token counts for {n_experts} experts")
+        split = self.ep_split_rows
+        if split is not None:
+            x, num_tokens_per_expert, (before, after) = _row_share(
+                x, num_tokens_per_expert, split.get_local_rank(), split.size())
+        exchange = plan_exchange(num_tokens_per_expert, group)
+        data_parallel = self.ep_mesh.size() // (split.size() if split is not None else 1)
+        with local_parameters(self, _local_view(data_parallel if self.ep_divides_grads else 1)):
+            out = combine(cls.forward(self, dispatch(x, exchange, group), exchange.local_counts), exchange, group)
+        return out if split is None else F.pad(out, (0, 0, before, after))
+    return forward
 
 
 def apply_ep(experts: nn.Module | Iterable[nn.Module], ep_mesh: DeviceMesh | None,
@@ -119,7 +105,7 @@ def apply_ep(experts: nn.Module | Iterable[nn.Module], ep_mesh: DeviceMesh | Non
 
 def _shard(module: nn.Module, ep_mesh: DeviceMesh) -> None:
     name = type(module).__name__
-    if isinstance(module, tuple(_EP_CLASSES.values())):
+    if getattr(module, "ep_mesh", None) is not None:
         raise ValueError(f"expert parallel: {name} is already expert-parallel")
     if any(True for child in module.children() for _ in child.parameters()):
         raise ValueError(f"expert parallel: {name} has parameters in submodules; the seam wants them on the module")
@@ -133,7 +119,7 @@ def _shard(module: nn.Module, ep_mesh: DeviceMesh) -> None:
     for pname, param in params.items():
         module.register_parameter(pname, nn.Parameter(_distribute(param, ep_mesh, joined), requires_grad=param.requires_grad))
     module.ep_mesh = ep_mesh
-    module.__class__ = _ep_class(type(module))
+    module.__class__ = swapped_class(type(module), "ExpertParallel", _ep_forward)  # as fully_shard swaps
 
 
 def _distribute(param: nn.Parameter, ep_mesh: DeviceMesh, joined: dict[DeviceMesh, DeviceMesh]) -> DTensor:

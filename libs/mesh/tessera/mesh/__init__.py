@@ -1,4 +1,5 @@
-"""tessera.mesh: parallel degrees, device/backend choice, process groups and device meshes."""
+"""tessera.mesh: parallel degrees, device/backend choice, process groups and device meshes, and
+the DTensor helpers the parallelism libraries share (tessera.mesh.dtensor)."""
 
 from tessera.mesh.device import (
     WorldInfo,
@@ -8,6 +9,7 @@ from tessera.mesh.device import (
     init_distributed,
     world_info,
 )
+from tessera.mesh.dtensor import fold_kv_heads, local_parameters, repeat_kv_heads, swapped_class
 from tessera.mesh.layout import (
     MeshLayout,
     flattened_dims,
@@ -36,11 +38,15 @@ __all__ = [
     "destroy_distributed",
     "device_type",
     "flattened_dims",
+    "fold_kv_heads",
     "init_distributed",
+    "local_parameters",
     "mesh_dim_names",
     "mesh_layout",
     "mesh_shape",
+    "repeat_kv_heads",
     "resolve_parallel_dims",
+    "swapped_class",
     "world_dims",
     "world_info",
 ]

@@ -18,7 +18,6 @@ its own shard's; a DTensor input is taken as its local value with the share conv
 from __future__ import annotations
 
 from collections.abc import Mapping
-from contextlib import contextmanager
 from functools import partial
 
 import torch
@@ -28,8 +27,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.distributed.tensor.parallel import ColwiseParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-_LOCAL_CLASSES: dict[type, type] = {}
-
+from tessera.mesh import local_parameters, swapped_class
 
 def replicated_as_share(x: torch.Tensor, mesh: DeviceMesh) -> DTensor:
     """A plain tensor every TP rank holds whole, as a ``Replicate`` DTensor whose gradient comes
@@ -48,30 +46,18 @@ def _summed_over_ranks(param: DTensor) -> torch.Tensor:
     return local_share(DTensor.from_local(param.to_local(), param.device_mesh, param.placements, run_check=False))
 
 
-@contextmanager
-def _local_parameters(module: nn.Module):
-    saved = dict(module._parameters)
-    try:
-        for name, param in saved.items():
-            if isinstance(param, DTensor):
-                replicated = all(isinstance(p, Replicate) for p in param.placements)
-                module._parameters[name] = _summed_over_ranks(param) if replicated else param.to_local()
-        yield
-    finally:
-        module._parameters.update(saved)
+def _local_view(param: DTensor) -> torch.Tensor:
+    replicated = all(isinstance(p, Replicate) for p in param.placements)
+    return _summed_over_ranks(param) if replicated else param.to_local()
 
 
-def _local_class(cls: type) -> type:
-    """A subclass of ``cls`` whose forward runs ``cls.forward`` on plain tensors (a class swap,
-    so state-dict keys, hooks and FSDP wrapping stay as they are)."""
-    if cls not in _LOCAL_CLASSES:
-        def forward(self, *args, **kwargs):
-            args = [local_share(a) if isinstance(a, DTensor) else a for a in args]
-            with _local_parameters(self):
-                return cls.forward(self, *args, **kwargs)
-
-        _LOCAL_CLASSES[cls] = type(f"TPLocal{cls.__name__}", (cls,), {"forward": forward})
-    return _LOCAL_CLASSES[cls]
+def _local_forward(cls: type):
+    """``cls.forward`` on plain tensors: DTensor inputs as shares, parameters as local views."""
+    def forward(self, *args, **kwargs):
+        args = [local_share(a) if isinstance(a, DTensor) else a for a in args]
+        with local_parameters(self, _local_view):
+            return cls.forward(self, *args, **kwargs)
+    return forward
 
 
 class LocalShards(ParallelStyle):
@@ -104,7 +90,7 @@ class LocalShards(ParallelStyle):
             param = module.get_parameter(pname)
             sharded = distribute_tensor(param.detach(), device_mesh, [placement], src_data_rank=self.src_data_rank)
             module.register_parameter(pname, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        module.__class__ = _local_class(type(module))
+        module.__class__ = swapped_class(type(module), "TPLocal", _local_forward)
         return module
 
 
