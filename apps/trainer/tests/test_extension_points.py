@@ -1,10 +1,12 @@
 """The trainer's extension points, used from outside as another team would, with no edit to
 apps/trainer: a model family registered from this file (not from tessera.models), whose layers
 alternate sliding-window attention with attention sinks and global causal attention (tessera's
-InnerAttention, the attention kinds declared in its spec), trains single process, under FSDP 2,
-TP 2 (sinks split with the heads, as InnerAttention declares) and CP 2 (all-gather-KV, the window applied to the whole
-sequence) with the same losses; a model converter registered here runs before tensor parallel
-wraps the model and its post-optimizer hook runs after every step."""
+InnerAttention, the attention kinds declared in its spec) and whose MoE layers hold experts of
+its own layout (gate and up projections interleaved in one tensor, as GPT-OSS stores them,
+declaring their own tensor-parallel split), trains single process, under FSDP 2, TP 2 (sinks
+split with the heads, experts on their declared dims), EP 2 and CP 2 (all-gather-KV, the window
+applied to the whole sequence) with the same losses; a model converter registered here runs
+before tensor parallel wraps the model and its post-optimizer hook runs after every step."""
 
 import dataclasses
 import math
@@ -17,6 +19,8 @@ from torch import nn
 from tessera.mesh.testing import run_on_ranks
 from tessera.models import CAUSAL, AttentionMask, InnerAttention, ModelSpec, register_model_spec
 from tessera.models.attention import attention_batch
+from tessera.models.moe import MoE, MoEArgs, moe_tp_plan
+from tessera.models.moe.balance import moe_refusals
 from tessera.trainer.config import load_config
 from tessera.trainer.converters import ModelConverter, register_converter
 from tessera.trainer.plan import make_plan
@@ -68,18 +72,57 @@ class MLP(nn.Module):
         return self.fc_out(F.gelu(self.fc_in(x)))
 
 
+MOE = MoEArgs(n_experts=4, top_k=2, hidden_dim=32, bias_update_rate=0.0)
+
+
+class InterleavedExperts(nn.Module):
+    """The family's own experts (tessera's experts seam: rows grouped by expert, counts per expert,
+    every parameter stacked on dim 0): gate and up projections interleaved column by column in
+    one tensor, y = (silu(h[:, 0::2]) * h[:, 1::2]) @ down with h = x @ gate_up. Tensor parallel
+    splits gate_up's columns (pairs stay together: each rank gets whole gate/up pairs) and
+    down's rows, as declared here."""
+
+    tp_shard_dims = {"gate_up": 2, "down": 1}
+
+    def __init__(self, dim: int, hidden_dim: int, n_experts: int):
+        super().__init__()
+        self.gate_up = nn.Parameter(torch.empty(n_experts, dim, 2 * hidden_dim))
+        self.down = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
+        self.init_weights(0.02)
+
+    def init_weights(self, init_std: float) -> None:
+        nn.init.normal_(self.gate_up, std=0.02)
+        nn.init.normal_(self.down, std=init_std)
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for e, rows in enumerate(x.split(num_tokens_per_expert.tolist())):
+            h = rows @ self.gate_up[e]
+            outs.append((F.silu(h[:, 0::2]) * h[:, 1::2]) @ self.down[e])
+        return torch.cat(outs)
+
+
+def _moe(args: ParallelGPTArgs) -> MoE:
+    layer = MoE(args.dim, MOE)
+    layer.experts = InterleavedExperts(args.dim, MOE.hidden_dim, MOE.n_experts)
+    return layer
+
+
 class ParallelBlock(nn.Module):
-    """GPT-J's parallel block: attention and MLP read the same normed input, x + attn(n) + mlp(n)."""
+    """GPT-J's parallel block: attention and MLP read the same normed input, x + attn(n) + ffn(n),
+    the ffn a dense ``mlp`` on even layers and an MoE layer ``moe`` on odd ones."""
 
     def __init__(self, args: ParallelGPTArgs, layer_id: int):
         super().__init__()
         self.ln = nn.LayerNorm(args.dim, bias=False)
         self.attn = SelfAttention(args, layer_id)
-        self.mlp = MLP(args)
+        self.mlp = MLP(args) if layer_id % 2 == 0 else None
+        self.moe = _moe(args) if layer_id % 2 == 1 else None
 
     def forward(self, x: torch.Tensor, *, attention=None) -> torch.Tensor:
         n = self.ln(x)
-        return x + self.attn(n, attention=attention) + self.mlp(n)
+        ffn = self.mlp if self.mlp is not None else self.moe
+        return x + self.attn(n, attention=attention) + ffn(n)
 
 
 class ParallelGPT(nn.Module):
@@ -99,6 +142,8 @@ class ParallelGPT(nn.Module):
                 module.reset_parameters()
             elif isinstance(module, InnerAttention) and module.sinks is not None:
                 nn.init.normal_(module.sinks)  # uneven sinks, so they matter from the first step
+            elif isinstance(module, InterleavedExperts):
+                module.init_weights(0.02)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """positions: given under context parallel (this rank's tokens); NoPE does not read them."""
@@ -131,10 +176,14 @@ register_model_spec(ModelSpec(
         "layers.*.mlp": "block_input",
         "layers.*.mlp.fc_in": "colwise",
         "layers.*.mlp.fc_out": "rowwise",
+        **moe_tp_plan("layers.*.moe"),  # tessera's MoE layer around the family's own experts
         "norm": "norm",
         "output": "vocab_output",
     },
-    tp_divisible=lambda args: {"n_heads": args.n_heads, "vocab_size": args.vocab_size, "mlp": 4 * args.dim},
+    tp_divisible=lambda args: {"n_heads": args.n_heads, "vocab_size": args.vocab_size, "mlp": 4 * args.dim,
+                               "expert hidden_dim": MOE.hidden_dim},
+    n_experts=lambda args: MOE.n_experts,
+    refusals=moe_refusals(lambda args: MOE.n_experts),
     attention_kinds=lambda args: tuple(dict.fromkeys(_layer_attention(i) for i in range(args.n_layers))),
 ))
 
@@ -170,6 +219,7 @@ LAYOUTS = {
     "fsdp2": ["--parallelism.data_parallel_shard_degree", "2"],
     "tp2": ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
     "cp2": ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
+    "ep2": ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.expert_parallel_degree", "2"],
 }
 
 
@@ -189,7 +239,7 @@ def reference(tmp_path_factory):
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_family_registered_outside_trains_under_every_layout(tmp_path, reference, layout):
-    local_batch = 2 if layout == "fsdp2" else 4
+    local_batch = 2 if layout in ("fsdp2", "ep2") else 4
     plan = make_plan(load_config([*BASE, *LAYOUTS[layout], "--training.local_batch_size", str(local_batch)]), 2, "cpu")
     assert plan.attention.describe().startswith("causal + window 8 + sinks -> blocked; causal -> ")
     argv = [*BASE, *LAYOUTS[layout], "--training.local_batch_size", str(local_batch), "--job.dump_folder", str(tmp_path)]
@@ -206,7 +256,8 @@ def _converted_under_tp(rank, world_size, argv):
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     return {
         "losses": losses,
-        "all_marked": all(type(m) is MarkedLinear for m in linears),
+        # a TP class swap (the router's) subclasses what it found: the converter's, when it came first
+        "all_marked": all(isinstance(m, MarkedLinear) for m in linears),
         "sharded": type(model.layers["0"].attn.qkv_q.weight).__name__,
         "hook_calls": len(HOOK_CALLS),
     }
