@@ -184,6 +184,18 @@ def test_cuda_plan_fuses_qwen3_tensor_parallel_qk_norms():
     assert kept["cuda"] < kept["cpu"]
 
 
+def test_document_masks_trace_with_the_cpu_kernel():
+    """block_causal plans (FlexAttention on CUDA) trace on fake tensors with the CPU's blocked
+    kernel, which reads no document ids there; the masked run keeps no more than the causal one
+    (no [seq, seq] mask)."""
+    for device in ("cpu", "cuda"):
+        plan = make_plan(load_config([*BASE, "--model.attn_mask_type", "block_causal"]), 1, device, check_only=True)
+        assert plan.attention.kernels[0][2] == ("flex" if device == "cuda" else "blocked")
+        causal = traced.trace_rank(make_plan(load_config(BASE), 1, device, check_only=True), 0)
+        masked = traced.trace_rank(plan, 0)
+        assert 0 < masked.activations <= causal.activations * 1.05, device
+
+
 @pytest.mark.parametrize("world, argv", [
     (8, ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--parallelism.expert_parallel_degree", "2",
          "--parallelism.tensor_parallel_degree", "2"]),

@@ -28,7 +28,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from tessera import fsdp, pp
 from tessera.mesh import Meshes, build_meshes
 from tessera.trainer.parallelize import convert, parallelize
-from tessera.trainer.plan import JobPlan
+from tessera.trainer.plan import JobPlan, attention_plan
 from tessera.trainer.step import cross_entropy, gradient_sync, step_functions
 from tessera.trainer.optimizer import build_optimizer
 
@@ -59,11 +59,13 @@ class RankMemory:
 
 
 def trace_plan(plan: JobPlan) -> JobPlan:
-    """The plan as traced here: on CPU fake tensors, compile-free."""
+    """The plan as traced here: on CPU fake tensors, compile-free, with the CPU's attention
+    kernels (FlexAttention, CUDA's choice for masked layers, has no CPU backward)."""
     config = copy.deepcopy(plan.config)
     config.compile.enable = False
     config.parallelism.enable_async_tensor_parallel = False
-    return dataclasses.replace(plan, config=config, device="cpu")
+    attention = attention_plan(config, plan.spec, plan.model_args, plan.dims, "cpu")
+    return dataclasses.replace(plan, config=config, device="cpu", attention=attention)
 
 
 def _parts(plan: JobPlan, meshes: Meshes) -> list[torch.nn.Module]:

@@ -114,6 +114,25 @@ def test_flex_kernel_forward_with_the_same_mask_functions(name, sinks):
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
+def test_flex_kernel_without_a_prepared_batch_builds_its_block_mask():
+    """A caller that builds no AttentionBatch (a library's own model) still gets the flex kernel."""
+    inner = InnerAttention(AttentionMask(window=7))
+    inner.kernel = "flex"
+    q, k, v = (x.detach() for x in _inputs(torch.float32))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = inner(q, k, v)
+    torch.testing.assert_close(out.double(), dense_reference(q, k, v, AttentionMask(window=7), None, None), atol=1e-5, rtol=1e-5)
+
+
+def test_unknown_kernel_is_named():
+    inner = InnerAttention()
+    inner.kernel = "flash3"
+    q, k, v = _inputs(torch.float32)
+    with pytest.raises(ValueError, match="attention kernel 'flash3' is not one of"):
+        inner(q, k, v)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sdpa_kernel_plain_causal(dtype):
     q, k, v = _inputs(dtype)
@@ -209,3 +228,31 @@ def test_mask_values_are_checked():
         AttentionMask(window=0)
     with pytest.raises(ValueError, match="chunk"):
         AttentionMask(chunk=2.5)
+
+
+def test_compiled_block_with_the_blocked_kernel_matches_eager():
+    """torch.compile(fullgraph) of a block on the blocked kernel: documents, a window and sinks
+    trace (the blocks follow the shapes), outputs and gradients as eager."""
+    import dataclasses
+
+    from tessera.models.llama import Transformer, llama3_flavors
+    from tessera.models import apply_compile
+
+    args = dataclasses.replace(llama3_flavors["debugmodel"], n_layers=1, dim=64, n_heads=4, vocab_size=128, max_seq_len=64)
+    torch.manual_seed(0)
+    models = [Transformer(args) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    for model in models:
+        model.layers["0"].attention.inner_attention = InnerAttention(AttentionMask(window=9), sinks=args.n_heads)
+        torch.nn.init.normal_(model.layers["0"].attention.inner_attention.sinks, generator=torch.Generator().manual_seed(2))
+    apply_compile(models[0])
+    tokens = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(1))
+    documents = torch.cumsum((tokens % 13 == 0).long(), dim=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # inductor's note on complex RoPE
+        compiled, eager = (model(tokens, document_ids=documents) for model in models)
+        compiled.sum().backward()
+    eager.sum().backward()
+    torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
+    for (name, got), want in zip(models[0].named_parameters(), models[1].parameters()):
+        torch.testing.assert_close(got.grad, want.grad, atol=1e-5, rtol=1e-4, msg=name)

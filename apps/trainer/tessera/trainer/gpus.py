@@ -1,8 +1,8 @@
 """GPU data sheets, one table for the trainer's MFU and the planner's model: dense tensor-core
 peaks by dtype ("float32" is TF32, the with-sparsity figures halved), memory, HBM bandwidth and
 per-GPU bandwidth inside a node (NVLink, one direction) and between nodes (the GPU's NIC), for
-the SXM/HGX parts the planner models; the other parts carry their bf16 peak only, for MFU.
-tools/plan/README.md cites each figure."""
+the SXM/HGX parts the planner models (tools/plan/README.md cites each of their figures); the
+other parts carry their bf16 data-sheet peak only, for MFU."""
 
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ from tessera.fsdp import MIXED_PRECISION_DTYPES
 from tessera.mesh import Meshes
 from tessera.models import apply_activation_checkpointing, apply_compile, inner_attentions
 from tessera.trainer.plan import JobPlan
-from tessera.trainer.step import LossFn
+from tessera.trainer.step import LossFn, micro_batch_loss
 
 
 def build_model(plan: JobPlan) -> nn.Module:
@@ -151,10 +151,9 @@ def build_parallel_model(plan: JobPlan, meshes: Meshes | None, loss_fn: LossFn) 
     if plan.pipeline is None:
         parts, pipeline = [parallelize(model, plan, meshes)], None
     else:
-        accumulation = plan.batch.accumulation
         pipeline = pp.build_pipeline(
             model, meshes.pp, plan.device, parts=plan.pipeline.parts, schedule=plan.pipeline.schedule,
-            n_microbatches=plan.pipeline.microbatches, loss_fn=lambda out, labels: loss_fn(out, labels) / accumulation,
+            n_microbatches=plan.pipeline.microbatches, loss_fn=micro_batch_loss(loss_fn, plan),
             parallelize=lambda part: parallelize(part, plan, meshes), schedule_csv=plan.pipeline.schedule_csv,
         )
         parts = pipeline.parts

@@ -185,7 +185,7 @@ def make_plan(config: JobConfig, world_size: int, device: str | None = None, *, 
     _check_tensor_parallel(config, spec, args, dims, styles)
     _check_family(config, spec, args, dims, device)
     _check_expert_parallel(config, spec, args, dims)
-    attention = _attention(config, spec, args, dims, device)
+    attention = attention_plan(config, spec, args, dims, device)
     _check_layout(config, dims, device, attention)
     _check_checkpoint(config, spec, world_size)
     _check_paths(config, notes if check_only else None)
@@ -388,7 +388,7 @@ def _check_expert_parallel(config: JobConfig, spec: ModelSpec, args, dims: Paral
         ep.check_ep_degree(experts, dims.ep)
 
 
-def _attention(config: JobConfig, spec: ModelSpec, args, dims: ParallelDims, device: str) -> AttentionPlan:
+def attention_plan(config: JobConfig, spec: ModelSpec, args, dims: ParallelDims, device: str) -> AttentionPlan:
     """Kernels by device and mask (tessera.models.choose_kernel). Context parallel takes torch's
     ring on the flash kernel where every layer is plain causal without sinks and the flash kernel
     takes the dtype (CUDA has no fp32 flash); else all-gather-KV, under which each layer's own

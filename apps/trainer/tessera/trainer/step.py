@@ -63,15 +63,24 @@ def compute_context(plan: JobPlan) -> Callable[[], contextlib.AbstractContextMan
     return lambda: torch.autocast(plan.device, dtype=plan.param_dtype)
 
 
+def micro_batch_loss(loss_fn: LossFn, plan: JobPlan) -> LossFn:
+    """The loss a micro-batch's backward runs on, the one place the loss is normalised: its mean
+    over the micro-batch's tokens (``loss_fn``) divided by the micro-batches per step, so that a
+    step's gradient is the global batch's mean loss's. Plain and pipelined steps both use it; a
+    family's own losses get the same factor (``FamilyHooks``: 1 / accumulation)."""
+    accumulation = plan.batch.accumulation
+    return lambda out, labels: loss_fn(out, labels) / accumulation
+
+
 def plain_forward_backward(model: nn.Module, loss_fn: LossFn, plan: JobPlan) -> ForwardBackward:
     """The whole model on every rank of a data-parallel (and tensor-parallel) group."""
-    autocast, scale = compute_context(plan), plan.batch.accumulation
+    autocast, step_loss = compute_context(plan), micro_batch_loss(loss_fn, plan)
 
     def forward_backward(inputs: torch.Tensor, labels: torch.Tensor, **model_kwargs) -> torch.Tensor:
         # loss parallel's cross-entropy backward only works inside its context, too
         with tp.loss_parallel_context(plan.loss_parallel):
             with autocast():
-                loss = loss_fn(model(inputs, **model_kwargs), labels) / scale
+                loss = step_loss(model(inputs, **model_kwargs), labels)
             loss.backward()
         return plain_value(loss)
 

@@ -65,11 +65,12 @@ class AttentionBatch:
     documents: torch.Tensor | None = None
     block_masks: tuple = ()  # ((AttentionMask, BlockMask), ...)
 
-    def block_mask(self, mask: AttentionMask):
+    def block_mask(self, mask: AttentionMask, seq_len: int, device):
+        """The block mask built for ``mask``, or (a caller that built no batch) one made now."""
         for candidate, block_mask in self.block_masks:
             if candidate == mask:
                 return block_mask
-        raise ValueError(f"no block mask was built for {mask}: build the batch with attention_batch over these layers")
+        return _block_mask(mask, self.documents, seq_len, torch.device(device))
 
 
 class InnerAttention(nn.Module):
@@ -97,6 +98,8 @@ class InnerAttention(nn.Module):
             nn.init.zeros_(self.sinks)
 
     def kernel_for(self, device_type: str, documents: bool) -> str:
+        if self.kernel is not None and self.kernel not in KERNELS:
+            raise ValueError(f"attention kernel {self.kernel!r} is not one of {KERNELS}")
         return self.kernel or choose_kernel(device_type, self.mask, documents, self.sinks is not None)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch | None = None) -> torch.Tensor:
@@ -120,7 +123,7 @@ class InnerAttention(nn.Module):
             return _sdpa(q, k, v, self.scale)
         if kernel == "blocked":
             return blocked_attention(q, k, v, self.mask, sinks=self.sinks, documents=documents, q_runs=q_runs, scale=self.scale)
-        out, lse = _flex(q, k, v, batch.block_mask(self.mask), self.scale)
+        out, lse = _flex(q, k, v, batch.block_mask(self.mask, q.shape[2], q.device), self.scale)
         return out if self.sinks is None else with_sinks(out, lse, self.sinks)
 
 
@@ -173,10 +176,14 @@ def attention_batch(layers: nn.Module, documents: torch.Tensor | None, seq_len: 
                   if module.context_parallel is None and module.kernel_for(device.type, documents is not None) == "flex"}
     if not flex_masks:
         return AttentionBatch(documents)
+    built = tuple((mask, _block_mask(mask, documents, seq_len, device)) for mask in sorted(flex_masks, key=repr))
+    return AttentionBatch(documents, built)
+
+
+def _block_mask(mask: AttentionMask, documents: torch.Tensor | None, seq_len: int, device: torch.device):
+    """FlexAttention's BlockMask of ``mask`` (and documents), built by a compiled kernel on CUDA."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     batch = documents.shape[0] if documents is not None else None
-    built = tuple((mask, create_block_mask(mask_function(mask, documents), batch, None, seq_len, seq_len, device=device,
-                                           _compile=device.type == "cuda"))
-                  for mask in sorted(flex_masks, key=repr))
-    return AttentionBatch(documents, built)
+    return create_block_mask(mask_function(mask, documents), batch, None, seq_len, seq_len, device=device,
+                             _compile=device.type == "cuda")

@@ -58,11 +58,18 @@ def query_blocks(mask: AttentionMask, q_runs: tuple[tuple[int, int], ...], rows:
 def _skip_to_documents(blocks: list, documents: torch.Tensor | None) -> list:
     """Blocks whose keys start no earlier than the first query's document, when the ids count
     documents (never decrease along a row): one host read, outside compiled code only."""
-    if documents is None or torch.compiler.is_compiling() or not bool((documents.diff(dim=1) >= 0).all()):
+    if documents is None or torch.compiler.is_compiling() or not _readable(documents) \
+            or not bool((documents.diff(dim=1) >= 0).all()):
         return blocks
     firsts = torch.tensor([q_start for _, _, q_start, _, _ in blocks], device=documents.device)
     starts = torch.searchsorted(documents.contiguous(), documents[:, firsts].contiguous()).amin(dim=0).tolist()
     return [(r0, r1, q, max(lo, start), hi) for (r0, r1, q, lo, hi), start in zip(blocks, starts)]
+
+
+def _readable(documents: torch.Tensor) -> bool:
+    """Real CPU values: reading them costs no device sync, and fake tensors (tools/estimate's
+    traces) have none."""
+    return documents.device.type == "cpu" and not isinstance(documents, torch._subclasses.FakeTensor)
 
 
 def _rows_per_block(q: torch.Tensor, keys: int) -> int:
@@ -110,6 +117,11 @@ def _backward_block(grad_out, q, k, v, out, lse, bias, scale):
     return ((ds @ k32) * scale).to(q.dtype), ((ds.transpose(-1, -2) @ q32) * scale).to(k.dtype), (p.transpose(-1, -2) @ do).to(v.dtype)
 
 
+def _sigma(lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Each query's softmax mass on its keys once the sink joins the denominator."""
+    return torch.sigmoid(lse - sinks.float().view(1, -1, 1))
+
+
 class _BlockedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, documents, mask: AttentionMask, q_runs, scale: float):
@@ -123,9 +135,7 @@ class _BlockedAttention(torch.autograd.Function):
             out[:, :, r0:r1], lse[:, :, r0:r1] = _forward_block(
                 q[:, :, r0:r1], repeat_kv_heads(k[:, :, lo:hi], heads), repeat_kv_heads(v[:, :, lo:hi], heads), bias, scale)
         if sinks is not None:
-            sigma = torch.sigmoid(lse - sinks.float().view(1, -1, 1))
-            out = (out.float() * sigma.unsqueeze(-1)).to(q.dtype)
-            ctx.sigma = sigma
+            out = (out.float() * _sigma(lse, sinks).unsqueeze(-1)).to(q.dtype)
         ctx.save_for_backward(q, k, v, sinks, documents, out, lse)
         ctx.mask, ctx.scale, ctx.blocks = mask, scale, blocks
         return out
@@ -137,7 +147,7 @@ class _BlockedAttention(torch.autograd.Function):
         kv_heads, scale = k.shape[1], ctx.scale
         grad_sinks = None
         if sinks is not None:
-            sigma = ctx.sigma
+            sigma = _sigma(lse, sinks)
             grad_sinks = -((1 - sigma) * (grad_out.float() * out.float()).sum(-1)).sum(dim=(0, 2)).to(sinks.dtype)
             grad_out = (grad_out.float() * sigma.unsqueeze(-1)).to(grad_out.dtype)
         mask_mod = mask_function(ctx.mask, documents)

@@ -94,7 +94,7 @@ class ModelSpec:
         positional input gets redistributed), "colwise", "rowwise", "replicated" (run whole on
         every rank), "head_norm" (a norm over the local heads), "local" (parameters split on the
         dims the module declares in ``tp_shard_dims``: attention sinks), "experts",
-        "partial_region", "rowwise_partial" (an MoE layer: ``tessera.models.moe.moe_tp_plan``).
+        "partial_region", "partial_colwise", "rowwise_partial" (an MoE layer: ``tessera.models.moe.moe_tp_plan``).
     tp_divisible: args -> {quantity name: value} that a tensor-parallel degree must divide.
     hf_adapter: object with ``to_hf(state_dict, args)`` and ``from_hf(state_dict, args)``
         converting state dicts to and from Hugging Face names, or None. A family whose tensors

@@ -81,9 +81,11 @@ DEFAULT_STYLES: Mapping[str, StyleFactory] = MappingProxyType({
     # stacked experts, split on the hidden features they declare; a caller whose expert parallel
     # takes the experts whole (its ep group holding the tp ranks) gives this role None
     "experts": lambda layouts: LocalShards(),
-    # a module run on the whole input whose output is a partial sum (an MoE layer), and a
-    # rowwise linear inside it whose output joins that sum
+    # a module run on the whole input whose output is a partial sum (an MoE layer), and the
+    # colwise / rowwise linears inside it (their input a share, their output joining the sum);
+    # not "colwise": a converter's colwise style would all-reduce the share's gradient
     "partial_region": lambda layouts: PartialRegion(layouts.between_blocks),
+    "partial_colwise": lambda layouts: ColwiseFromShare(),
     "rowwise_partial": lambda layouts: RowwiseParallel(output_layouts=Partial()),
 })
 ROLES = frozenset(DEFAULT_STYLES)

@@ -5,7 +5,8 @@ Tensor parallel, as torchtitan 0.2 lays it out: every TP rank routes all tokens 
 ranks, reduce-scattered back), the router runs whole on every rank (``local``), the routed
 experts split on their hidden features (``experts``: w1/w3's rows, w2's columns, declared by
 ``GroupedExperts.tp_shard_dims``; a run whose expert parallel takes the experts whole gives
-that role no style), the shared experts colwise then rowwise into the same partial sum.
+that role no style), the shared experts colwise (from the layer's share: ``partial_colwise``,
+which no converter replaces) then rowwise into the same partial sum.
 Routing is identical on every TP rank, so expert loads count each token once without any TP
 reduction; the sequence-wise balance loss is whole on every rank, which ``set_aux_loss_scale``
 divides by the TP degree.
@@ -18,7 +19,7 @@ def moe_tp_plan(prefix: str) -> dict[str, str]:
         prefix: "partial_region",
         f"{prefix}.router.gate": "local",
         f"{prefix}.experts": "experts",
-        f"{prefix}.shared_experts.w1": "colwise",
-        f"{prefix}.shared_experts.w3": "colwise",
+        f"{prefix}.shared_experts.w1": "partial_colwise",
+        f"{prefix}.shared_experts.w3": "partial_colwise",
         f"{prefix}.shared_experts.w2": "rowwise_partial",
     }
