@@ -41,12 +41,15 @@ def pip_install(lib: str, target: Path, scratch: Path) -> None:
 
 @pytest.mark.parametrize("lib", sorted(ALLOWED))
 def test_library_installs_and_imports_alone(lib, tmp_path):
-    target = tmp_path / "site"
-    for name in [lib, *ALLOWED[lib]]:
-        pip_install(name, target, tmp_path)
-    assert not (target / "tessera" / "__init__.py").exists(), "tessera must stay a namespace package"
+    # one folder each, as separate site installs would be (pip --target skips a tessera/ already there);
+    # the PEP 420 namespace joins them
+    targets = [tmp_path / f"site-{name}" for name in [lib, *ALLOWED[lib]]]
+    for name, folder in zip([lib, *ALLOWED[lib]], targets):
+        pip_install(name, folder, tmp_path)
+        assert not (folder / "tessera" / "__init__.py").exists(), "tessera must stay a namespace package"
+    target = targets[0]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RUNFILES_DIR", "PYTHONSAFEPATH")}
-    env["PYTHONPATH"] = str(target)
+    env["PYTHONPATH"] = os.pathsep.join(map(str, targets))
     code = f"import tessera.{lib} as m; assert m.__file__.startswith({str(target)!r}), m.__file__; {SMOKE[lib]}"
     proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]

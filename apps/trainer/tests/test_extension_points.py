@@ -176,7 +176,7 @@ register_model_spec(ModelSpec(
         "layers.*.mlp": "block_input",
         "layers.*.mlp.fc_in": "colwise",
         "layers.*.mlp.fc_out": "rowwise",
-        **moe_tp_plan("layers.*.moe"),  # tessera's MoE layer around the family's own experts
+        **moe_tp_plan("layers.*.moe", shared_experts=False),  # tessera's MoE layer around the family's own experts
         "norm": "norm",
         "output": "vocab_output",
     },

@@ -13,13 +13,11 @@ divides by the TP degree.
 """
 
 
-def moe_tp_plan(prefix: str) -> dict[str, str]:
-    """The tensor-parallel plan entries of the MoE layers at ``prefix`` (e.g. "layers.*.moe")."""
-    return {
-        prefix: "partial_region",
-        f"{prefix}.router.gate": "local",
-        f"{prefix}.experts": "experts",
-        f"{prefix}.shared_experts.w1": "partial_colwise",
-        f"{prefix}.shared_experts.w3": "partial_colwise",
-        f"{prefix}.shared_experts.w2": "rowwise_partial",
-    }
+def moe_tp_plan(prefix: str, shared_experts: bool = True) -> dict[str, str]:
+    """The tensor-parallel plan entries of the MoE layers at ``prefix`` (e.g. "layers.*.moe"),
+    with the shared experts' for a family that has them."""
+    plan = {prefix: "partial_region", f"{prefix}.router.gate": "local", f"{prefix}.experts": "experts"}
+    if shared_experts:
+        plan.update({f"{prefix}.shared_experts.w1": "partial_colwise", f"{prefix}.shared_experts.w3": "partial_colwise",
+                     f"{prefix}.shared_experts.w2": "rowwise_partial"})
+    return plan

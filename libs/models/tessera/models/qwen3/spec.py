@@ -28,7 +28,7 @@ TP_PLAN = {
     "layers.*.feed_forward.w1": "colwise",
     "layers.*.feed_forward.w2": "rowwise",
     "layers.*.feed_forward.w3": "colwise",
-    **moe_tp_plan("layers.*.moe"),
+    **moe_tp_plan("layers.*.moe", shared_experts=False),  # Qwen3's MoE has no shared experts
     "norm": "norm",
     "output": "vocab_output",
 }
