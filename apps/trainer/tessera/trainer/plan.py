@@ -19,7 +19,7 @@ from tessera import cp, ep, pp, tp
 from tessera.data import load_tokenizer, parse_mixture
 from tessera.fsdp import MIXED_PRECISION_DTYPES
 from tessera.mesh import MeshLayout, ParallelDims, device_type, mesh_layout, resolve_parallel_dims
-from tessera.models import AttentionMask, ModelSpec, RunLayout, choose_kernel, get_model_spec
+from tessera.models import AttentionMask, ModelSpec, RunLayout, choose_kernel, get_model_spec, plain_causal
 from tessera.trainer.config import ConfigError, JobConfig, user_directory, user_input
 from tessera.trainer.converters import ModelConverter, build_converters
 from tessera.trainer.hf_assets import check_hf_weights, flavor_args, initial_load_folder
@@ -397,7 +397,7 @@ def attention_plan(config: JobConfig, spec: ModelSpec, args, dims: ParallelDims,
     kinds = tuple(spec.attention_kinds(args))
     exchange = None
     if dims.cp_enabled:
-        plain = not documents and all(mask.is_plain_causal and not sinks for mask, sinks in kinds)
+        plain = all(plain_causal(mask, documents, sinks) for mask, sinks in kinds)
         fp32_attention = config.training.mixed_precision_param == "float32" and config.training.dtype == "float32"
         exchange = "ring" if plain and not (device == "cuda" and fp32_attention) else "gather"
     kernels = tuple((mask, sinks, "blocked" if exchange == "gather" else choose_kernel(device, mask, documents, sinks))

@@ -21,18 +21,12 @@ def check_seq_len(seq_len: int, cp: int, load_balance: bool) -> None:
 
 def local_positions(seq_len: int, cp: int, cp_rank: int, load_balance: bool = True, device=None) -> torch.Tensor:
     """Positions (ascending) of the seq_len // cp tokens rank `cp_rank` holds."""
-    check_seq_len(seq_len, cp, load_balance)
-    if not load_balance:
-        size = seq_len // cp
-        return torch.arange(cp_rank * size, (cp_rank + 1) * size, device=device)
-    size = seq_len // (2 * cp)
-    head = torch.arange(cp_rank * size, (cp_rank + 1) * size, device=device)
-    tail_chunk = 2 * cp - 1 - cp_rank
-    return torch.cat([head, torch.arange(tail_chunk * size, (tail_chunk + 1) * size, device=device)])
+    runs = local_runs(seq_len, cp, cp_rank, load_balance)
+    return torch.cat([torch.arange(start, start + count, device=device) for start, count in runs])
 
 
 def local_runs(seq_len: int, cp: int, cp_rank: int, load_balance: bool = True) -> tuple[tuple[int, int], ...]:
-    """``local_positions`` as runs of consecutive positions: ((start, count), ...)."""
+    """The positions rank `cp_rank` holds as runs of consecutive positions: ((start, count), ...)."""
     check_seq_len(seq_len, cp, load_balance)
     if not load_balance:
         size = seq_len // cp

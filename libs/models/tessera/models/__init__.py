@@ -1,7 +1,7 @@
 """Tessera model code, per-block transforms and the model-spec registry. Importing registers
 "llama2", "llama3", "deepseek_v3" and "qwen3"."""
 
-from tessera.models.attention import KERNELS, AttentionBatch, InnerAttention, choose_kernel, inner_attentions
+from tessera.models.attention import KERNELS, AttentionBatch, InnerAttention, choose_kernel, inner_attentions, plain_causal
 from tessera.models.masks import CAUSAL, AttentionMask
 from tessera.models.blocks import AC_MODES, apply_activation_checkpointing, apply_compile
 from tessera.models.hf_config import CONFIG_FILE, read_hf_config
@@ -48,6 +48,7 @@ __all__ = [
     "get_model_spec",
     "list_model_specs",
     "num_params",
+    "plain_causal",
     "read_args_record",
     "read_hf_config",
     "register_model_spec",

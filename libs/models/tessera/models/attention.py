@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.models.blocked_attention import blocked_attention, repeat_kv_heads
+from tessera.models.blocked_attention import blocked_attention, repeat_kv_heads, sink_share
 from tessera.models.masks import CAUSAL, AttentionMask, mask_function
 
 KERNELS = ("sdpa", "flex", "blocked")
@@ -48,10 +48,16 @@ KERNELS = ("sdpa", "flex", "blocked")
 CPU_FP32_MAX_SEQ_TIMES_HEAD_DIM = 8192
 
 
+def plain_causal(mask: AttentionMask, documents: bool, sinks: bool) -> bool:
+    """What the fused causal kernels take (SDPA's, context parallel's ring): causal attention
+    alone, with no window, chunk, documents or sinks."""
+    return mask.is_plain_causal and not documents and not sinks
+
+
 def choose_kernel(device_type: str, mask: AttentionMask, documents: bool, sinks: bool) -> str:
     """The kernel for a layer: SDPA's fused kernels where the mask is plain causal and there
     are no sinks; else FlexAttention on CUDA and the blocked kernel elsewhere."""
-    if mask.is_plain_causal and not documents and not sinks:
+    if plain_causal(mask, documents, sinks):
         return "sdpa"
     return "flex" if device_type == "cuda" else "blocked"
 
@@ -93,6 +99,12 @@ class InnerAttention(nn.Module):
     def extra_repr(self) -> str:
         return f"{self.mask.describe()}{', sinks' if self.sinks is not None else ''}"
 
+    def _plain_causal(self, documents: torch.Tensor | None) -> bool:
+        return plain_causal(self.mask, documents is not None, self.sinks is not None)
+
+    def _describe(self, documents: torch.Tensor | None) -> str:
+        return self.extra_repr() + (" with documents" if documents is not None else "")
+
     def init_weights(self) -> None:
         if self.sinks is not None:
             nn.init.zeros_(self.sinks)
@@ -107,19 +119,18 @@ class InnerAttention(nn.Module):
         documents, q_runs = batch.documents, None
         exchange = self.context_parallel
         if exchange is not None and exchange.kind == "ring":
-            if documents is not None or not self.mask.is_plain_causal or self.sinks is not None or self.scale is not None:
-                raise ValueError(f"context parallel's ring runs plain causal attention only, not {self.extra_repr()}"
-                                 f"{' with documents' if documents is not None else ''}: use the all-gather-KV exchange")
+            if not self._plain_causal(documents) or self.scale is not None:
+                raise ValueError(f"context parallel's ring runs plain causal attention only, not "
+                                 f"{self._describe(documents)}: use the all-gather-KV exchange")
             return exchange.attend(q, k, v)
-        if exchange is not None:
+        if exchange is not None:  # queries in index runs: the blocked kernel takes them as they come
             k, v, documents, q_runs = exchange.gather(k, v, documents)
-        kernel = self.kernel_for(q.device.type, documents is not None)
-        if exchange is not None and kernel != "blocked":
-            kernel = "blocked"  # queries in index runs: the blocked kernel takes them as they come
+            kernel = "blocked"
+        else:
+            kernel = self.kernel_for(q.device.type, documents is not None)
         if kernel == "sdpa":
-            if documents is not None or not self.mask.is_plain_causal or self.sinks is not None:
-                raise ValueError(f"the sdpa kernel takes plain causal attention without sinks, not {self.extra_repr()}"
-                                 f"{' with documents' if documents is not None else ''}")
+            if not self._plain_causal(documents):
+                raise ValueError(f"the sdpa kernel takes plain causal attention without sinks, not {self._describe(documents)}")
             return _sdpa(q, k, v, self.scale)
         if kernel == "blocked":
             return blocked_attention(q, k, v, self.mask, sinks=self.sinks, documents=documents, q_runs=q_runs, scale=self.scale)
@@ -129,9 +140,8 @@ class InnerAttention(nn.Module):
 
 def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
     """The output of a softmax whose denominator also holds exp(sink) per head: the kernel's
-    output scaled by sum(exp(scores)) / (sum(exp(scores)) + exp(sink)) = sigmoid(lse - sink)."""
-    keep = torch.sigmoid(lse.float() - sinks.float().view(1, -1, 1))
-    return (out.float() * keep.unsqueeze(-1)).to(out.dtype)
+    output scaled by its share (``blocked_attention.sink_share``)."""
+    return (out.float() * sink_share(lse, sinks).unsqueeze(-1)).to(out.dtype)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:

@@ -117,9 +117,18 @@ def _backward_block(grad_out, q, k, v, out, lse, bias, scale):
     return ((ds @ k32) * scale).to(q.dtype), ((ds.transpose(-1, -2) @ q32) * scale).to(k.dtype), (p.transpose(-1, -2) @ do).to(v.dtype)
 
 
-def _sigma(lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
-    """Each query's softmax mass on its keys once the sink joins the denominator."""
-    return torch.sigmoid(lse - sinks.float().view(1, -1, 1))
+def sink_share(lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """[batch, heads, queries]: each query's softmax mass on its keys once its head's sink joins
+    the denominator, sum(exp(scores)) / (sum(exp(scores)) + exp(sink)) = sigmoid(lse - sink)."""
+    return torch.sigmoid(lse.float() - sinks.float().view(1, -1, 1))
+
+
+def _block_operands(blocks, mask_mod, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """Per block: its rows, first key, its mask, and its keys and values repeated to the query heads."""
+    batch, heads = q.shape[:2]
+    for r0, r1, q_start, lo, hi in blocks:
+        bias = _block_mask(mask_mod, batch, q_start, r1 - r0, lo, hi, q.dtype, q.device)
+        yield r0, r1, lo, hi, bias, repeat_kv_heads(k[:, :, lo:hi], heads), repeat_kv_heads(v[:, :, lo:hi], heads)
 
 
 class _BlockedAttention(torch.autograd.Function):
@@ -130,12 +139,10 @@ class _BlockedAttention(torch.autograd.Function):
         blocks = _skip_to_documents(query_blocks(mask, q_runs, _rows_per_block(q, k.shape[2])), documents)
         out = q.new_empty(batch, heads, queries, v.shape[-1])
         lse = q.new_empty(batch, heads, queries, dtype=torch.float32)
-        for r0, r1, q_start, lo, hi in blocks:
-            bias = _block_mask(mask_mod, batch, q_start, r1 - r0, lo, hi, q.dtype, q.device)
-            out[:, :, r0:r1], lse[:, :, r0:r1] = _forward_block(
-                q[:, :, r0:r1], repeat_kv_heads(k[:, :, lo:hi], heads), repeat_kv_heads(v[:, :, lo:hi], heads), bias, scale)
+        for r0, r1, _, _, bias, k_block, v_block in _block_operands(blocks, mask_mod, q, k, v):
+            out[:, :, r0:r1], lse[:, :, r0:r1] = _forward_block(q[:, :, r0:r1], k_block, v_block, bias, scale)
         if sinks is not None:
-            out = (out.float() * _sigma(lse, sinks).unsqueeze(-1)).to(q.dtype)
+            out = (out.float() * sink_share(lse, sinks).unsqueeze(-1)).to(q.dtype)
         ctx.save_for_backward(q, k, v, sinks, documents, out, lse)
         ctx.mask, ctx.scale, ctx.blocks = mask, scale, blocks
         return out
@@ -143,21 +150,18 @@ class _BlockedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, sinks, documents, out, lse = ctx.saved_tensors
-        batch, heads, _, _ = q.shape
         kv_heads, scale = k.shape[1], ctx.scale
         grad_sinks = None
         if sinks is not None:
-            sigma = _sigma(lse, sinks)
+            sigma = sink_share(lse, sinks)
             grad_sinks = -((1 - sigma) * (grad_out.float() * out.float()).sum(-1)).sum(dim=(0, 2)).to(sinks.dtype)
             grad_out = (grad_out.float() * sigma.unsqueeze(-1)).to(grad_out.dtype)
         mask_mod = mask_function(ctx.mask, documents)
         dq, dk, dv = torch.zeros_like(q), torch.zeros(k.shape, dtype=torch.float32, device=k.device), \
             torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-        for r0, r1, q_start, lo, hi in ctx.blocks:
-            bias = _block_mask(mask_mod, batch, q_start, r1 - r0, lo, hi, q.dtype, q.device)
+        for r0, r1, lo, hi, bias, k_block, v_block in _block_operands(ctx.blocks, mask_mod, q, k, v):
             dq_block, dk_block, dv_block = _backward_block(
-                grad_out[:, :, r0:r1], q[:, :, r0:r1], repeat_kv_heads(k[:, :, lo:hi], heads), repeat_kv_heads(v[:, :, lo:hi], heads),
-                out[:, :, r0:r1], lse[:, :, r0:r1], bias, scale)
+                grad_out[:, :, r0:r1], q[:, :, r0:r1], k_block, v_block, out[:, :, r0:r1], lse[:, :, r0:r1], bias, scale)
             dq[:, :, r0:r1] = dq_block
             dk[:, :, lo:hi] += _fold(dk_block.float(), kv_heads)
             dv[:, :, lo:hi] += _fold(dv_block.float(), kv_heads)
