@@ -59,7 +59,7 @@ def estimate(plan: JobPlan, trace: bool = True) -> dict:
     return {
         "model": f"{plan.spec.name}/{plan.config.model.flavor}", "world_size": plan.world_size,
         "degrees": {k: v for k, v in plan.dims.degrees().items() if v > 1},
-        "activation_checkpoint": plan.config.activation_checkpoint.mode,
+        "activation_checkpoint": plan.checkpointing.mode,
         "flops_per_token": plan.flops_per_token, "flops_per_step": plan.flops_per_token * tokens,
         "tokens_per_step": tokens, "roles": roles,
     }

@@ -14,7 +14,6 @@ import torch
 from tessera import pp
 from tessera.float8 import Float8Options
 from tessera.float8.convert import selected
-from tessera.trainer.float8_converter import SECTIONS, float8_options
 from tessera.trainer.plan import JobPlan
 
 F32 = 4
@@ -39,10 +38,9 @@ def _block_params(a) -> list[tuple[int, int, int | None]]:
     return [*block_linears(a).values(), (a.dim, 1, None), (a.dim, 1, None)]
 
 
-def float8_of(config, dims) -> Float8Options | None:
-    """The float8 converter's options as the trainer resolves them for this layout, or None."""
-    names = [n for n in config.model.converters if n in SECTIONS]
-    return float8_options(config, dims, names[0]) if names else None
+def float8_of(plan: JobPlan) -> Float8Options | None:
+    """The float8 linear converter's options as the job plan resolved them for its layout, or None."""
+    return next((c.options for c in plan.converters if isinstance(c.options, Float8Options)), None)
 
 
 def float8_linears(options: Float8Options | None, a) -> frozenset[str]:
@@ -109,7 +107,7 @@ def estimate_rank(plan: JobPlan, pp_rank: int = 0) -> FormulaEstimate:
     buffers = 8 * plan.batch.seq_len * a.head_dim // 2 * (len(local_stages(plan, pp_rank)))  # complex64 RoPE table per part
     blocks = sum(m.startswith("layers.") for m in modules)
     tp_local_block = sum(_local_elements(r, c, s, dims.tp, 1) for r, c, s in _block_params(a))
-    options = float8_of(plan.config, dims)
+    options = float8_of(plan)
     fp8 = float8_linears(options, a)
     # FSDP keeps the last block, the output and the final norm gathered from forward into backward
     # ("default"; "never": every group, "always": none), float8 ones in float8 under its float8 all-gather
@@ -127,10 +125,10 @@ def estimate_rank(plan: JobPlan, pp_rank: int = 0) -> FormulaEstimate:
     # gradients, in the param dtype whatever the all-gather's; the kept last block is freed by
     # then, and the last reduce-scatter's fp32 input overlaps them in an order this does not follow);
     # or the optimizer step (gradients, + foreach AdamW's parameter-sized temporaries; fused: in place)
-    last_block = _recompute_bytes(plan) + (3 * plan.param_dtype.itemsize * tp_local_block if _regathers(plan, fsdp) else 0)
+    last_block = _recompute_bytes(plan) + (3 * plan.precision.param.itemsize * tp_local_block if _regathers(plan, fsdp) else 0)
     if "output" in modules:
         last_block -= _head_activations(plan)
-    temporaries = params if plan.config.optimizer.implementation == "foreach" else 0
+    temporaries = params if plan.optimizer.implementation == "foreach" else 0
     peak = params + optimizer + buffers + max(act + held + max(_logits_grad(plan, modules, fp8), last_block), grads + temporaries)
     return FormulaEstimate(params, grads, optimizer, buffers, act, peak, rank_flops(plan, pp_rank),
                            comm_bytes(plan, elements, _kept_gathered(plan, modules, frozenset()) if fsdp > 1 else 0, blocks, modules, pp_rank))
@@ -157,7 +155,7 @@ def _held_grads(plan: JobPlan, shapes: list[tuple[int, int, int | None]], grads:
     if fsdp == 1 or reductions(plan) > 1:
         return grads
     whole = _whole_embedding(plan) if embedding else 0
-    return plan.reduce_dtype.itemsize * (sum(_local_elements(r, c, s, plan.dims.tp, 1) for r, c, s in shapes) + whole)
+    return plan.precision.reduce.itemsize * (sum(_local_elements(r, c, s, plan.dims.tp, 1) for r, c, s in shapes) + whole)
 
 
 def _whole_embedding(plan: JobPlan) -> int:
@@ -180,14 +178,14 @@ def state_floor(a, tp: int, fsdp: int, pp: int, held: bool) -> float:
 
 def _regathers(plan: JobPlan, fsdp: int) -> bool:
     """Whether FSDP gathers each block again for its backward (it resharded after forward)."""
-    return fsdp > 1 and plan.fsdp_reshard_after_forward != "never"
+    return fsdp > 1 and plan.fsdp.reshard_after_forward != "never"
 
 
 def _kept_gathered(plan: JobPlan, modules: list[str], fp8: frozenset[str]) -> int:
     """Bytes of gathered weights FSDP keeps from forward into backward: the param dtype's, one
     byte for the `fp8` linears (those FSDP gathers in float8; the collective bytes pass none)."""
-    a, dims, e = plan.model_args, plan.dims, plan.param_dtype.itemsize
-    policy = plan.fsdp_reshard_after_forward
+    a, dims, e = plan.model_args, plan.dims, plan.precision.param.itemsize
+    policy = plan.fsdp.reshard_after_forward
     blocks = [m for m in modules if m.startswith("layers.")]
     block = sum(_local_elements(o, i, split, dims.tp, 1) * (1 if name in fp8 else e) for name, (o, i, split) in block_linears(a).items())
     block += 2 * a.dim * e  # the two norms
@@ -209,7 +207,7 @@ def local_stages(plan: JobPlan, pp_rank: int) -> list[int]:
 
 def _compute_bytes(plan: JobPlan) -> int:
     """Activations' element size: the low-precision dtype under FSDP mixed precision or autocast."""
-    return plan.param_dtype.itemsize
+    return plan.precision.param.itemsize
 
 
 def _microbatch_tokens(plan: JobPlan) -> int:
@@ -252,15 +250,15 @@ def block_activations(plan: JobPlan, mode: str) -> float:
 
 def _recompute_bytes(plan: JobPlan) -> float:
     """Backward of a checkpointed block rebuilds its activations: one block's worth on top."""
-    mode = plan.config.activation_checkpoint.mode
+    mode = plan.checkpointing.mode
     if mode == "none":
         return 0
     return block_activations(plan, "none") - block_activations(plan, mode)
 
 
 def _every_nth(plan: JobPlan) -> int | None:
-    ac = plan.config.activation_checkpoint
-    return int(ac.selective_ac_option) if ac.mode == "selective" and ac.selective_ac_option != "op" else None
+    ac = plan.checkpointing
+    return int(ac.selective_option) if ac.mode == "selective" and ac.selective_option != "op" else None
 
 
 def _head_activations(plan: JobPlan) -> float:
@@ -281,10 +279,10 @@ def _logits_grad(plan: JobPlan, modules: list[str], fp8: frozenset[str]) -> floa
     if "output" not in modules:
         return 0
     a, e, tokens = plan.model_args, _compute_bytes(plan), _microbatch_tokens(plan)
-    cast = e if e != F32 and not plan.loss_parallel else 0
+    cast = e if e != F32 and not plan.loss.parallel else 0
     grad = tokens * a.vocab_size / plan.dims.tp * (F32 + cast)
     if "output" in fp8:
-        grad += tokens * a.dim * e + (2 * tokens * a.vocab_size / plan.dims.tp if plan.loss_parallel else 0)
+        grad += tokens * a.dim * e + (2 * tokens * a.vocab_size / plan.dims.tp if plan.loss.parallel else 0)
     return grad
 
 
@@ -292,7 +290,7 @@ def _microbatch_activations(plan: JobPlan, modules: list[str]) -> float:
     """Bytes one micro-batch leaves in `modules` at the end of its forward: each block's share
     under the AC mode, the head's logits (last stage), the token ids and labels (first stage)."""
     blocks = sum(m.startswith("layers.") for m in modules)
-    mode, every = plan.config.activation_checkpoint.mode, _every_nth(plan)
+    mode, every = plan.checkpointing.mode, _every_nth(plan)
     if every:
         full = blocks // every  # the N-th, 2N-th, ... block (tessera.models.apply_activation_checkpointing)
         out = full * block_activations(plan, "full") + (blocks - full) * block_activations(plan, "none")
@@ -352,22 +350,22 @@ def comm_bytes(plan: JobPlan, local_elements: int, kept: int, blocks: int, modul
     out: dict[tuple[str, str], int] = {}
     fsdp = dims.dp_shard * dims.cp if dims.fsdp_enabled else 1
     if fsdp > 1:
-        gathered = local_elements * fsdp * plan.param_dtype.itemsize
+        gathered = local_elements * fsdp * plan.precision.param.itemsize
         rounds = 1 if plan.pipeline is not None else batch.accumulation  # a pipeline keeps stages gathered
         out[("all_gather", "fsdp")] = int((2 * gathered - kept) * rounds)
-        out[("reduce_scatter", "fsdp")] = int(local_elements * fsdp * plan.reduce_dtype.itemsize) * reductions(plan)
+        out[("reduce_scatter", "fsdp")] = int(local_elements * fsdp * plan.precision.reduce.itemsize) * reductions(plan)
     if dims.dp_replicate > 1:  # DDP, or HSDP's all-reduce of the reduce-scattered shards across replicas
-        out[("all_reduce", "dp_replicate")] = int(local_elements * plan.reduce_dtype.itemsize) * reductions(plan)
+        out[("all_reduce", "dp_replicate")] = int(local_elements * plan.precision.reduce.itemsize) * reductions(plan)
     tokens = batch.local * batch.seq_len * batch.accumulation // dims.cp  # this rank's share of the sequences
-    e = plan.param_dtype.itemsize
+    e = plan.precision.param.itemsize
     if dims.cp > 1:  # all-gather K and V (heads repeated) of the whole sequence; backward reduce-scatters dK, dV
         a = plan.model_args
         gathered = 2 * tokens * dims.cp * a.n_heads * a.head_dim // dims.tp * e * blocks
-        out[("all_gather", "cp")] = gathered * (1 + (plan.config.activation_checkpoint.mode == "full"))
+        out[("all_gather", "cp")] = gathered * (1 + (plan.checkpointing.mode == "full"))
         out[("reduce_scatter", "cp")] = gathered
     if dims.tp > 1:
         ends = ("tok_embeddings" in modules) + ("output" in modules)
-        gathered, scattered = tp_bytes(tokens * plan.model_args.dim * e, blocks, ends, plan.config.activation_checkpoint.mode)
+        gathered, scattered = tp_bytes(tokens * plan.model_args.dim * e, blocks, ends, plan.checkpointing.mode)
         out[("all_gather", "tp")], out[("reduce_scatter", "tp")] = int(gathered), int(scattered)
     if dims.pp > 1:  # per micro-batch, each stage boundary to another rank: activations forward, gradients back
         out[("send_recv", "pp")] = int(2 * _pipeline_hops(plan, pp_rank) * tokens * plan.model_args.dim // dims.tp * e)
@@ -379,7 +377,7 @@ def reductions(plan: JobPlan) -> int:
     backward), or each accumulation micro-batch's with parallelism.fsdp_reduce_every_microbatch and
     under DDP (torch's DDP all-reduces every backward)."""
     dims = plan.dims
-    every = plan.config.parallelism.fsdp_reduce_every_microbatch or not dims.fsdp_enabled
+    every = plan.fsdp.reduce_every_microbatch or not dims.fsdp_enabled
     return plan.batch.accumulation if plan.pipeline is None and every else 1
 
 

@@ -34,7 +34,7 @@ def measure_rank(rank: int, world_size: int, argv: list[str]) -> dict[str, int]:
     with LiveBytes() as live:
         meshes = build_meshes(plan.dims, "cpu") if dist.is_initialized() else Meshes.single()
         model = build_parallel_model(plan, meshes, cross_entropy)
-        optimizers = [build_optimizer(part, plan.config) for part in model.parts]
+        optimizers = [build_optimizer(part, plan.optimizer) for part in model.parts]
         schedulers = [build_lr_scheduler(o, 10, warmup_steps=1, decay_ratio=None, decay_type="linear", min_lr_factor=0.0) for o in optimizers]
         forward_backward = step_functions(model.parts, model.pipeline, cross_entropy, plan, meshes, bos_id=NO_BOS)[0]
         step = make_train_step(model.parts, optimizers, schedulers[0], forward_backward, plan, pp_mesh=meshes.pp)

@@ -14,7 +14,6 @@ micro-batches in flight.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import torch
@@ -28,7 +27,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from tessera import fsdp, pp
 from tessera.mesh import Meshes, build_meshes
 from tessera.trainer.parallelize import convert, parallelize
-from tessera.trainer.plan import JobPlan, attention_plan
+from tessera.trainer.plan import JobPlan, traced_on_cpu
 from tessera.trainer.step import cross_entropy, gradient_sync, step_functions
 from tessera.trainer.optimizer import build_optimizer
 
@@ -58,16 +57,6 @@ class RankMemory:
     groups: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # mesh dim -> the rank's group
 
 
-def trace_plan(plan: JobPlan) -> JobPlan:
-    """The plan as traced here: on CPU fake tensors, compile-free, with the CPU's attention
-    kernels (FlexAttention, CUDA's choice for masked layers, has no CPU backward)."""
-    config = copy.deepcopy(plan.config)
-    config.compile.enable = False
-    config.parallelism.enable_async_tensor_parallel = False
-    attention = attention_plan(config, plan.spec, plan.model_args, plan.dims, "cpu")
-    return dataclasses.replace(plan, config=config, device="cpu", attention=attention)
-
-
 def _parts(plan: JobPlan, meshes: Meshes) -> list[torch.nn.Module]:
     """This rank's model parts on the meta device, converted and parallelised as the trainer does."""
     with torch.device("meta"):
@@ -82,7 +71,7 @@ def _parts(plan: JobPlan, meshes: Meshes) -> list[torch.nn.Module]:
 
 def trace_rank(plan: JobPlan, rank: int) -> RankMemory:
     """One rank's memory and communication for one steady-state step (optimizer state present)."""
-    device, plan = plan.device, trace_plan(plan)
+    device, plan = plan.device, traced_on_cpu(plan)
     world = plan.world_size
     if world > 1:
         dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
@@ -96,7 +85,7 @@ def trace_rank(plan: JobPlan, rank: int) -> RankMemory:
                 Collectives(group_dims(meshes), live.key) as comm:
             for part in parts:
                 part.to_empty(device="cpu")
-            optimizers = [build_optimizer(part, plan.config) for part in parts]
+            optimizers = [build_optimizer(part, plan.optimizer) for part in parts]
             params = [p for part in parts for p in part.parameters()]
             for p in params:  # a first step creates AdamW's state, as in every step after it
                 p.grad = torch.zeros_like(p)
@@ -182,7 +171,7 @@ def _step(plan: JobPlan, parts, optimizers, meshes: Meshes, comm: Collectives,
     sync(True)
     forward_backward(tokens, tokens)
     params = list(part.parameters())
-    fsdp.clip_grad_norm_(params, plan.config.training.max_norm, pp_mesh=meshes.pp, error_if_nonfinite=False)
+    fsdp.clip_grad_norm_(params, plan.optimizer.max_norm, pp_mesh=meshes.pp, error_if_nonfinite=False)
     backward = live.peak, dict(live.peak_sizes)
     live.reset_peak()
     for optimizer in optimizers:

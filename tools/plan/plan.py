@@ -2,8 +2,8 @@
 [--global_batch N] [--top 3] [--tp 1,2,4,8] [--efficiency 0.35] [--memory_fraction 0.9] [--max_traced 100]`.
 
 Enumerates layouts the trainer can run (HSDP replicas x FSDP x CP x TP x PP with each pipeline
-schedule and stages per rank, EP for MoE models, float8, async TP, AC mode, local batch; compiled
-wherever the trainer can compile), keeps those the trainer's own job plan accepts and whose peak
+schedule and stages per rank, EP for MoE models, float8, async TP, AC mode, local batch), keeps
+those the trainer's own job plan accepts (compiled where it takes compile, else eager) and whose peak
 fits (the closed form of tools/estimate/formulas.py for Llama-shaped models, the traced estimate
 for the others), ranks them by the step-time model of README.md and prints the best distinct
 layouts with their reasoning and the exact trainer flags. Bad input: one line on stderr, exit 2.
@@ -26,9 +26,8 @@ for _logger in ("torchao", "torch.utils._pytree"):
     logging.getLogger(_logger).setLevel(logging.ERROR)
 
 from tessera import pp as tessera_pp  # noqa: E402
-from tessera.mesh import resolve_parallel_dims  # noqa: E402
 from tessera.models import get_model_spec, list_model_specs  # noqa: E402
-from tessera.trainer.config import ActivationCheckpoint, ConfigError, load_config  # noqa: E402
+from tessera.trainer.config import ConfigError, load_config  # noqa: E402
 from tessera.trainer.gpus import GIB, GPU, PLANNED as GPUS  # noqa: E402
 from tessera.trainer.plan import JobPlan, make_plan  # noqa: E402
 
@@ -55,16 +54,9 @@ class Layout:
     layers_per_stage: int | None
     float8: bool
     local: int
-    async_tp: bool = False  # torch's async TP (an inductor pass: compiled plans only)
+    async_tp: bool = False  # torch's async TP (an inductor pass: where the plan compiles)
     reduce_every: bool = False  # FSDP reduce-scatters every accumulation micro-batch, not once after the last
     ep: int = 1  # expert parallel (MoE models): all cp x tp ranks and part of dp_shard
-    eager: bool = False  # the trainer cannot compile it (MoE layers under TP)
-
-    @property
-    def compiled(self) -> bool:
-        """torch.compile wherever the trainer allows it (not with CP yet, nor MoE layers under TP),
-        as in the efficiency's fit."""
-        return self.cp == 1 and not self.eager
 
     def accumulation(self, global_batch: int) -> int:
         """Micro-batches of `local` sequences a step takes to reach `global_batch` (with a
@@ -77,7 +69,8 @@ class Layout:
         against HSDP, like the schedule, float8, async TP, AC and batch, is a variant of one."""
         return self.dp_replicate * self.dp_shard, self.cp, self.tp, self.pp, self.ep
 
-    def flags(self, args, ac: str) -> list[str]:
+    def flags(self, args, ac: str, compiled: bool = True) -> list[str]:
+        """The trainer's flags; `compiled`: torch.compile (and async TP where the layout asks)."""
         par = "--parallelism."
         flags = [f"--model.name={args.model}", f"--model.flavor={args.flavor}", f"--model.tokenizer_path={args.tokenizer_path}",
                  f"--training.seq_len={args.seq_len}",
@@ -88,11 +81,11 @@ class Layout:
                  f"{par}pipeline_parallel_degree={self.pp}", f"--activation_checkpoint.mode={ac}"]
         if self.ep > 1:
             flags.append(f"{par}expert_parallel_degree={self.ep}")
-        if self.compiled:
+        if compiled:
             flags.append("--compile.enable=true")
         if self.reduce_every:
             flags.append(f"{par}fsdp_reduce_every_microbatch=true")
-        if self.async_tp:
+        if self.async_tp and compiled:
             flags.append(f"{par}enable_async_tensor_parallel=true")
         if self.schedule:
             flags.append(f"{par}pipeline_parallel_schedule={self.schedule}")
@@ -146,7 +139,7 @@ def layouts(args, gpu: GPU):
     sequence (more micro-batches only shrink a bubble while the held activations stay capped,
     GPipe's aside). Models without the closed form (`traced`): no pipeline, no float8, synchronous
     TP; for MoE models every expert-parallel degree the trainer takes (a multiple of cp x tp whose
-    quotient divides dp_shard, dividing the experts), eager under TP (the trainer's rule)."""
+    quotient divides dp_shard, dividing the experts)."""
     spec = get_model_spec(args.model)
     a = spec.flavors[args.flavor]
     layers, experts, traced_model = a.n_layers, spec.n_experts(a), args.model not in formulas.LLAMA_SHAPED
@@ -172,8 +165,7 @@ def layouts(args, gpu: GPU):
                                     (False, True) if gpu.has_float8 and not traced_model else (False,),
                                     (False, True) if accumulates else (False,), eps):
                                 layout = Layout(replicate, shard, cp, tp, pp, schedule, v, per_stage, float8, local,
-                                                async_tp=tp > 1 and cp == 1 and not traced_model, reduce_every=every, ep=ep,
-                                                eager=bool(experts) and tp > 1)
+                                                async_tp=tp > 1 and not traced_model, reduce_every=every, ep=ep)
                                 for ac in AC_MODES:
                                     yield layout, ac
 
@@ -182,20 +174,21 @@ def lower_bound(layout: Layout, ac: str, args, gpu: GPU, a, fp8: frozenset[str])
     """Compute, bubble and TP collectives of the average pp rank of model args `a`: no more than
     the step-time model's total for the layout (the busiest rank computes at least the average, TP
     is linear in a rank's modules, other communication only adds), so the search can skip layouts
-    whose bound exceeds the times already found. Models without the closed form: compute and
-    expert parallel's all-to-alls (_all_to_all_floor)."""
+    whose bound exceeds the times already found; compiled, as compile is never slower in the
+    model. Models without the closed form: compute and expert parallel's all-to-alls
+    (_all_to_all_floor)."""
     blocks = a.n_layers / layout.pp
     accumulation = layout.accumulation(args.global_batch)
     micro = (layout.local if layout.pp > 1 else 1) * accumulation
     tokens = layout.local * args.seq_len * accumulation
     fp8 = fp8 if layout.float8 else frozenset()
-    efficiency = step_time.run_efficiency(args.efficiency, layout.compiled)
+    efficiency = step_time.run_efficiency(args.efficiency, True)
     if args.model not in formulas.LLAMA_SHAPED:
         w = step_time.spec_work(get_model_spec(args.model), a, args.seq_len, tokens, accumulation, layout.tp, layout.cp,
-                                ActivationCheckpoint(mode=ac), "bfloat16", gpu, efficiency)
+                                step_time.recompute_share(ac, a.n_layers), "bfloat16", gpu, efficiency)
         return w.total + _all_to_all_floor(layout, a, tokens / layout.cp / layout.tp, gpu)
     w = step_time.work(a, args.seq_len, tokens, micro, blocks, 1 / layout.pp, layout.tp, layout.cp,
-                       step_time.recompute_share(ActivationCheckpoint(mode=ac), blocks), fp8, "bfloat16", gpu, efficiency)
+                       step_time.recompute_share(ac, blocks), fp8, "bfloat16", gpu, efficiency)
     tp = micro * step_time.tp_seconds(a, tokens / layout.cp / micro, 2, blocks, 1 / layout.pp, 1 / layout.pp, ac, layout.tp,
                                       fp8, bool(fp8), layout.async_tp, step_time.peaks(gpu, "bfloat16", efficiency), gpu)
     return w.total + step_time.bubble(layout.schedule, layout.pp, layout.stages_per_rank, w) + tp
@@ -213,7 +206,7 @@ def _all_to_all_floor(layout: Layout, a, rows: float, gpu: GPU) -> float:
     return step_time.ring_seconds(sent, layout.ep, step_time.group_nodes(layout.ep, 1, gpu), gpu)[1]
 
 
-def search(args, gpu: GPU) -> tuple[list[Candidate], int, int, float | None]:
+def search(args, gpu: GPU, traces: dict | None = None) -> tuple[list[Candidate], int, int, float | None]:
     """The best `args.top` distinct layouts (Layout.key; each with its best variant), exactly:
     layouts are tried in order of their lower bound and the search stops once that bound reaches
     the top's slowest. Models without the closed form are traced, a few seconds a layout, so at
@@ -222,7 +215,8 @@ def search(args, gpu: GPU) -> tuple[list[Candidate], int, int, float | None]:
     untried, else None)."""
     a = get_model_spec(args.model).flavors[args.flavor]  # the vocab of the flavor's tokenizer, as a check-only plan's
     traced_model = args.model not in formulas.LLAMA_SHAPED
-    options = None if traced_model else formulas.float8_of(load_config(["--model.converters=float8"]), resolve_parallel_dims(1))
+    options = None if traced_model else formulas.float8_of(make_plan(load_config(["--model.converters=float8"]), 1, "cuda",
+                                                                     check_only=True))
     fp8 = formulas.float8_linears(options, a)
     counts = _parameter_counts(args) if traced_model else None
     tried = list(layouts(args, gpu))
@@ -236,7 +230,7 @@ def search(args, gpu: GPU) -> tuple[list[Candidate], int, int, float | None]:
     heapq.heapify(queue)
     best: dict[tuple, Candidate] = {}
     plans: dict[tuple[Layout, str], JobPlan | None] = {}
-    traces: dict[tuple[Layout, str], traced.RankMemory] = {}
+    traces: dict[tuple[Layout, str], traced.RankMemory] = {} if traces is None else traces  # a caller's, to reuse
     too_big: dict[tuple[Layout, bool], list[tuple[Layout, str]]] = {}  # layouts over memory, by _family
     kept: dict[tuple, float] = {}  # activation bytes per sequence seen, by _kept_key
     evaluated, stopped_at = 0, None
@@ -379,13 +373,19 @@ def _state_fits(layout: Layout, args, gpu: GPU, a, counts: tuple[int, int] | Non
     return floor <= args.memory_fraction * gpu.memory_gib * GIB
 
 
-def _job_plan(layout: Layout, ac: str, args, plans: dict) -> JobPlan | None:
-    """The trainer's job plan for the layout (None: refused), made once."""
+def _job_plan(layout: Layout, ac: str, args, plans: dict) -> tuple[JobPlan, list[str]] | None:
+    """The trainer's job plan for the layout and its flags (None: refused), made once: compiled
+    where the plan takes compile (not yet with CP, nor for a family refusing it, e.g. MoE layers
+    under TP), else eager."""
     if (layout, ac) not in plans:
-        try:
-            plans[layout, ac] = make_plan(load_config(layout.flags(args, ac)), args.gpus, "cuda", check_only=True)
-        except ConfigError:
-            plans[layout, ac] = None
+        plans[layout, ac] = None
+        for compiled in (True, False):
+            flags = layout.flags(args, ac, compiled)
+            try:
+                plans[layout, ac] = make_plan(load_config(flags), args.gpus, "cuda", check_only=True), flags
+                break
+            except ConfigError:
+                continue
     return plans[layout, ac]
 
 
@@ -405,7 +405,7 @@ def traced_estimate(layout: Layout, ac: str, args, plans: dict, traces: dict) ->
     direct trace."""
     def trace(lay: Layout) -> traced.RankMemory:
         if (lay, ac) not in traces:
-            traces[lay, ac] = traced.trace_by_blocks(_job_plan(lay, ac, args, plans), 0)
+            traces[lay, ac] = traced.trace_by_blocks(_job_plan(lay, ac, args, plans)[0], 0)
         return traces[lay, ac]
 
     accumulation = layout.accumulation(args.global_batch)
@@ -435,10 +435,10 @@ def traced_estimate(layout: Layout, ac: str, args, plans: dict, traces: dict) ->
 
 def _evaluate(layout: Layout, ac: str, args, gpu: GPU, plans: dict, traces: dict) -> Candidate | None:
     """The trainer's job plan for the layout (None: refused) and, if the peak fits, its time."""
-    flags = layout.flags(args, ac)
-    plan = _job_plan(layout, ac, args, plans)
-    if plan is None:
+    planned = _job_plan(layout, ac, args, plans)
+    if planned is None:
         return None
+    plan, flags = planned
     if args.model not in formulas.LLAMA_SHAPED:  # the traced estimate, from shallow traces
         est = traced_estimate(layout, ac, args, plans, traces)
         if est.peak > args.memory_fraction * gpu.memory_gib * GIB:
@@ -461,7 +461,7 @@ def describe(c: Candidate, gpu: GPU, rank: int) -> str:
     tokens = c.plan.batch.global_size * c.plan.batch.seq_len
     return "\n".join([
         f"#{rank}: {degrees}{pipeline}, {'float8' if lay.float8 else 'bf16'}, "
-        f"{('compiled + async TP' if lay.async_tp else 'compiled') if lay.compiled else 'eager'}, "
+        f"{('compiled + async TP' if c.plan.tensor_parallel.async_tp else 'compiled') if c.plan.compile.blocks else 'eager'}, "
         f"AC {c.ac}, local batch {c.plan.batch.local} "
         f"x {c.plan.batch.accumulation} step(s){' (FSDP reduces each)' if lay.reduce_every else ''}: {c.step_s:.2f} s/step, {tokens / c.step_s / d.world_size:,.0f} tokens/s/GPU; "
         f"peak {c.peak / GIB:.1f} of {gpu.memory_gib} GiB",

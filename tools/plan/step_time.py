@@ -92,11 +92,6 @@ class Work:
         return self.forward + self.backward + self.weights + self.casts
 
 
-def compiled(config) -> bool:
-    """Whether the trainer compiles the model (async TP's fusions are an inductor pass)."""
-    return config.compile.enable and "model" in config.compile.components
-
-
 def peaks(gpu: GPU, dtype: str, efficiency: float) -> dict[bool, float]:
     """FLOP/s a matmul reaches, by whether it runs in float8."""
     return {True: gpu.tflops.get("float8", 0) * 1e12 * efficiency * FLOAT8_EFFICIENCY,
@@ -130,14 +125,14 @@ def work(a, seq_len: int, tokens: float, microbatches: int, blocks: float, head:
                 weights=linear / 3, casts=casts, microbatches=microbatches)
 
 
-def recompute_share(ac, blocks: float) -> float:
-    """Share of a rank's blocks whose forward AC reruns: all (full), none (none; selective "op"
-    keeps every matmul and attention output, so it reruns only cheap elementwise ops), every
-    N-th (selective N)."""
-    if ac.mode == "full":
+def recompute_share(mode: str, blocks: float, selective_option: str = "op") -> float:
+    """Share of a rank's blocks whose forward AC (mode, selective_option: a CheckpointingPlan's)
+    reruns: all (full), none (none; selective "op" keeps every matmul and attention output, so it
+    reruns only cheap elementwise ops), every N-th (selective N)."""
+    if mode == "full":
         return 1.0
-    if ac.mode == "selective" and ac.selective_ac_option != "op":  # the N-th, 2N-th, ... block (as formulas)
-        return (blocks // int(ac.selective_ac_option)) / max(blocks, 1)
+    if mode == "selective" and selective_option != "op":  # the N-th, 2N-th, ... block (as formulas)
+        return (blocks // int(selective_option)) / max(blocks, 1)
     return 0.0
 
 
@@ -152,9 +147,9 @@ def rank_work(plan: JobPlan, pp_rank: int, gpu: GPU, efficiency: float) -> Work:
     batch, micro = plan.batch, plan.pipeline.microbatches if plan.pipeline else 1
     return work(plan.model_args, batch.seq_len, batch.local * batch.seq_len * batch.accumulation, micro * batch.accumulation,
                 blocks, "output" in modules, plan.dims.tp, plan.dims.cp,
-                recompute_share(plan.config.activation_checkpoint, blocks),
-                formulas.float8_linears(formulas.float8_of(plan.config, plan.dims), plan.model_args),
-                str(plan.param_dtype).removeprefix("torch."), gpu, run_efficiency(efficiency, compiled(plan.config)))
+                recompute_share(plan.checkpointing.mode, blocks, plan.checkpointing.selective_option),
+                formulas.float8_linears(formulas.float8_of(plan), plan.model_args),
+                str(plan.precision.param).removeprefix("torch."), gpu, run_efficiency(efficiency, plan.compile.blocks))
 
 
 def bubble(schedule: str | None, pp: int, v: int, w: Work) -> float:
@@ -211,20 +206,20 @@ def step_time(plan: JobPlan, gpu: GPU, efficiency: float, estimates: list | None
 def _rank_step(plan: JobPlan, pp_rank: int, est, gpu: GPU, efficiency: float) -> dict[str, float]:
     dims, batch = plan.dims, plan.batch
     w = rank_work(plan, pp_rank, gpu, efficiency)
-    options = formulas.float8_of(plan.config, plan.dims)
+    options = formulas.float8_of(plan)
     fp8 = formulas.float8_linears(options, plan.model_args)
-    a, e, micro = plan.model_args, plan.param_dtype.itemsize, plan.pipeline.microbatches if plan.pipeline else 1
+    a, e, micro = plan.model_args, plan.precision.param.itemsize, plan.pipeline.microbatches if plan.pipeline else 1
     rows = batch.local * batch.seq_len // micro // dims.cp  # a micro-batch's tokens on the rank (gathered)
     one = rows * a.dim * e  # their hidden states
     kv = batch.local * batch.seq_len // micro * a.n_heads * a.head_dim // dims.tp * e  # its gathered K (or V)
     modules = formulas.stage_modules(plan, pp_rank)
     out = {"compute": w.total,
            "bubble": bubble(plan.pipeline and plan.pipeline.schedule, dims.pp, len(formulas.local_stages(plan, pp_rank)), w)}
-    peak = peaks(gpu, str(plan.param_dtype).removeprefix("torch."), run_efficiency(efficiency, compiled(plan.config)))
+    peak = peaks(gpu, str(plan.precision.param).removeprefix("torch."), run_efficiency(efficiency, plan.compile.blocks))
     out["tp"] = w.microbatches * tp_seconds(
         a, rows, e, sum(m.startswith("layers.") for m in modules), "tok_embeddings" in modules, "output" in modules,
-        plan.config.activation_checkpoint.mode, dims.tp, fp8, bool(fp8) and options.recipe_name == "tensorwise",
-        plan.config.parallelism.enable_async_tensor_parallel, peak, gpu)
+        plan.checkpointing.mode, dims.tp, fp8, bool(fp8) and options.recipe_name == "tensorwise",
+        plan.tensor_parallel.async_tp, peak, gpu)
     # CP's K and V gathers (dK, dV reduce-scatters), each a whole sequence's: synchronous with attention, exposed
     lat, bw = ring_seconds(kv, dims.cp, group_nodes(dims.cp, dims.tp, gpu), gpu)
     out["cp"] = sum(est.comm.get((kind, "cp"), 0) for kind in ("all_gather", "reduce_scatter")) / kv * (lat + bw)
@@ -250,7 +245,7 @@ def _fsdp_exposed(plan: JobPlan, pp_rank: int, est, w: Work, fp8_gathered: froze
     rounds = 1 if plan.pipeline else plan.batch.accumulation
     compute_f = w.forward / w.microbatches / units
     compute_b = (w.backward + w.weights + w.casts) / w.microbatches / units
-    gathered = est.params // formulas.F32 * shard * plan.param_dtype.itemsize  # a forward's gathers
+    gathered = est.params // formulas.F32 * shard * plan.precision.param.itemsize  # a forward's gathers
     back_gathered = est.comm.get(("all_gather", "fsdp"), 0) / rounds - gathered  # resharded ones, again in backward
     if fp8_gathered:
         scale = 1 - _linear_share(plan.model_args, fp8_gathered) / 2
@@ -313,28 +308,28 @@ def exposed_behind_units(seconds: float, bandwidth: float, compute: float, units
     return per_unit + (units - 1) * (max(0.0, per_unit - compute) + (1 - OVERLAP) * min(bandwidth / units, compute))
 
 
-def spec_work(spec, a, seq_len: int, tokens: float, microbatches: int, tp: int, cp: int, ac, dtype: str, gpu: GPU,
-              efficiency: float) -> Work:
+def spec_work(spec, a, seq_len: int, tokens: float, microbatches: int, tp: int, cp: int, recompute: float, dtype: str,
+              gpu: GPU, efficiency: float) -> Work:
     """Compute of a rank for `tokens` tokens of its data-parallel rank per step, from the spec's
     FLOPs per token: 6 per active weight (a token's routed experts only) plus attention's
     12·layers·heads·head_dim·seq, halved for the causal mask as `work` does; split forward /
     input gradient / weight gradient as `work` does; AC reruns the blocks' forward
-    (recompute_share) — all but the output projection's."""
+    (`recompute`: recompute_share) — all but the output projection's."""
     peak = gpu.tflops[dtype] * 1e12 * efficiency
     rank_tokens = tokens / cp / tp
     linear = spec.flops_per_token(a, 0) * rank_tokens
     attention = (spec.flops_per_token(a, seq_len) - spec.flops_per_token(a, 0)) / 2 * rank_tokens
     blocks = linear - 6 * a.vocab_size * a.dim * rank_tokens
-    recomputed = recompute_share(ac, a.n_layers) * (blocks + attention) / 3
+    recomputed = recompute * (blocks + attention) / 3
     return Work(forward=(linear + attention) / 3 / peak, backward=(linear / 3 + 2 * attention / 3 + recomputed) / peak,
                 weights=linear / 3 / peak, casts=0.0, microbatches=microbatches)
 
 
 def plan_spec_work(plan: JobPlan, gpu: GPU, efficiency: float) -> Work:
-    b, dims = plan.batch, plan.dims
-    return spec_work(plan.spec, plan.model_args, b.seq_len, b.local * b.seq_len * b.accumulation, b.accumulation,
-                     dims.tp, dims.cp, plan.config.activation_checkpoint, str(plan.param_dtype).removeprefix("torch."),
-                     gpu, run_efficiency(efficiency, compiled(plan.config)))
+    b, dims, a, ac = plan.batch, plan.dims, plan.model_args, plan.checkpointing
+    return spec_work(plan.spec, a, b.seq_len, b.local * b.seq_len * b.accumulation, b.accumulation, dims.tp, dims.cp,
+                     recompute_share(ac.mode, a.n_layers, ac.selective_option), str(plan.precision.param).removeprefix("torch."),
+                     gpu, run_efficiency(efficiency, plan.compile.blocks))
 
 
 def traced_step_time(plan: JobPlan, est, gpu: GPU, efficiency: float) -> dict[str, float]:

@@ -31,7 +31,7 @@ def _time(flavor: str, gpus: int, global_batch: int, layout: plan.Layout, ac: st
     """The model's step seconds of one layout (`eager`: its flags without compile), memory not
     checked (torchtitan ran 96 GB parts)."""
     args = plan.parse(["--flavor", flavor, "--gpus", str(gpus), "--global_batch", str(global_batch)])
-    flags = [f for f in layout.flags(args, ac) if not (eager and f == "--compile.enable=true")]
+    flags = layout.flags(args, ac, compiled=not eager)
     return step_time.step_time(make_plan(load_config(flags), gpus, "cuda", check_only=True), H100, args.efficiency)["total"]
 
 
@@ -162,29 +162,29 @@ def test_hsdp_cp_float8_flags_are_what_the_trainer_runs():
     args = plan.parse(["--flavor", "8B", "--gpus", "64", "--seq_len", "65536", "--global_batch", "16"])
     layout = plan.Layout(dp_replicate=2, dp_shard=4, cp=4, tp=2, pp=1, schedule=None, stages_per_rank=1,
                          layers_per_stage=None, float8=True, local=2)
-    p = make_plan(load_config(layout.flags(args, "full")), 64, "cuda", check_only=True)
+    p, flags = plan._job_plan(layout, "full", args, {})
     assert (p.dims.dp_replicate, p.dims.dp_shard, p.dims.cp, p.dims.tp) == (2, 4, 4, 2)
     assert [c.name for c in p.converters] == ["float8"] and p.config.float8.enable_fsdp_float8_all_gather
-    assert ("--parallelism.context_parallel_degree=4" in layout.flags(args, "full")
+    assert ("--parallelism.context_parallel_degree=4" in flags
             and (2, 4) in plan._shard_options(8, 8, H100))  # each replica sharded over 4 whole nodes
 
 
-def test_compile_and_async_tp_flags_are_what_the_trainer_runs():
-    """Layouts print --compile.enable but with CP (the trainer refuses compile with CP), and async
-    TP wherever TP > 1 and compile; the trainer's job plan (cuda, check-only) takes both."""
+def test_compile_and_async_tp_are_what_the_trainer_plans():
+    """Layouts ask for compile, and async TP wherever TP > 1; the trainer's job plan decides: it
+    refuses compile with CP, so those run eager (their flags say so), without async TP."""
     args = plan.parse(["--flavor", "8B", "--gpus", "16", "--seq_len", "32768", "--global_batch", "16"])
     tried = {layout for layout, _ in plan.layouts(args, H100)}
-    assert all(layout.async_tp == (layout.tp > 1 and layout.cp == 1) for layout in tried)
-    assert {(layout.cp, "--compile.enable=true" in layout.flags(args, "full")) for layout in tried} == \
-        {(1, True), (2, False), (4, False), (8, False)}
-    layout = plan.Layout(1, 2, 1, 8, 1, None, 1, None, True, 1, async_tp=True)
-    flags = layout.flags(args, "full")
-    assert "--parallelism.enable_async_tensor_parallel=true" in flags
-    p = make_plan(load_config(flags), 16, "cuda", check_only=True)
-    assert p.config.compile.enable and p.config.parallelism.enable_async_tensor_parallel and p.dims.tp == 8
+    assert all(layout.async_tp == (layout.tp > 1) for layout in tried) and {t.cp for t in tried} == {1, 2, 4, 8}
+    for layout, compiled in ((plan.Layout(1, 2, 1, 8, 1, None, 1, None, True, 1, async_tp=True), True),
+                             (plan.Layout(1, 2, 4, 2, 1, None, 1, None, True, 1, async_tp=True), False)):
+        p, flags = plan._job_plan(layout, "full", args, {})
+        assert (p.compile.blocks, p.tensor_parallel.async_tp) == (compiled, compiled)
+        assert ("--compile.enable=true" in flags, "--parallelism.enable_async_tensor_parallel=true" in flags) == \
+            (compiled, compiled)
+        assert make_plan(load_config(flags), 16, "cuda", check_only=True).compile.blocks == compiled
     cp = plan.Layout(1, 4, 4, 1, 1, None, 1, None, True, 1)
     with pytest.raises(ConfigError, match="compile.enable with context_parallel_degree"):
-        make_plan(load_config(cp.flags(args, "full") + ["--compile.enable=true"]), 16, "cuda", check_only=True)
+        make_plan(load_config(cp.flags(args, "full")), 16, "cuda", check_only=True)
 
 
 def test_reduce_every_microbatch_is_tried_where_fsdp_accumulates():
@@ -195,7 +195,7 @@ def test_reduce_every_microbatch_is_tried_where_fsdp_accumulates():
     every = [t for t in tried if t.reduce_every]
     assert every and all(t.pp == 1 and t.dp_shard * t.cp > 1 and 64 > t.local * t.dp_replicate * t.dp_shard for t in every)
     p = make_plan(load_config(every[0].flags(args, "full")), 16, "cuda", check_only=True)
-    assert p.config.parallelism.fsdp_reduce_every_microbatch and p.batch.accumulation > 1
+    assert p.fsdp.reduce_every_microbatch and p.batch.accumulation > 1
 
 
 def test_cp_is_tried_from_32k():
@@ -269,17 +269,17 @@ def test_traced_step_time_agrees_with_the_closed_form_model(flavor, gpus, global
     assert from_trace == pytest.approx(closed, rel=0.02)
 
 
-@pytest.mark.parametrize("reduce_every", [False, True])
-@pytest.mark.parametrize("ep, ac", [(1, "none"), (2, "full")])
+@pytest.mark.parametrize("reduce_every, ep, ac", [(False, 1, "none"), (True, 2, "full")])
 def test_local_batch_extended_from_two_and_four_sequences(reduce_every, ep, ac):
     """Under accumulation the planner extends a local batch of 8 from the traces of 2 and 4
-    sequences (plan.traced_estimate): collectives exact, the peak within 1 % of the direct trace."""
+    sequences (plan.traced_estimate): collectives exact, the peak within 1 % of the direct trace;
+    reducing once a step (no expert parallel, no AC) and every micro-batch (EP 2, full AC)."""
     args = plan.parse(["--model", "deepseek_v3", "--flavor", "debugmodel", "--gpus", "8", "--seq_len", "512",
                        "--global_batch", "128"])
     layout = plan.Layout(1, 8, 1, 1, 1, None, 1, None, False, 8, reduce_every=reduce_every, ep=ep)
     plans = {}
     extended = plan.traced_estimate(layout, ac, args, plans, {})
-    direct = traced.trace_by_blocks(plan._job_plan(layout, ac, args, plans), 0)
+    direct = traced.trace_by_blocks(plan._job_plan(layout, ac, args, plans)[0], 0)
     assert (extended.comm, extended.calls) == (direct.comm, direct.calls)
     assert extended.peak == pytest.approx(direct.peak, rel=0.01)
 
@@ -294,14 +294,18 @@ def test_moe_layouts_with_expert_parallel():
     assert {(layout.tp, layout.ep) for layout, _ in tried} == {(1, 1), (1, 2), (1, 4), (1, 8), (2, 1), (2, 2), (2, 4),
                                                                 (2, 8), (4, 1), (4, 4), (4, 8), (8, 1), (8, 8)}
     assert not any(layout.pp > 1 or layout.float8 or layout.async_tp for layout, _ in tried)
-    assert all(layout.eager == (layout.tp > 1) for layout, _ in tried)  # the trainer compiles no MoE layer under TP
+    planned = {layout.tp: plan._job_plan(layout, ac, args, {}) for layout, ac in tried if ac == "none" and layout.ep == 1}
+    # the family compiles no MoE layer under TP (eager instead); 8 ways split no 4 K/V heads
+    assert {tp: p and p[0].compile.blocks for tp, p in planned.items()} == {1: True, 2: False, 4: False, 8: None}
     args.tp = (1,)  # one sequence per GPU, FSDP 8 and its ep degrees: 4 layouts x 3 AC modes
-    found, _, _, stopped_at = plan.search(args, H100)
+    traces = {}  # the search's traces, each layout's direct trace_by_blocks at one sequence per GPU
+    found, _, _, stopped_at = plan.search(args, H100, traces)
     assert stopped_at is None
     best = {}
     for layout, ac in plan.layouts(args, H100):
         p = make_plan(load_config(layout.flags(args, ac)), 8, "cuda", check_only=True)
-        seconds = step_time.traced_step_time(p, traced.trace_by_blocks(p, 0), H100, args.efficiency)["total"]
+        trace = traces.get((layout, ac)) or traced.trace_by_blocks(p, 0)
+        seconds = step_time.traced_step_time(p, trace, H100, args.efficiency)["total"]
         best[layout.ep] = min(best.get(layout.ep, seconds), seconds)
     assert [c.layout.ep for c in found] == sorted(best, key=best.get)[:3]
     assert [c.step_s for c in found] == sorted(best.values())[:3]

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tessera import ckpt, fsdp, models
+from tessera.mesh.testing import run_on_ranks
 from tessera.trainer import config as config_module
 from tessera.trainer.check import parameter_counts
 from tessera.trainer.config import ConfigError, load_config
@@ -28,7 +29,7 @@ def test_plan_resolves_layout_batch_and_model():
     assert (p.batch.local, p.batch.dp, p.batch.accumulation, p.batch.global_size) == (2, 4, 4, 32)
     assert p.batch.tokens_per_device == 2 * 128 * 4 / 2  # tp peers share a dp rank's tokens
     assert p.model_args.vocab_size == 2048 and p.model_args.max_seq_len == 128
-    assert p.loss_parallel and not p.autocast
+    assert p.loss.parallel and not p.precision.autocast and p.loss.scale == 1 / 4
     assert p.meshes.describe()  # described without any process group
 
 
@@ -162,3 +163,65 @@ def test_pep604_optional_fields_parse(tmp_path):
     assert load_config(["--lr_scheduler.decay_ratio", "null"]).lr_scheduler.decay_ratio is None
     with pytest.raises(ConfigError, match="decay_ratio: value 'x' is not a float or none"):
         load_config(["--lr_scheduler.decay_ratio", "x"])
+
+
+class _NoConfig:
+    """Stands in for JobPlan.config where the build and the step must not look: any read fails,
+    naming what was read."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"read JobPlan.config.{name} after make_plan")
+
+
+RESOLVED_LAYOUTS = {  # 2 ranks each: every parallelism, AC, accumulation, documents, MoE
+    "fsdp": ["--activation_checkpoint.mode", "full", "--training.global_batch_size", "4",
+             "--model.attn_mask_type", "block_causal", "--training.mixed_precision_param", "bfloat16"],
+    "hsdp+selective": ["--parallelism.data_parallel_replicate_degree", "2", "--activation_checkpoint.mode", "selective"],
+    "tp": ["--parallelism.tensor_parallel_degree", "2"],
+    "pp": ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "1"],
+    "cp": ["--parallelism.context_parallel_degree", "2"],
+    "ep": ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--parallelism.expert_parallel_degree", "2",
+           "--debug.moe_force_load_balance", "true"],
+}
+
+
+def _step_without_config(rank, world_size):
+    """One optimizer step and one evaluation of each layout, built from a plan whose config is
+    gone: the build order and the step seam take every decision from the sub-plans."""
+    import dataclasses
+
+    import torch
+
+    from tessera.mesh import build_meshes
+    from tessera.trainer.family_hooks import FamilyHooks
+    from tessera.trainer.lr_schedule import LockstepSchedulers
+    from tessera.trainer.optimizer import build_optimizer, build_scheduler
+    from tessera.trainer.parallelize import build_parallel_model
+    from tessera.trainer.step import build_loss, make_train_step, step_functions
+
+    losses = {}
+    for name, argv in RESOLVED_LAYOUTS.items():
+        full = make_plan(load_config(["--training.seq_len", "32", "--training.local_batch_size", "2", *argv]), world_size, "cpu")
+        p = dataclasses.replace(full, config=_NoConfig())
+        meshes = build_meshes(p.dims, "cpu")
+        torch.manual_seed(0)
+        loss_fn = build_loss(p)
+        model = build_parallel_model(p, meshes, loss_fn)
+        optimizers = [build_optimizer(part, p.optimizer) for part in model.parts]
+        scheduler = LockstepSchedulers([build_scheduler(o, p.optimizer) for o in optimizers])
+        forward_backward, evaluate = step_functions(model.parts, model.pipeline, loss_fn, p, meshes, bos_id=1)
+        family = FamilyHooks(p, model.parts, meshes)
+        step = make_train_step(model.parts, optimizers, scheduler, forward_backward, p,
+                               (*p.post_optimizer_hooks, family), pp_mesh=meshes.pp)
+        tokens = torch.randint(2, p.model_args.vocab_size, (p.batch.local, 33), generator=torch.Generator().manual_seed(1))
+        batches = iter([(tokens[:, :-1], tokens[:, 1:])] * p.batch.accumulation)
+        result = step(batches)
+        losses[name] = (result.loss.item(), evaluate(tokens[:, :-1], tokens[:, 1:]).item())
+    return losses
+
+
+def test_build_and_step_read_only_the_resolved_plan():
+    losses = run_on_ranks(_step_without_config, 2)[0]
+    assert set(losses) == set(RESOLVED_LAYOUTS)
+    for name, (train_loss, eval_loss) in losses.items():  # a step of random weights on random tokens: near ln(vocab)
+        assert 5.0 < train_loss < 12.0 and 5.0 < eval_loss < 12.0, name

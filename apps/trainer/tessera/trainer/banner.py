@@ -12,23 +12,22 @@ def banner(plan: JobPlan, model: ParallelModel, peak: float, tokenizer, data_sou
     """What the run is, in a few lines: enough to tell two runs' logs apart."""
     from tessera.trainer.cli_info import version_text
 
-    config, batch, training, sched = plan.config, plan.batch, plan.config.training, plan.config.lr_scheduler
+    config, batch, opt = plan.config, plan.batch, plan.optimizer
     layout = {k: v for k, v in plan.dims.degrees().items() if v > 1} or "single"
     # this rank's share: a sharded parameter (DTensor) counts its local shard
     local_params = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for part in model.parts for p in part.parameters())
-    ac = config.activation_checkpoint
-    decay = "every step after warm-up" if sched.decay_ratio is None else f"the last {sched.decay_ratio:.0%} of the steps"
+    ac = plan.checkpointing
+    decay = "every step after warm-up" if opt.decay_ratio is None else f"the last {opt.decay_ratio:.0%} of the steps"
     return "\n".join([
         f"tessera: {plan.spec.name}/{config.model.flavor} | {local_params:,} parameters on this rank | "
         f"{plan.device} x{plan.world_size} {layout} | {config.training.steps} steps",
         f"  data: {data_source} | tokenizer {tokenizer.name} ({tokenizer.vocab_size:,} ids) | global batch "
         f"{batch.global_size} x {batch.seq_len} tokens ({batch.accumulation} micro-batches)",
-        f"  dtype: parameters {training.dtype}, compute {training.mixed_precision_param}, reduce "
-        f"{training.mixed_precision_reduce} | AC {ac.mode}{f' ({ac.selective_ac_option})' if ac.mode == 'selective' else ''} | "
-        f"compile {'on' if config.compile.enable else 'off'}",
+        f"  dtype: {plan.precision.describe()} | AC {ac.mode}{f' ({ac.selective_option})' if ac.mode == 'selective' else ''} | "
+        f"compile {'on' if plan.compile.blocks or plan.loss.compiled else 'off'}",
         f"  attention: {plan.attention.describe()}",
-        f"  lr: {config.optimizer.name} {config.optimizer.lr:g}, {sched.warmup_steps} warm-up steps, {sched.decay_type} decay "
-        f"over {decay} to {sched.min_lr_factor:g}x",
+        f"  lr: {opt.name} {opt.lr:g}, {opt.warmup_steps} warm-up steps, {opt.decay_type} decay "
+        f"over {decay} to {opt.min_lr_factor:g}x",
         f"  MFU against {peak:,.1f} TFLOP/s, attention FLOPs "
         f"{'halved (causal)' if config.metrics.causal_attention_flops else 'full (mask ignored)'} | output {config.job.dump_folder}",
         f"  {version_text()}",

@@ -17,10 +17,10 @@ def _tp_sharded(model: torch.nn.Module, plan: JobPlan) -> set[int]:
     """ids of the parameters tensor parallel splits: those of modules with a column- or row-wise
     style, and the Shard-placed ones of LocalShards modules (routed experts, unless expert
     parallel takes them whole; attention sinks)."""
-    layouts = tp.Layouts(sequence_parallel=True, loss_parallel=plan.loss_parallel)
+    layouts = tp.Layouts(sequence_parallel=True, loss_parallel=plan.loss.parallel)
     sharded = set()
-    for path, role in tp.resolve_plan(model, plan.spec.tp_plan, plan.tp_styles.keys(), missing_ok=True).items():
-        style, module = plan.tp_styles[role](layouts), model.get_submodule(path)
+    for path, role in tp.resolve_plan(model, plan.spec.tp_plan, plan.tensor_parallel.styles.keys(), missing_ok=True).items():
+        style, module = plan.tensor_parallel.styles[role](layouts), model.get_submodule(path)
         if isinstance(style, (ColwiseParallel, RowwiseParallel)):
             sharded.update(id(p) for p in module.parameters(recurse=False))
         elif isinstance(style, tp.LocalShards):
@@ -67,7 +67,7 @@ def describe(plan: JobPlan) -> str:
     config, dims, batch = plan.config, plan.dims, plan.batch
     total, per_rank = parameter_counts(plan)
     degrees = " x ".join(f"{name} {degree}" for name, degree in dims.degrees().items() if degree > 1) or "single process"
-    ac = config.activation_checkpoint
+    ac, opt = plan.checkpointing, plan.optimizer
     lines = [
         f"job plan: {plan.spec.name}/{config.model.flavor} on {plan.world_size} {plan.device} rank(s); nothing was built",
         f"  model       {total:,} parameters; {per_rank:,} per rank ({degrees})",
@@ -75,10 +75,17 @@ def describe(plan: JobPlan) -> str:
         *([f"  pipeline    {plan.pipeline.describe()}"] if plan.pipeline else []),
         f"  batch       {batch.local} sequences x {batch.dp} data-parallel x {batch.accumulation} micro-batches = "
         f"{batch.global_size} x {batch.seq_len} tokens per step; {batch.tokens_per_device:,.0f} tokens per device",
-        f"  compute     params {str(plan.param_dtype).removeprefix('torch.')}, reductions "
-        f"{str(plan.reduce_dtype).removeprefix('torch.')} ({'autocast' if plan.autocast else 'FSDP mixed precision' if dims.fsdp_enabled else 'no casts'}); "
-        f"loss parallel {'on' if plan.loss_parallel else 'off'}; activation checkpointing {ac.mode}; "
-        f"compile {'on' if config.compile.enable else 'off'}; converters {[c.name for c in plan.converters] or 'none'}",
+        f"  compute     {plan.precision.describe()} "
+        f"({'autocast' if plan.precision.autocast else 'FSDP mixed precision' if dims.fsdp_enabled else 'no casts'}); "
+        f"loss parallel {'on' if plan.loss.parallel else 'off'}; activation checkpointing {ac.mode}; "
+        f"compile {'blocks' if plan.compile.blocks else 'off'}{' + loss' if plan.loss.compiled else ''}; "
+        f"converters {[c.name for c in plan.converters] or 'none'}",
+        f"  attention   {plan.attention.describe()}",
+        *([f"  fsdp        reshard after forward {plan.fsdp.reshard_after_forward}; reduce "
+           f"{'every micro-batch' if plan.fsdp.reduce_every_microbatch else 'once per step'}"
+           f"{'; CPU offload' if plan.fsdp.cpu_offload else ''}"] if dims.fsdp_enabled else []),
+        f"  optimizer   {opt.name} ({opt.implementation}) lr {opt.lr:g}, clip {opt.max_norm:g}; {opt.warmup_steps} warm-up "
+        f"steps, {opt.decay_type} decay over {opt.total_steps} steps",
         f"  flops       {plan.flops_per_token:.3e} per token; {plan.flops_per_token * batch.tokens_per_device:.3e} per device per step",
     ]
     lines += [f"  note        {note}" for note in plan.notes]

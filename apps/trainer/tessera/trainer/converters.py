@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -28,6 +28,7 @@ class ModelConverter:
     convert: Callable[[nn.Module], None]  # swaps modules in place; runs before TP, AC, compile, FSDP
     tp_styles: Mapping[str, Callable] = dataclasses.field(default_factory=dict)  # role -> tessera.tp StyleFactory
     post_optimizer_hooks: tuple[Callable[[nn.Module], None], ...] = ()
+    options: Any = None  # what it was configured with (float8: tessera.float8.Float8Options), for tools that model it
 
 
 ConverterFactory = Callable[["JobConfig", "ParallelDims"], ModelConverter]

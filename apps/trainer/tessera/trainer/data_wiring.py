@@ -61,7 +61,7 @@ def training_loader(plan: JobPlan, datasets: list, weights, tokenizer, dp_rank: 
         peers = distributed_peers(dist.new_group(backend="gloo"))
     loader = build_dataloader(
         dataset, tokenizer, training.seq_len, training.local_batch_size, dp_rank, dp, peers=peers, weights=weights,
-        seed=plan.config.debug.seed, shuffle=training.shuffle, shuffle_buffer=training.shuffle_buffer,
+        seed=plan.seed, shuffle=training.shuffle, shuffle_buffer=training.shuffle_buffer,
     )
     if not workers:
         return loader

@@ -18,8 +18,8 @@ class FamilyHooks:
     def __init__(self, plan: JobPlan, parts: list[nn.Module], meshes: Meshes) -> None:
         hooks = plan.spec.step_hooks
         for part in parts:  # the family divides its own whole-on-every-tp-rank losses by tp
-            hooks.set_loss_scale(part, 1 / plan.batch.accumulation, plan.dims.tp)
-            if plan.config.debug.moe_force_load_balance:
+            hooks.set_loss_scale(part, plan.loss.scale, plan.dims.tp)
+            if plan.experts.force_load_balance:
                 hooks.force_load_balance(part)
         self._after = hooks.after_optimizer_step
         # ranks whose tokens differ: their expert loads add up (a model-parallel rank sees its peers')

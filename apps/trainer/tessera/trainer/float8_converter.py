@@ -72,7 +72,7 @@ def _factory(name: str, config: JobConfig, dims: ParallelDims) -> ModelConverter
         name=name,
         convert=functools.partial(float8.convert, options=options),
         tp_styles=float8.tp_styles(options),
-        post_optimizer_hooks=float8.post_optimizer_hooks(options),
+        post_optimizer_hooks=float8.post_optimizer_hooks(options), options=options,
     )
 
 

@@ -5,12 +5,18 @@ from __future__ import annotations
 
 import torch
 
-from tessera.trainer.config import JobConfig
+from tessera.trainer.lr_schedule import build_lr_scheduler
+from tessera.trainer.sub_plans import OptimizerPlan
 
 
-def build_optimizer(part: torch.nn.Module, config: JobConfig) -> torch.optim.Optimizer:
-    opt = config.optimizer
+def build_optimizer(part: torch.nn.Module, plan: OptimizerPlan) -> torch.optim.Optimizer:
     return torch.optim.AdamW(
-        part.parameters(), lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps, weight_decay=opt.weight_decay,
-        foreach=opt.implementation == "foreach", fused=opt.implementation == "fused",
+        part.parameters(), lr=plan.lr, betas=plan.betas, eps=plan.eps, weight_decay=plan.weight_decay,
+        foreach=plan.implementation == "foreach", fused=plan.implementation == "fused",
     )
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, plan: OptimizerPlan) -> torch.optim.lr_scheduler.LambdaLR:
+    """The plan's warmup-stable-decay schedule over its total steps."""
+    return build_lr_scheduler(optimizer, plan.total_steps, warmup_steps=plan.warmup_steps, decay_ratio=plan.decay_ratio,
+                              decay_type=plan.decay_type, min_lr_factor=plan.min_lr_factor)

@@ -24,7 +24,6 @@ from torch import nn
 from torch.distributed.tensor import Shard
 
 from tessera import cp, ep, fsdp, pp, tp
-from tessera.fsdp import MIXED_PRECISION_DTYPES
 from tessera.mesh import Meshes
 from tessera.models import apply_activation_checkpointing, apply_compile, inner_attentions
 from tessera.trainer.plan import JobPlan
@@ -37,7 +36,7 @@ def build_model(plan: JobPlan) -> nn.Module:
     the meta device and initialised after sharding, so no rank ever holds the whole model.
     Parameters are created in training.dtype (buffers such as RoPE tables pick their own)."""
     previous = torch.get_default_dtype()
-    torch.set_default_dtype(MIXED_PRECISION_DTYPES[plan.config.training.dtype])
+    torch.set_default_dtype(plan.precision.storage)
     try:
         with torch.device("meta") if plan.device != "cpu" else contextlib.nullcontext():
             return plan.spec.build(plan.model_args)
@@ -48,47 +47,45 @@ def build_model(plan: JobPlan) -> nn.Module:
 def convert(model: nn.Module, plan: JobPlan) -> None:
     for converter in plan.converters:
         converter.convert(model)
-    if plan.config.model.print_after_conversion and (not dist.is_initialized() or dist.get_rank() == 0):
+    if plan.print_converted and (not dist.is_initialized() or dist.get_rank() == 0):
         print(model, flush=True)
 
 
 def parallelize(model: nn.Module, plan: JobPlan, meshes: Meshes | None) -> nn.Module:
     """Applies the planned parallelisms and wrappers to the model or one pipeline stage of it."""
-    config, dims = plan.config, plan.dims
+    dims = plan.dims
     if dims.tp_enabled:  # a family's plan covers all its flavors: a flavor (or a pipeline stage) holds some modules
         tp.apply_tp(
-            model, meshes.tp, plan.spec.tp_plan, sequence_parallel=True, loss_parallel=plan.loss_parallel,
-            styles=plan.tp_styles, missing_ok=True,
+            model, meshes.tp, plan.spec.tp_plan, sequence_parallel=True, loss_parallel=plan.loss.parallel,
+            styles=plan.tensor_parallel.styles, missing_ok=True,
         )
     for inner in inner_attentions(model):  # the planned kernel of each layer's mask
         inner.kernel = plan.attention.kernel(inner.mask, inner.sinks is not None)
     if dims.cp_enabled and len(model.layers):  # each attention: this rank's queries, every rank's keys
-        cp.apply_cp(model, meshes.cp.get_group(), load_balance=config.parallelism.context_parallel_load_balancer is not None,
-                    rotate_method=config.parallelism.context_parallel_rotate_method,
-                    gathered_kernel=plan.attention.cp_exchange == "gather")
+        cp.apply_cp(model, meshes.cp.get_group(), load_balance=plan.attention.cp_load_balance,
+                    rotate_method=plan.attention.cp_rotate_method, gathered_kernel=plan.attention.cp_exchange == "gather")
     experts = ep.find_experts(model) if dims.ep_enabled and _has_experts(model) else []
     # each rank its share of every layer's experts; FSDP then shards them over the ranks beside ep
     # (expert_tensor_parallel_degree 1: the ep group holds the tp ranks, each sending its share of the tokens)
     ep.apply_ep(experts, meshes.ep if experts else None, divide_grads_by_ep=True,
-                split_rows_over=meshes.tp if dims.ep_spans_tp else None)
-    ac = config.activation_checkpoint
+                split_rows_over=meshes.tp if plan.experts.spans_tp else None)
+    ac = plan.checkpointing
     if ac.mode != "none":
         apply_activation_checkpointing(
-            model, ac.mode, ac.selective_ac_option, preserve_rng_state=ac.preserve_rng_state, early_stop=ac.early_stop,
+            model, ac.mode, ac.selective_option, preserve_rng_state=ac.preserve_rng_state, early_stop=ac.early_stop,
             determinism_check=ac.determinism_check, debug=ac.debug,
             split_backward=plan.pipeline is not None and plan.pipeline.splits_backward,
         )
-    if config.compile.enable and "model" in config.compile.components:
-        if config.parallelism.enable_async_tensor_parallel:  # the plan checked CUDA, TP and compile
+    if plan.compile.blocks:
+        if plan.tensor_parallel.async_tp:  # the plan checked CUDA, TP and compile
             tp.enable_async_tp(meshes.tp, plan.device, compile_enabled=True)
-        apply_compile(model, backend=config.compile.backend)
+        apply_compile(model, backend=plan.compile.backend)
         if dims.tp_enabled:
             _copy_first_block_input(model)
     if dims.fsdp_enabled:
         fsdp.apply_fsdp(
-            model, meshes.fsdp, param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype,
-            reshard_after_forward=plan.fsdp_reshard_after_forward,
-            cpu_offload=config.training.enable_cpu_offload,
+            model, meshes.fsdp, param_dtype=plan.precision.param, reduce_dtype=plan.precision.reduce,
+            reshard_after_forward=plan.fsdp.reshard_after_forward, cpu_offload=plan.fsdp.cpu_offload,
             own_meshes=[(module, meshes.expert_fsdp, _expert_placement(module, meshes)) for module in experts],
         )
     elif dims.dp_replicate > 1:
@@ -127,13 +124,13 @@ def init_seed(plan: JobPlan, meshes: Meshes | None) -> int | None:
     was initialised before the cut)."""
     if plan.device == "cpu" or plan.pipeline is None or meshes is None or meshes.pp is None:
         return None
-    return plan.config.debug.seed + meshes.pp.get_local_rank()
+    return plan.seed + meshes.pp.get_local_rank()
 
 
 def materialise(model: nn.Module, plan: JobPlan) -> None:
     """Allocates and initialises a meta-built model; FSDP-offloaded parameters live on CPU."""
     if plan.device != "cpu":
-        model.to_empty(device="cpu" if plan.config.training.enable_cpu_offload else plan.device)
+        model.to_empty(device="cpu" if plan.fsdp.cpu_offload else plan.device)
         with torch.no_grad():
             model.init_weights(buffer_device=torch.device(plan.device))
 

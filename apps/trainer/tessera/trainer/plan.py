@@ -9,7 +9,7 @@ It reads the config and the tokenizer's size and nothing else; file paths are on
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,75 +19,20 @@ from tessera import cp, ep, pp, tp
 from tessera.data import load_tokenizer, parse_mixture
 from tessera.fsdp import MIXED_PRECISION_DTYPES
 from tessera.mesh import MeshLayout, ParallelDims, device_type, mesh_layout, resolve_parallel_dims
-from tessera.models import AttentionMask, ModelSpec, RunLayout, choose_kernel, get_model_spec, plain_causal
+from tessera.models import ModelSpec, RunLayout, choose_kernel, get_model_spec, plain_causal
 from tessera.trainer.config import ConfigError, JobConfig, user_directory, user_input
 from tessera.trainer.converters import ModelConverter, build_converters
 from tessera.trainer.hf_assets import check_hf_weights, flavor_args, initial_load_folder
-
-
-@dataclasses.dataclass(frozen=True)
-class BatchPlan:
-    local: int  # sequences per micro-batch on each data-parallel rank
-    dp: int  # data-parallel degree: how many different micro-batches run at once
-    accumulation: int  # micro-batches per optimizer step
-    seq_len: int
-    devices_per_batch: int  # tp * cp * pp ranks share one data-parallel rank's tokens
-
-    @property
-    def global_size(self) -> int:
-        """Sequences per optimizer step, all ranks together."""
-        return self.local * self.dp * self.accumulation
-
-    @property
-    def tokens_per_device(self) -> float:
-        """Tokens per optimizer step per device, as torchtitan reports throughput."""
-        return self.local * self.seq_len * self.accumulation / self.devices_per_batch
-
-
-@dataclasses.dataclass(frozen=True)
-class PipelinePlan:
-    """How the model is cut into pipeline stages and how each local batch flows through them."""
-
-    schedule: str  # a tessera.pp schedule name, as spelled there
-    schedule_csv: str | None
-    parts: tuple[tuple[str, ...], ...]  # module names of each stage, in stage order
-    microbatches: int  # pipeline micro-batches per local batch
-    reshard_after_forward: str  # the FSDP policy each stage gets
-    splits_backward: bool  # input and weight gradients run as separate passes (the schedule's, or the CSV's I/W actions)
-
-    def describe(self) -> str:
-        blocks = [sum(name.startswith("layers.") for name in part) for part in self.parts]
-        source = f", actions from {self.schedule_csv}" if self.schedule_csv else ""
-        return (f"{self.schedule}{source}: {len(self.parts)} stages holding {blocks} blocks, "
-                f"{self.microbatches} micro-batches per local batch")
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionPlan:
-    """The kernel of each kind of layer attention the model declares (``ModelSpec.attention_kinds``)
-    and how context parallel reaches the other ranks' keys."""
-
-    documents: bool  # block-causal: attention stays within each packed document
-    kernels: tuple[tuple[AttentionMask, bool, str], ...]  # (mask, has sinks, tessera.models kernel)
-    cp_exchange: str | None  # "ring" (torch's, plain causal), "gather" (all-gather-KV, any mask), None: no CP
-
-    def kernel(self, mask: AttentionMask, sinks: bool) -> str:
-        for known, has_sinks, kernel in self.kernels:
-            if (known, has_sinks) == (mask, sinks):
-                return kernel
-        raise ValueError(f"a layer's attention ({mask.describe()}{', sinks' if sinks else ''}) is not among the "
-                         f"model spec's attention_kinds {[(m.describe(), s) for m, s, _ in self.kernels]}")
-
-    def describe(self) -> str:
-        kinds = "; ".join(f"{mask.describe(self.documents)}{' + sinks' if sinks else ''} -> {kernel}"
-                          for mask, sinks, kernel in self.kernels)
-        exchange = {None: "", "ring": " | context parallel: torch's ring",
-                    "gather": " | context parallel: all-gather-KV"}[self.cp_exchange]
-        return kinds + exchange
+from tessera.trainer.sub_plans import (AttentionPlan, BatchPlan, CheckpointingPlan, CompilePlan, ExpertPlan, FsdpPlan,
+                                       LossPlan, OptimizerPlan, PipelinePlan, Precision, TensorParallelPlan)
 
 
 @dataclasses.dataclass(frozen=True)
 class JobPlan:
+    """Every decision of the run. `config` stays for the settings handed whole to their owners
+    (checkpoint folders and intervals, metrics, profiling, timeouts, data sources): nothing reads
+    it to decide a layout, dtype, kernel or step rule."""
+
     config: JobConfig
     world_size: int
     device: str
@@ -96,24 +41,23 @@ class JobPlan:
     spec: ModelSpec
     model_args: Any  # the flavor's args with the tokenizer's vocab and the run's seq_len
     batch: BatchPlan
-    param_dtype: torch.dtype
-    reduce_dtype: torch.dtype
-    autocast: bool  # low-precision compute through autocast; under FSDP its MixedPrecisionPolicy casts instead
-    loss_parallel: bool  # logits stay split on vocab over the tp ranks
+    precision: Precision
     converters: tuple[ModelConverter, ...]
+    print_converted: bool  # model.print_after_conversion
+    fsdp: FsdpPlan
+    tensor_parallel: TensorParallelPlan
     pipeline: PipelinePlan | None  # None: no pipeline parallelism
-    tp_styles: Mapping[str, tp.StyleFactory]  # tessera.tp's role styles, with the converters' overrides
+    experts: ExpertPlan
     attention: AttentionPlan
+    checkpointing: CheckpointingPlan
+    compile: CompilePlan
+    optimizer: OptimizerPlan
+    loss: LossPlan
     flops_per_token: float
+    seed: int  # debug.seed: weights, data order, dropout
     dataset: str | None  # None: the embedded corpus
     validation_dataset: str | None
     notes: tuple[str, ...] = ()  # what a check-only plan could not verify on this host
-
-    @property
-    def fsdp_reshard_after_forward(self) -> str:
-        """FSDP's reshard-after-forward policy for the model's parts: the pipeline's (whose "default"
-        keeps stages gathered) or the config's."""
-        return self.pipeline.reshard_after_forward if self.pipeline else self.config.parallelism.fsdp_reshard_after_forward
 
     @property
     def post_optimizer_hooks(self) -> tuple:
@@ -192,17 +136,50 @@ def make_plan(config: JobConfig, world_size: int, device: str | None = None, *, 
     check_hf_weights(config, spec, args)
     dataset = _source_or_note(lambda: dataset_source(training), notes if check_only else None)
     validation = _source_or_note(lambda: _validation_source(config), notes if check_only else None) if config.validation.enable else None
-    param_dtype = MIXED_PRECISION_DTYPES[training.mixed_precision_param]
+    batch, pipeline = _batch(config, dims), _pipeline(config, spec, args, dims)
+    loss_parallel = dims.tp_enabled and not par.disable_loss_parallel
     return JobPlan(
         config=config, world_size=world_size, device=device, dims=dims, meshes=mesh_layout(dims), spec=spec,
-        model_args=args, batch=_batch(config, dims), param_dtype=param_dtype,
-        reduce_dtype=MIXED_PRECISION_DTYPES[training.mixed_precision_reduce],
-        autocast=param_dtype != torch.float32 and not dims.fsdp_enabled,
-        loss_parallel=dims.tp_enabled and not par.disable_loss_parallel,
-        converters=converters, pipeline=_pipeline(config, spec, args, dims), tp_styles=styles, attention=attention,
-        flops_per_token=_flops_per_token(config, spec, args),
+        model_args=args, batch=batch, precision=_precision(config, dims), converters=converters,
+        print_converted=config.model.print_after_conversion,
+        fsdp=FsdpPlan(pipeline.reshard_after_forward if pipeline else par.fsdp_reshard_after_forward,
+                      training.enable_cpu_offload, par.fsdp_reduce_every_microbatch),
+        tensor_parallel=TensorParallelPlan(styles, par.enable_async_tensor_parallel),
+        pipeline=pipeline, experts=ExpertPlan(dims.ep_spans_tp, config.debug.moe_force_load_balance),
+        attention=attention, checkpointing=_checkpointing(config),
+        compile=CompilePlan(_compiles(config, "model"), config.compile.backend), optimizer=_optimizer(config),
+        # a compiled cross-entropy of vocab-sharded logits bypasses loss parallel (torch 2.13: the
+        # local shard's loss, 2.6 instead of 8.2 on the debug model), so it stays eager there
+        loss=LossPlan(loss_parallel, _compiles(config, "loss") and not loss_parallel,
+                      1 / batch.accumulation),
+        flops_per_token=_flops_per_token(config, spec, args), seed=config.debug.seed,
         dataset=dataset, validation_dataset=validation, notes=tuple(notes),
     )
+
+
+def _compiles(config: JobConfig, component: str) -> bool:
+    """Whether torch.compile applies to `component` ("model": each block, or "loss")."""
+    return config.compile.enable and component in config.compile.components
+
+
+def _precision(config: JobConfig, dims: ParallelDims) -> Precision:
+    training = config.training
+    param = MIXED_PRECISION_DTYPES[training.mixed_precision_param]
+    return Precision(MIXED_PRECISION_DTYPES[training.dtype], param, MIXED_PRECISION_DTYPES[training.mixed_precision_reduce],
+                     autocast=param != torch.float32 and not dims.fsdp_enabled)
+
+
+def _checkpointing(config: JobConfig) -> CheckpointingPlan:
+    ac = config.activation_checkpoint
+    return CheckpointingPlan(ac.mode, ac.selective_ac_option, ac.preserve_rng_state, ac.early_stop, ac.determinism_check,
+                             ac.debug)
+
+
+def _optimizer(config: JobConfig) -> OptimizerPlan:
+    opt, sched = config.optimizer, config.lr_scheduler
+    return OptimizerPlan(opt.name, opt.lr, (opt.beta1, opt.beta2), opt.eps, opt.weight_decay, opt.implementation,
+                         config.training.max_norm, sched.total_steps or config.training.steps, sched.warmup_steps,
+                         sched.decay_ratio, sched.decay_type, sched.min_lr_factor)
 
 
 def _source_or_note(find: Callable[[], str | None], notes: list[str] | None) -> str | None:
@@ -368,7 +345,7 @@ def _check_tensor_parallel(config: JobConfig, spec: ModelSpec, args, dims: Paral
 def _check_family(config: JobConfig, spec: ModelSpec, args, dims: ParallelDims, device: str) -> None:
     """The layouts the model family itself refuses (ModelSpec.refusals), the first in one line."""
     layout = RunLayout(tp=dims.tp, cp=dims.cp, ep=dims.ep, pp=dims.pp, dp=dims.dp, device=device,
-                       compile=config.compile.enable and "model" in config.compile.components)
+                       compile=_compiles(config, "model"))
     for what, why in spec.refusals(args, layout):
         raise ConfigError(f"{what} is not supported yet for {spec.name}/{config.model.flavor}: {why}")
 
@@ -402,7 +379,18 @@ def attention_plan(config: JobConfig, spec: ModelSpec, args, dims: ParallelDims,
         exchange = "ring" if plain and not (device == "cuda" and fp32_attention) else "gather"
     kernels = tuple((mask, sinks, "blocked" if exchange == "gather" else choose_kernel(device, mask, documents, sinks))
                     for mask, sinks in kinds)
-    return AttentionPlan(documents, kernels, exchange)
+    par = config.parallelism
+    return AttentionPlan(documents, kernels, exchange, par.context_parallel_load_balancer is not None,
+                         par.context_parallel_rotate_method)
+
+
+def traced_on_cpu(plan: JobPlan) -> JobPlan:
+    """The plan as the estimator traces it here: on CPU, with the CPU's attention kernels
+    (FlexAttention, CUDA's choice for masked layers, has no CPU backward), compile-free."""
+    return dataclasses.replace(
+        plan, device="cpu", attention=attention_plan(plan.config, plan.spec, plan.model_args, plan.dims, "cpu"),
+        compile=dataclasses.replace(plan.compile, blocks=False),
+        tensor_parallel=dataclasses.replace(plan.tensor_parallel, async_tp=False))
 
 
 def _check_layout(config: JobConfig, dims: ParallelDims, device: str, attention: AttentionPlan) -> None:
@@ -418,13 +406,13 @@ def _check_layout(config: JobConfig, dims: ParallelDims, device: str, attention:
             raise ConfigError("context_parallel_rotate_method alltoall runs torch's ring on the flash kernel, which takes no "
                               "document mask (model.attn_mask_type block_causal), no window, chunk or sink layers, and on "
                               "CUDA no fp32 (training.mixed_precision_param float32): use allgather")
-        if config.compile.enable and "model" in config.compile.components:
+        if _compiles(config, "model"):
             raise ConfigError("compile.enable with context_parallel_degree > 1 is not supported yet: the context-parallel "
                               "attention's collectives break the compiled block's graph")
     if config.parallelism.enable_async_tensor_parallel:
         # an inductor pass over symmetric memory, which only CUDA has; elsewhere it would do nothing
         missing = [what for what, ok in (("CUDA", device == "cuda"), ("tensor_parallel_degree > 1", dims.tp_enabled),
-                                         ("compile.enable", config.compile.enable and "model" in config.compile.components))
+                                         ("compile.enable", _compiles(config, "model")))
                    if not ok]
         if missing:
             raise ConfigError("parallelism.enable_async_tensor_parallel needs CUDA and compile.enable with "

@@ -41,13 +41,8 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def build_loss(plan: JobPlan) -> LossFn:
-    """cross_entropy, compiled when compile.components has "loss" — except under loss parallel:
-    measured (torch 2.13), a compiled cross-entropy of vocab-sharded logits bypasses
-    loss_parallel's handling and returns the loss of the local vocabulary shard (2.6 instead of
-    8.2 on the debug model), silently."""
-    compile_ = plan.config.compile
-    compiled = compile_.enable and "loss" in compile_.components and not plan.loss_parallel
-    return torch.compile(cross_entropy, backend=compile_.backend) if compiled else cross_entropy
+    """cross_entropy, compiled where the plan says (never under loss parallel, see LossPlan)."""
+    return torch.compile(cross_entropy, backend=plan.compile.backend) if plan.loss.compiled else cross_entropy
 
 
 def plain_value(loss: torch.Tensor) -> torch.Tensor:
@@ -58,18 +53,18 @@ def plain_value(loss: torch.Tensor) -> torch.Tensor:
 
 def compute_context(plan: JobPlan) -> Callable[[], contextlib.AbstractContextManager]:
     """Autocast to the low-precision dtype where FSDP's mixed precision does not cast already."""
-    if not plan.autocast:
+    if not plan.precision.autocast:
         return contextlib.nullcontext
-    return lambda: torch.autocast(plan.device, dtype=plan.param_dtype)
+    return lambda: torch.autocast(plan.device, dtype=plan.precision.param)
 
 
 def micro_batch_loss(loss_fn: LossFn, plan: JobPlan) -> LossFn:
     """The loss a micro-batch's backward runs on, the one place the loss is normalised: its mean
-    over the micro-batch's tokens (``loss_fn``) divided by the micro-batches per step, so that a
-    step's gradient is the global batch's mean loss's. Plain and pipelined steps both use it; a
-    family's own losses get the same factor (``FamilyHooks``: 1 / accumulation)."""
-    accumulation = plan.batch.accumulation
-    return lambda out, labels: loss_fn(out, labels) / accumulation
+    over the micro-batch's tokens (``loss_fn``) times the plan's scale (1 / micro-batches per step),
+    so that a step's gradient is the global batch's mean loss's. Plain and pipelined steps both
+    use it; a family's own losses get the same scale (``FamilyHooks``)."""
+    scale = plan.loss.scale
+    return lambda out, labels: loss_fn(out, labels) * scale
 
 
 def plain_forward_backward(model: nn.Module, loss_fn: LossFn, plan: JobPlan) -> ForwardBackward:
@@ -78,7 +73,7 @@ def plain_forward_backward(model: nn.Module, loss_fn: LossFn, plan: JobPlan) -> 
 
     def forward_backward(inputs: torch.Tensor, labels: torch.Tensor, **model_kwargs) -> torch.Tensor:
         # loss parallel's cross-entropy backward only works inside its context, too
-        with tp.loss_parallel_context(plan.loss_parallel):
+        with tp.loss_parallel_context(plan.loss.parallel):
             with autocast():
                 loss = step_loss(model(inputs, **model_kwargs), labels)
             loss.backward()
@@ -101,9 +96,8 @@ def context_parallel(run: Callable[..., torch.Tensor], plan: JobPlan, cp_mesh) -
     """`run` (a forward_backward or an evaluation loss) on this cp rank's part of every sequence:
     inputs, labels and per-token keywords cut to its tokens (load-balanced), which go with their
     positions."""
-    par = plan.config.parallelism
     positions = cp.local_positions(plan.batch.seq_len, plan.dims.cp, cp_mesh.get_local_rank(),
-                                   par.context_parallel_load_balancer is not None, plan.device)
+                                   plan.attention.cp_load_balance, plan.device)
 
     def on_shard(inputs: torch.Tensor, labels: torch.Tensor, **model_kwargs) -> torch.Tensor:
         shard = {name: cp.shard_sequence(value, positions) for name, value in model_kwargs.items()}
@@ -135,7 +129,7 @@ def pipelined_forward_backward(pipeline: pp.Pipeline, plan: JobPlan, pp_mesh) ->
     autocast = compute_context(plan)
 
     def forward_backward(inputs: torch.Tensor, labels: torch.Tensor, **model_kwargs) -> torch.Tensor:
-        with tp.loss_parallel_context(plan.loss_parallel), autocast():
+        with tp.loss_parallel_context(plan.loss.parallel), autocast():
             loss = pipeline.run(inputs, labels, **_stage_kwargs(inputs, plan, model_kwargs))
         return _from_last_stage(loss, plan.device, pp_mesh)
 
@@ -148,13 +142,13 @@ def evaluation_loss(parts: Sequence[nn.Module], pipeline: pp.Pipeline | None, lo
     autocast = compute_context(plan)
     if pipeline is None:
         def plain(inputs: torch.Tensor, labels: torch.Tensor, **model_kwargs) -> torch.Tensor:
-            with autocast(), tp.loss_parallel_context(plan.loss_parallel):
+            with autocast(), tp.loss_parallel_context(plan.loss.parallel):
                 return plain_value(loss_fn(parts[0](inputs, **model_kwargs), labels))
 
         return plain
 
     def pipelined(inputs: torch.Tensor, labels: torch.Tensor, **model_kwargs) -> torch.Tensor:
-        with autocast(), tp.loss_parallel_context(plan.loss_parallel):
+        with autocast(), tp.loss_parallel_context(plan.loss.parallel):
             loss = pipeline.evaluate(inputs, labels, loss_fn, **_stage_kwargs(inputs, plan, model_kwargs))
         return _from_last_stage(loss, plan.device, pp_mesh)
 
@@ -173,7 +167,7 @@ def step_functions(parts: Sequence[nn.Module], pipeline: pp.Pipeline | None, los
     evaluate = evaluation_loss(parts, pipeline, loss_fn, plan, meshes.pp)
     if plan.dims.cp_enabled:
         forward_backward, evaluate = (context_parallel(f, plan, meshes.cp) for f in (forward_backward, evaluate))
-    if plan.config.model.attn_mask_type == "block_causal":
+    if plan.attention.documents:
         forward_backward, evaluate = (document_masking(f, bos_id) for f in (forward_backward, evaluate))
     return forward_backward, evaluate
 
@@ -184,7 +178,7 @@ def gradient_sync(parts: Sequence[nn.Module], plan: JobPlan) -> Callable[[bool],
     reduces (parallelism.fsdp_reduce_every_microbatch: sharded gradients only, as torchtitan), without
     FSDP, and under a pipeline, whose schedule reduces its stages' gradients itself, once per pass."""
     fsdp_parts = [part for part in parts if isinstance(part, FSDPModule)]
-    if plan.pipeline is not None or plan.config.parallelism.fsdp_reduce_every_microbatch or not fsdp_parts:
+    if plan.pipeline is not None or plan.fsdp.reduce_every_microbatch or not fsdp_parts:
         return lambda enabled: None
 
     def sync(enabled: bool) -> None:
@@ -243,7 +237,7 @@ def make_train_step(
     run on every step (on a skipped one they see unchanged weights). Other implementations read
     the norm's finiteness each step and leave the step and the hooks out on the host."""
     sync = gradient_sync(parts, plan)
-    accumulation, max_norm, device = plan.batch.accumulation, plan.config.training.max_norm, plan.device
+    accumulation, max_norm, device = plan.batch.accumulation, plan.optimizer.max_norm, plan.device
     params = [p for part in parts for p in part.parameters()]
     on_device = all(optimizer.defaults.get("fused") for optimizer in optimizers)
 

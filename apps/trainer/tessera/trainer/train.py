@@ -32,9 +32,9 @@ from tessera.trainer.family_hooks import FamilyHooks
 from tessera.trainer.faults import (
     StopSignals, any_rank, inject_fault, stalled_collective, tighten_timeouts,
 )
-from tessera.trainer.lr_schedule import LockstepSchedulers, build_lr_scheduler
+from tessera.trainer.lr_schedule import LockstepSchedulers
 from tessera.trainer.metrics import MetricLogger, StepTimer, all_reduce_mean, memory_gib, peak_tflops
-from tessera.trainer.optimizer import build_optimizer
+from tessera.trainer.optimizer import build_optimizer, build_scheduler
 from tessera.trainer.parallelize import build_parallel_model
 from tessera.trainer.plan import JobPlan, make_plan, tokenizer_source
 from tessera.trainer.step import SkippedSteps, StepResult, build_loss, make_train_step, step_functions
@@ -124,7 +124,7 @@ def _train(plan: JobPlan, info) -> list[dict]:
             saved.parent.mkdir(parents=True, exist_ok=True)
             saved.write_text(json.dumps(to_dict(config), indent=2))
 
-    _seed_everything(config.debug.seed, config.debug.deterministic, config.debug.deterministic_warn_only)
+    _seed_everything(plan.seed, config.debug.deterministic, config.debug.deterministic_warn_only)
     tokenizer = load_tokenizer(tokenizer_source(config))
     with user_input():
         train_sets, weights, val_dataset = datasets(plan, say=info.rank == 0)
@@ -132,12 +132,8 @@ def _train(plan: JobPlan, info) -> list[dict]:
 
     loss_fn = build_loss(plan)
     model = build_parallel_model(plan, meshes, loss_fn)
-    optimizers = [build_optimizer(part, config) for part in model.parts]  # one per part, as tessera.ckpt saves them
-    sched = config.lr_scheduler
-    scheduler = LockstepSchedulers([build_lr_scheduler(
-        optimizer, sched.total_steps or training.steps, warmup_steps=sched.warmup_steps, decay_ratio=sched.decay_ratio,
-        decay_type=sched.decay_type, min_lr_factor=sched.min_lr_factor,
-    ) for optimizer in optimizers])
+    optimizers = [build_optimizer(part, plan.optimizer) for part in model.parts]  # one per part, as tessera.ckpt saves them
+    scheduler = LockstepSchedulers([build_scheduler(optimizer, plan.optimizer) for optimizer in optimizers])
     checkpointer = Checkpointer(config, plan.spec, plan.model_args, model.parts, optimizers, scheduler, loader, info.rank,
                                 pp_group=meshes.pp.get_group() if meshes.pp is not None else None, tokenizer=tokenizer)
     with user_input():
@@ -156,8 +152,8 @@ def _train(plan: JobPlan, info) -> list[dict]:
         color=not config.metrics.disable_color_printing and sys.stdout.isatty() and not os.environ.get("NO_COLOR"),
         enabled=is_logging_rank,
     )
-    peak = peak_tflops(device, plan.param_dtype)
-    timer = StepTimer(plan.batch.tokens_per_device, plan.flops_per_token, peak, warmup=config.compile.enable)
+    peak = peak_tflops(device, plan.precision.param)
+    timer = StepTimer(plan.batch.tokens_per_device, plan.flops_per_token, peak, warmup=plan.compile.blocks or plan.loss.compiled)
     if info.rank == 0:
         print(banner(plan, model, peak, tokenizer, data_source(plan)), flush=True)
 
