@@ -258,7 +258,7 @@ def test_norm_kept_bytes_measured_on_one_norm(path, dtype):
     if path == "fused":
         gpu_kernels.fused_rms_norms(norm)
     device, tp = {"cpu": ("cpu", 1), "composite": ("cpu", 2), "fused": ("cuda", 1)}[path]
-    plan = types.SimpleNamespace(device=device, dims=types.SimpleNamespace(tp=tp), param_dtype=dtype)
+    plan = types.SimpleNamespace(device=device, dims=types.SimpleNamespace(tp=tp), precision=types.SimpleNamespace(param=dtype))
     with FakeTensorMode(allow_non_fake_inputs=True):
         x0 = torch.ones(tokens, dim, dtype=dtype, requires_grad=True)
         with LiveBytes() as live:

@@ -1,8 +1,14 @@
+import dataclasses
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from tessera.trainer.config import ConfigError, JobConfig, load_config, parse_overrides
+from tessera.trainer.schema import check_declared, declared, key, table
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -101,3 +107,68 @@ def test_every_section_has_defaults():
 
 def test_parse_overrides_keeps_order():
     assert parse_overrides(["--a.b", "1", "--a.b=2"]) == [("a", "b", "1"), ("a", "b", "2")]
+
+
+def test_every_key_declares_a_help_line():
+    keys = declared(JobConfig)
+    assert len(keys) > 150 and all(facts.help and "\n" not in facts.help for facts in keys.values())
+
+    @dataclasses.dataclass
+    class Undeclared:
+        plain: int = 0
+
+    with pytest.raises(TypeError, match="config key plain is not declared"):
+        declared(Undeclared)
+
+
+@dataclasses.dataclass
+class _Section:
+    size: int = key(1, "a size", bound=">= 1")
+    kind: str = key("a", "a kind", choices=("a", "b"))
+    kinds: list[str] = key([], "kinds", choices=("a", "b"))
+    legacy: bool = key(False, "an old switch", refused="gone")
+
+
+@dataclasses.dataclass
+class _Config:
+    section: _Section = table(_Section)
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("size", 0, "^config key section.size: 0 must be >= 1$"),
+    ("kind", "c", r"^config key section.kind: 'c' is not one of \['a', 'b'\]$"),
+    ("kinds", ["a", "c"], r"^config key section.kinds: \['c'\] not in \['a', 'b'\]$"),
+    ("legacy", True, "^config key section.legacy = True: gone$"),
+])
+def test_the_declarations_drive_validation(name, value, message):
+    config = _Config()
+    setattr(config.section, name, value)
+    with pytest.raises(ConfigError, match=message):
+        check_declared(config)
+    if name == "legacy":  # a caller implementing a refused key accepts it
+        check_declared(config, accepted=frozenset({"section.legacy"}))
+
+
+_OUTSIDE = {">= 1": "0", ">= 0": "-1", "> 0": "0", "within [0, 1]": "1.5"}  # a value outside each of schema.BOUNDS
+
+
+@pytest.mark.parametrize("name", [name for name, facts in declared(JobConfig).items() if facts.bound])
+def test_every_declared_bound_is_enforced(name):
+    bound = declared(JobConfig)[name].bound
+    with pytest.raises(ConfigError, match=f"^config key {name}: .*must be {re.escape(bound)}$"):
+        load_config([f"--{name}", _OUTSIDE[bound]])
+
+
+@pytest.mark.parametrize("name", [name for name, facts in declared(JobConfig).items() if facts.choices])
+def test_every_declared_choice_rejects_a_typo(name):
+    with pytest.raises(ConfigError, match=f"^config key {name}"):
+        load_config([f"--{name}", "typo"])
+
+
+def test_the_float8_converters_do_not_import_the_config():
+    """The config imports the converters' sections; the converters import neither it nor torchao."""
+    code = ("import sys, tessera.trainer.float8_converter; "
+            "print(sorted(m for m in ('tessera.trainer.config', 'torchao') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.stdout.strip() == "[]"

@@ -13,12 +13,14 @@ import pytest
 import torch
 
 from tessera.trainer import cli_info
-from tessera.trainer.config import PATH_KEYS, ConfigError, JobConfig, get_key, load_config
-from tessera.trainer.config_keys import HELP, REFUSED
+from tessera.trainer.config import ConfigError, JobConfig, get_key, load_config
 from tessera.trainer.main import main
 from tessera.trainer.parallelize import build_model
 from tessera.trainer.plan import make_plan
+from tessera.trainer.schema import declared
 from tessera.trainer.train import train
+
+KEYS = declared(JobConfig)  # "section.key" -> what its field declares
 
 # The contract: torchtitan 0.2.2's JobConfig, every field (nested tables dotted).
 TORCHTITAN_022_KEYS = """
@@ -84,7 +86,6 @@ def test_every_torchtitan_022_key_is_known_and_explained():
     assert len(TORCHTITAN_022_KEYS) == 149
     missing = sorted(set(TORCHTITAN_022_KEYS) - set(cli_info.config_keys()))
     assert not missing
-    assert set(HELP) == set(cli_info.config_keys())
 
 
 @pytest.mark.parametrize("key", TORCHTITAN_022_KEYS)
@@ -94,16 +95,16 @@ def test_every_key_parses_at_its_default(key):
         pytest.skip("unset or list default: written differently on a command line; type-checked by test_config")
     text = str(default).lower() if isinstance(default, bool) else str(default)
     value = get_key(load_config([f"--{key}", text]), key)
-    assert value == default or (tuple(key.split(".")) in PATH_KEYS and value.endswith(default.lstrip(".")))
+    assert value == default or (KEYS[key].path and value.endswith(default.lstrip(".")))
 
 
-@pytest.mark.parametrize("key", sorted(REFUSED))
+@pytest.mark.parametrize("key", sorted(key for key, facts in KEYS.items() if facts.refused))
 def test_a_refused_key_names_itself_and_why(key):
     default = get_key(JobConfig(), key)
     with pytest.raises(ConfigError) as error:
         load_config([f"--{key}", _OTHER[type(default)](default)])
     message = str(error.value)
-    assert message.startswith(f"config key {key} = ") and REFUSED[key] in message and "\n" not in message
+    assert message.startswith(f"config key {key} = ") and KEYS[key].refused in message and "\n" not in message
 
 
 def test_memory_budget_mode_is_refused_with_the_reason():
@@ -115,7 +116,7 @@ def test_help_lists_every_key_with_default_and_meaning(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
     for key in cli_info.config_keys():
-        assert f"--{key} (default " in out and HELP[key] in out
+        assert f"--{key} (default " in out and KEYS[key].help in out
     assert main(["--help", "lr_scheduler"]) == 0
     section = capsys.readouterr().out
     assert "--lr_scheduler.decay_ratio" in section and "--training.steps" not in section

@@ -1,22 +1,21 @@
-"""What `--help` and `--version` print: the config keys with defaults and meanings, and the
-versions a bug report needs (trainer, each library, torch, git commit)."""
+"""What `--help` and `--version` print: the config keys with defaults and meanings (as declared
+beside their fields, tessera.trainer.schema), and the versions a bug report needs (trainer, each
+library, torch, git commit)."""
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.metadata
 import importlib.util
 import os
 import subprocess
-import typing
 from pathlib import Path
 
 import tomli
 
 from tessera.trainer.config import ConfigError, JobConfig, get_key
-from tessera.trainer.config_keys import HELP, OLDER_TORCHTITAN_KEYS, REFUSED, TESSERA_KEYS
+from tessera.trainer.schema import OLDER_TORCHTITAN, TESSERA, declared
 
-TRAINER_VERSION = "0.9.0"
+TRAINER_VERSION = "0.10.0"
 LIBRARIES = ("mesh", "models", "data", "fsdp", "tp", "pp", "cp", "ep", "ckpt", "float8")
 
 USAGE = """usage: trainer [--nproc N] [--check [--check_world_size N]] [--job.config_file F] [--section.key VALUE ...]
@@ -24,18 +23,13 @@ USAGE = """usage: trainer [--nproc N] [--check [--check_world_size N]] [--job.co
        trainer --version           versions of the trainer, its libraries, torch, and the git commit"""
 
 
+# How the README's key table names a key's origin (none: torchtitan 0.2.2's name).
+_ORIGIN_NOTES = {TESSERA: "Tessera", OLDER_TORCHTITAN: "torchtitan 0.1 name"}
+
+
 def config_keys() -> list[str]:
     """Every "section.key" (nested tables dotted), in declaration order."""
-
-    def walk(cls: type, prefix: str) -> typing.Iterator[str]:
-        hints = typing.get_type_hints(cls)
-        for field in dataclasses.fields(cls):
-            if dataclasses.is_dataclass(hints[field.name]):
-                yield from walk(hints[field.name], f"{prefix}{field.name}.")
-            else:
-                yield f"{prefix}{field.name}"
-
-    return list(walk(JobConfig, ""))
+    return list(declared(JobConfig))
 
 
 def _default(key: str) -> str:
@@ -45,7 +39,7 @@ def _default(key: str) -> str:
 
 def help_text(section: str | None = None) -> str:
     """The keys of every section, or of `section` (ConfigError naming an unknown one)."""
-    keys = config_keys()
+    keys = declared(JobConfig)
     sections = list(dict.fromkeys(key.split(".")[0] for key in keys))
     if section is not None:
         if section not in sections:
@@ -54,11 +48,10 @@ def help_text(section: str | None = None) -> str:
     lines = [USAGE, ""]
     for name in sections:
         lines.append(f"[{name}]")
-        for key in (k for k in keys if k.split(".")[0] == name):
-            line = f"  --{key} (default {_default(key)}): {HELP[key]}"
-            if key in REFUSED:
-                line += f" [only the default: {REFUSED[key]}]"
-            lines.append(line)
+        for key, facts in keys.items():
+            if key.split(".")[0] == name:
+                refused = f" [only the default: {facts.refused}]" if facts.refused else ""
+                lines.append(f"  --{key} (default {_default(key)}): {facts.help}{refused}")
         lines.append("")
     return "\n".join(lines).rstrip()
 
@@ -66,11 +59,10 @@ def help_text(section: str | None = None) -> str:
 def key_table() -> str:
     """The README's table of every key: where its name comes from and what Tessera does with it."""
     rows = ["| key | default | status |", "| --- | --- | --- |"]
-    for key in config_keys():
-        origin = "Tessera" if key in TESSERA_KEYS else "torchtitan 0.1 name" if key in OLDER_TORCHTITAN_KEYS else ""
-        status = f"refused unless default: {REFUSED[key]}" if key in REFUSED else "works"
-        if origin:
-            status = f"{status} ({origin})"
+    for key, facts in declared(JobConfig).items():
+        status = f"refused unless default: {facts.refused}" if facts.refused else "works"
+        if facts.origin in _ORIGIN_NOTES:
+            status = f"{status} ({_ORIGIN_NOTES[facts.origin]})"
         rows.append(f"| `{key}` | `{_default(key)}` | {status.replace('|', '/')} |")
     return "\n".join(rows)
 

@@ -1,9 +1,12 @@
 """Job configuration: TOML sections and keys named as torchtitan's TOML-era configs, plus
-`--section.key value` command-line overrides. Every mistake becomes one ConfigError line."""
+`--section.key value` command-line overrides. Every mistake becomes one ConfigError line.
+
+Each key is declared once, beside its field (tessera.trainer.schema.key): its help line, allowed
+values, bound, torchtitan origin and refusal. validate() checks those declarations, then the rules
+that tie keys together. The converters' sections are declared with the converters."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import difflib
 import importlib
@@ -21,76 +24,84 @@ from tessera.ckpt import ASYNC_MODES, EXPORT_DTYPES
 from tessera.data import parse_mixture
 from tessera.fsdp import MIXED_PRECISION_DTYPES, RESHARD_POLICIES
 from tessera.models import AC_MODES
-from tessera.trainer import float8_converter  # registers the float8 and MX converters
-from tessera.trainer.config_keys import REFUSED
-from tessera.trainer.converters import registered_converters
+from tessera.trainer.converters import converter_sections, registered_converters
+from tessera.trainer.errors import ConfigError, user_input
 from tessera.trainer.faults import FAULT_KINDS
+from tessera.trainer.float8_converter import Float8, Quantize  # importing it registers the float8 converters
 from tessera.trainer.lr_schedule import DECAY_TYPES
+from tessera.trainer.schema import OLDER_TORCHTITAN, TESSERA, check_declared, declared, get_key, key, table
 
+# What other modules import from here (ConfigError and user_input live in tessera.trainer.errors).
+__all__ = ["CHOICES", "ConfigError", "JobConfig", "get_key", "load_config", "note", "parse_overrides", "to_dict",
+           "user_directory", "user_input", "validate"]
 
-class ConfigError(ValueError):
-    """Bad user input — a config file, key or value, or a file it names — that the trainer cannot
-    use; the message names it. The command line prints it as one line and exits 2."""
-
-
-@contextlib.contextmanager
-def user_input() -> Iterator[None]:
-    """Around reading what the user named (data, checkpoints): the libraries' ValueErrors there
-    describe that input, so they become ConfigErrors. Elsewhere a ValueError is a bug and keeps
-    its traceback."""
-    try:
-        yield
-    except ConfigError:
-        raise
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
+# Why keys are refused, where several share a reason.
+_FIXED_SCHEMA = "Tessera's config schema is fixed; register models and converters with experimental.custom_import"
+_NO_EP = "not yet: expert-parallel options beyond expert_parallel_degree are being built (issue 11)"
+_NO_FT = ("torchft is not part of Tessera; it restarts from checkpoints instead "
+          "(torchrun --max-restarts, SLURM requeue: see the trainer README)")
+_ESTIMATE = "the trainer trains; for a dry run use `bazel run //tools/estimate -- --job.config_file ...`"
+_MEMORY_BUDGET = "mode memory_budget (compile's min-cut partitioner) is not supported"
 
 
 @dataclasses.dataclass
 class Job:
-    config_file: str = ""
-    dump_folder: str = "./outputs"
-    description: str = "Tessera training job"
-    print_config: bool = False
-    print_args: bool = False  # torchtitan 0.1's name of print_config
-    save_config_file: str | None = None  # under dump_folder: the merged config as JSON
-    custom_config_module: str = ""
-    # After SIGTERM/SIGUSR1 the ranks finish the step and save; past this many seconds they exit anyway.
-    stop_grace_seconds: int = 120
+    config_file: str = key("", "TOML file read before the command-line overrides", path=True)
+    dump_folder: str = key("./outputs", "folder of the run's outputs: checkpoints, TensorBoard events, traces", path=True)
+    description: str = key("Tessera training job", "free text, printed in the start-up banner")
+    print_config: bool = key(False, "print the merged config as JSON at start")
+    print_args: bool = key(False, "torchtitan 0.1's name of print_config", origin=OLDER_TORCHTITAN)
+    save_config_file: str | None = key(None, "write the merged config as JSON to this file under dump_folder")
+    custom_config_module: str = key("", "a module extending the config schema", refused=_FIXED_SCHEMA)
+    stop_grace_seconds: int = key(
+        120, "after SIGTERM/SIGUSR1 the ranks finish the step and save; past this many seconds they exit anyway",
+        bound=">= 1", origin=TESSERA)
 
 
 @dataclasses.dataclass
 class Model:
-    name: str = "llama3"
-    flavor: str = "debugmodel"
-    tokenizer_path: str = ""  # "" = model.hf_assets_path's tokenizer, else the offline default BPE of tessera.data
-    hf_assets_path: str = ""  # a Hugging Face model folder: tokenizer.json (+ tokenizer_config.json), config.json, weights
-    converters: list[str] = dataclasses.field(default_factory=list)
-    print_after_conversion: bool = False
-    attn_mask_type: str = "causal"  # "block_causal": attention stays within each packed document
+    name: str = key("llama3", "model family: a registered model spec (llama2, llama3, ...)")
+    flavor: str = key(
+        "debugmodel", "size of the family, e.g. debugmodel, 8B, 70B, 405B; from_hf_config: model.hf_assets_path's config.json")
+    tokenizer_path: str = key(
+        "", "a tokenizer.model or tokenizer.json file, or a folder holding one; \"\": hf_assets_path's, else the embedded BPE",
+        path=True)
+    hf_assets_path: str = key(
+        "", "a Hugging Face model folder: its tokenizer.json (+ tokenizer_config.json), config.json and weights", path=True)
+    converters: list[str] = key(
+        [], "module converters applied after building: float8, quantize.linear.float8, quantize.linear.mx")
+    print_after_conversion: bool = key(False, "print the model after its converters ran")
+    attn_mask_type: str = key(
+        "causal", "causal, or block_causal: attention stays within each document packed into a window",
+        choices=("causal", "block_causal"), origin=TESSERA)
 
 
 @dataclasses.dataclass
 class Optimizer:
-    name: str = "AdamW"
-    lr: float = 8e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    # fused | foreach | for-loop; fused (torchtitan's default too) is the fastest on CPU and CUDA and
-    # skips a non-finite step on the device (tessera.trainer.step)
-    implementation: str = "fused"
-    early_step_in_backward: bool = False
+    name: str = key("AdamW", "optimizer: AdamW", choices=("AdamW",))
+    lr: float = key(8e-4, "peak learning rate", bound=">= 0")
+    beta1: float = key(0.9, "AdamW beta1")
+    beta2: float = key(0.95, "AdamW beta2")
+    eps: float = key(1e-8, "AdamW epsilon", bound=">= 0")
+    weight_decay: float = key(0.1, "AdamW decoupled weight decay", bound=">= 0")
+    # fused (torchtitan's default too) is the fastest on CPU and CUDA and skips a non-finite step
+    # on the device (tessera.trainer.step)
+    implementation: str = key(
+        "fused", "AdamW kernel: foreach, fused (one kernel per parameter group) or for-loop",
+        choices=("foreach", "fused", "for-loop"))
+    early_step_in_backward: bool = key(
+        False, "step each parameter's optimizer as soon as its gradient is ready",
+        refused="not supported: stepping inside backward would skip gradient clipping and the non-finite-step check")
 
 
 @dataclasses.dataclass
 class LRScheduler:
-    warmup_steps: int = 10
-    total_steps: int | None = None  # the schedule's length; None: training.steps
-    decay_ratio: float | None = None  # the last this fraction of all steps decays; None: every step after warmup
-    decay_type: str = "linear"  # linear | sqrt | cosine
-    min_lr_factor: float = 0.0
+    warmup_steps: int = key(10, "steps of linear warm-up: step s of them uses lr * s / warmup_steps", bound=">= 0")
+    total_steps: int | None = key(None, "length of the schedule; unset: training.steps", bound=">= 1")
+    decay_ratio: float | None = key(
+        None, "fraction of all steps that decays at the end; unset: every step after warm-up", bound="within [0, 1]")
+    decay_type: str = key("linear", "shape of the decay: linear, sqrt or cosine", choices=DECAY_TYPES)
+    min_lr_factor: float = key(0.0, "the decay ends at lr * min_lr_factor", bound="within [0, 1]")
 
 
 @dataclasses.dataclass
@@ -99,232 +110,231 @@ class DataLoader:
     rather than worker processes (the loader is cheap; its state stays one global position):
     num_workers > 0 turns it on, num_workers * prefetch_factor batches ahead."""
 
-    num_workers: int = 1  # torchtitan defaults to 0; prefetching keeps the step from waiting
-    prefetch_factor: int | None = None  # None: 2 when num_workers > 0
-    pin_memory: bool = False
-    persistent_workers: bool = False  # the thread lives for the whole run either way
+    # torchtitan defaults to 0; prefetching keeps the step from waiting
+    num_workers: int = key(1, "> 0: a background thread prepares batches ahead", bound=">= 0")
+    prefetch_factor: int | None = key(None, "batches ahead per worker (default 2)", bound=">= 1")
+    pin_memory: bool = key(False, "on CUDA, batches in pinned host memory for asynchronous copies")
+    persistent_workers: bool = key(False, "keep workers between epochs (Tessera's thread lives for the run either way)")
 
 
 @dataclasses.dataclass
 class Training:
-    dataset: str = "default"  # "default" = the embedded corpus; else a path (see dataset_path)
-    dataset_path: str = ""  # a text source, or a folder of token shards from tools/pretokenize
-    dataset_text_field: str = "text"
-    # ["path=weight", ...]: datasets mixed in these proportions (seeded by debug.seed); replaces
-    # dataset / dataset_path. Paths as dataset_path.
-    dataset_mixture: list[str] = dataclasses.field(default_factory=list)
-    shuffle: bool = True  # documents in a seeded (debug.seed) order per epoch, not file order
-    shuffle_buffer: int = 8192  # token shards: documents are permuted within groups of this many
-    dataloader: DataLoader = dataclasses.field(default_factory=DataLoader)
+    dataset: str = key("default", "default (the embedded corpus), c4_test / c4_validation (./tests/assets/<name>), or a path")
+    dataset_path: str = key(
+        "", "a text or JSON-lines (.jsonl/.json[.gz]) file, a folder of them, or a folder of token shards (tools/pretokenize)",
+        path=True)
+    dataset_text_field: str = key("text", "the field of each JSON record holding its text", origin=TESSERA)
+    # mixed in proportions seeded by debug.seed; the paths resolve as dataset_path
+    dataset_mixture: list[str] = key(
+        [], "[\"path=weight\", ...]: datasets mixed in these proportions, replacing dataset and dataset_path",
+        origin=TESSERA)
+    shuffle: bool = key(True, "documents in a seeded (debug.seed) order per epoch, not file order", origin=TESSERA)
+    shuffle_buffer: int = key(
+        8192, "token shards: documents are permuted within groups of this many", bound=">= 1", origin=TESSERA)
+    dataloader: DataLoader = table(DataLoader)
     # Defaults train the debug model on CPU in minutes; the shipped TOMLs set real-run values.
-    local_batch_size: int = 8
-    global_batch_size: int = -1  # -1: local_batch_size * data-parallel degree (no accumulation)
-    seq_len: int = 256
-    max_norm: float = 1.0
-    steps: int = 100
+    local_batch_size: int = key(
+        8, "sequences per data-parallel rank per optimizer step (before accumulation splits it)", bound=">= 1")
+    global_batch_size: int = key(
+        -1, "sequences per optimizer step over all ranks; -1: local_batch_size * data-parallel degree")
+    seq_len: int = key(256, "tokens per sequence", bound=">= 1")
+    max_norm: float = key(1.0, "clip the global gradient norm to this", bound="> 0")
+    steps: int = key(100, "optimizer steps to train", bound=">= 1")
     # float32 by default: without AVX-512 BF16 (e.g. AVX2-only CPUs) CPU bf16 matmuls are
     # emulated, measured 20x slower here. GPU configs set "bfloat16".
-    mixed_precision_param: str = "float32"
-    mixed_precision_reduce: str = "float32"
-    dtype: str = "float32"  # the parameters' own dtype: "bfloat16" keeps weights, grads and optimizer state in bf16
-    enable_cpu_offload: bool = False
-    gc_freq: int = 50
-    gc_debug: bool = False  # collect every step, reporting what the collector found
-    # Optimizer steps skipped for a non-finite gradient norm before the run stops (exit 1).
-    max_skipped_steps: int = 3
+    mixed_precision_param: str = key(
+        "float32", "dtype of parameters in compute (FSDP all-gathers / autocast): float32 or bfloat16",
+        choices=tuple(MIXED_PRECISION_DTYPES))
+    mixed_precision_reduce: str = key(
+        "float32", "dtype of the gradient reduction: float32 or bfloat16", choices=tuple(MIXED_PRECISION_DTYPES))
+    dtype: str = key(
+        "float32", "dtype the parameters are stored in: bfloat16 keeps weights, gradients and optimizer state in bf16",
+        choices=("float32", "bfloat16"))
+    enable_cpu_offload: bool = key(False, "FSDP keeps parameters, gradients and optimizer state in host memory")
+    gc_freq: int = key(50, "run Python's garbage collector every this many steps, on every rank at once", bound=">= 1")
+    gc_debug: bool = key(False, "collect every step and report what the collector found (reference cycles)")
+    max_skipped_steps: int = key(
+        3, "optimizer steps skipped for a non-finite gradient norm before the run stops", bound=">= 0", origin=TESSERA)
 
 
 @dataclasses.dataclass
 class Parallelism:
-    data_parallel_replicate_degree: int = 1
-    data_parallel_shard_degree: int = -1
-    fsdp_reshard_after_forward: str = "default"  # default | always | never
-    # False: accumulation reduce-scatters once, after the last micro-batch (less traffic; FSDP holds
-    # the whole gradients in the reduce dtype until then). True: every micro-batch, as torchtitan 0.2
-    fsdp_reduce_every_microbatch: bool = False
-    tensor_parallel_degree: int = 1
-    disable_loss_parallel: bool = False
-    enable_async_tensor_parallel: bool = False
-    context_parallel_degree: int = 1
-    context_parallel_rotate_method: str = "allgather"  # torch's ring: K/V gathered once per layer; alltoall: passed on
-    context_parallel_load_balancer: str | None = "headtail"  # None: contiguous shards
-    pipeline_parallel_degree: int = 1
-    pipeline_parallel_schedule: str = "1F1B"  # one of tessera.pp.SCHEDULES, case-insensitive
-    pipeline_parallel_schedule_csv: str = ""  # a file of actions per rank; overrides the schedule's order
-    pipeline_parallel_microbatch_size: int = 1  # sequences per pipeline micro-batch
-    pipeline_parallel_layers_per_stage: int | None = None  # None: pp stages (2 per rank when looped)
-    pipeline_parallel_first_stage_less_layers: int = 1  # the embedding weighs as this many blocks
-    pipeline_parallel_last_stage_less_layers: int = 1  # norm + output weigh as this many blocks
-    module_fqns_per_model_part: list[list[str]] | None = None  # explicit stages: module names each
-    pipeline_parallel_expert_parallel_overlap: bool = True
-    expert_parallel_degree: int = 1
-    expert_tensor_parallel_degree: int = 1
-    expert_parallel_comm_backend: str = "standard"
+    data_parallel_replicate_degree: int = key(1, "DDP / HSDP replicas")
+    data_parallel_shard_degree: int = key(-1, "FSDP shards; -1: the ranks left over by the other degrees")
+    fsdp_reshard_after_forward: str = key(
+        "default", "default, always or never: free gathered parameters after forward", choices=RESHARD_POLICIES)
+    fsdp_reduce_every_microbatch: bool = key(
+        False, "under accumulation, reduce-scatter every micro-batch (torchtitan's way: sharded gradients only) "
+        "instead of once after the last (less traffic, whole gradients held)", origin=TESSERA)
+    tensor_parallel_degree: int = key(1, "tensor + sequence parallel ranks")
+    disable_loss_parallel: bool = key(False, "gather the vocabulary-sharded logits before the loss under tensor parallel")
+    enable_async_tensor_parallel: bool = key(
+        False, "overlap tensor-parallel communication with matmuls (CUDA + compile)")
+    context_parallel_degree: int = key(1, "ranks sharing each sequence", bound=">= 1")
+    context_parallel_rotate_method: str = key(
+        "allgather", "how torch's ring attention moves keys and values: allgather (once per layer) or alltoall "
+        "(rank to rank)", choices=("allgather", "alltoall"))
+    context_parallel_load_balancer: str | None = key(
+        "headtail", "headtail (each rank holds chunks i and 2cp-1-i) or none", choices=("headtail", None))
+    pipeline_parallel_degree: int = key(1, "pipeline stages' ranks", bound=">= 1")
+    pipeline_parallel_schedule: str = key(  # checked by tessera.pp, case-insensitive
+        "1F1B", "1F1B, GPipe, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble or DualPipeV")
+    pipeline_parallel_schedule_csv: str = key(
+        "", "a file of actions per rank, overriding the schedule's order", path=True)
+    pipeline_parallel_microbatch_size: int = key(1, "sequences per pipeline micro-batch", bound=">= 1")
+    pipeline_parallel_layers_per_stage: int | None = key(None, "blocks per stage; unset: even over the stages")
+    pipeline_parallel_first_stage_less_layers: int = key(1, "the embedding weighs as this many blocks")
+    pipeline_parallel_last_stage_less_layers: int = key(1, "the final norm and output weigh as this many blocks")
+    module_fqns_per_model_part: list[list[str]] | None = key(None, "explicit stages: the module names of each")
+    pipeline_parallel_expert_parallel_overlap: bool = key(
+        True, "overlap expert-parallel all-to-all with pipeline compute", refused=_NO_EP)
+    expert_parallel_degree: int = key(1, "ranks sharing the experts of each MoE layer")
+    expert_tensor_parallel_degree: int = key(
+        1, "tensor_parallel_degree: experts split over tp and ep; 1: the tp ranks join ep; no effect without ep")
+    expert_parallel_comm_backend: str = key(
+        "standard", "all-to-all implementation: standard",
+        refused="only 'standard' (all_to_all_single): DeepEP is not part of Tessera")
 
 
 @dataclasses.dataclass
 class Checkpoint:
-    enable: bool = False
-    folder: str = "checkpoint"  # under job.dump_folder
-    interval: int = 500
-    async_mode: str = "disabled"  # disabled | async | async_with_pinned_mem
-    keep_latest_k: int = 10
-    load_step: int = -1
-    exclude_from_loading: list[str] = dataclasses.field(default_factory=list)
-    last_save_model_only: bool = True
-    export_dtype: str = "float32"
-    initial_load_path: str = ""
-    initial_load_model_only: bool = True
-    initial_load_in_hf: bool = False
-    last_save_in_hf: bool = False
-    create_seed_checkpoint: bool = False
-    enable_first_step_checkpoint: bool = False
-    load_only: bool = False  # load at start, never save
-    initial_load_in_hf_quantized: bool = False
-    enable_ft_dataloader_checkpoints: bool = True
+    enable: bool = key(False, "save and resume checkpoints")
+    folder: str = key("checkpoint", "under job.dump_folder")
+    interval: int = key(500, "save every this many steps", bound=">= 1")
+    async_mode: str = key(
+        "disabled", "disabled, async or async_with_pinned_mem: write in the background", choices=ASYNC_MODES)
+    keep_latest_k: int = key(10, "keep this many newest checkpoints; 0: all", bound=">= 0")
+    load_step: int = key(-1, "resume from this step; -1: the newest")
+    exclude_from_loading: list[str] = key(
+        [], "state left out when resuming: model, optimizer, lr_scheduler, dataloader, train_state")
+    last_save_model_only: bool = key(True, "beside the final full checkpoint, also export the model alone")
+    export_dtype: str = key(
+        "float32", "dtype of model-only and HF exports: float32, bfloat16 or float16", choices=tuple(EXPORT_DTYPES))
+    initial_load_path: str = key("", "a checkpoint to start from when the run has none of its own", path=True)
+    initial_load_model_only: bool = key(True, "the initial checkpoint holds the model only")
+    initial_load_in_hf: bool = key(
+        False, "the initial checkpoint is a Hugging Face folder (initial_load_path, else hf_assets_path)")
+    last_save_in_hf: bool = key(False, "export the final model as Hugging Face safetensors + config.json")
+    create_seed_checkpoint: bool = key(False, "save the initial weights as step 0 and exit")
+    enable_first_step_checkpoint: bool = key(False, "also save after step 1")
+    load_only: bool = key(False, "resume from checkpoints but never save")
+    initial_load_in_hf_quantized: bool = key(
+        False, "the initial HF checkpoint holds quantized weights",
+        refused="quantized Hugging Face checkpoints are not supported; load a bf16/fp32 one")
+    enable_ft_dataloader_checkpoints: bool = key(
+        True, "with fault tolerance: checkpoint the data loader per replica", refused=_NO_FT)
 
 
 @dataclasses.dataclass
 class ActivationCheckpoint:
-    mode: str = "none"  # none | full | selective
-    selective_ac_option: str = "op"  # "op" (save matmuls) or an int N (checkpoint every N-th block)
-    preserve_rng_state: bool = True
-    early_stop: bool = False
-    determinism_check: str = "default"
-    debug: bool = False
-    memory_budget: float = 0.5
-    visualize_memory_budget_pareto: bool = False
-    per_op_sac_force_recompute_mm_shapes_by_fqns: list[str] = dataclasses.field(default_factory=lambda: ["moe.router.gate"])
+    mode: str = key(
+        "none", "none, selective or full: recompute activations in backward instead of storing them", choices=AC_MODES)
+    selective_ac_option: str = key(  # checked in validate(): "op" or an int
+        "op", "op (keep matmul outputs, recompute the rest) or N (checkpoint every N-th block)")
+    preserve_rng_state: bool = key(True, "recompute with the forward's RNG state (dropout-exact)")
+    early_stop: bool = key(False, "stop recomputing once the needed activations exist")
+    determinism_check: str = key(
+        "default", "default (compare recomputed tensor metadata) or none", choices=("default", "none"))
+    debug: bool = key(False, "record the recomputed ops for debugging a mismatch")
+    memory_budget: float = key(
+        0.5, "with mode memory_budget: the fraction of activation memory kept",
+        refused=f"{_MEMORY_BUDGET}; use selective or full")
+    visualize_memory_budget_pareto: bool = key(
+        False, "with mode memory_budget: plot the memory/recompute Pareto front", refused=_MEMORY_BUDGET)
+    per_op_sac_force_recompute_mm_shapes_by_fqns: list[str] = key(
+        ["moe.router.gate"], "op-level AC recomputes matmuls of these modules (MoE router)", refused=_NO_EP)
 
 
 @dataclasses.dataclass
 class Compile:
-    enable: bool = False
-    components: list[str] = dataclasses.field(default_factory=lambda: ["model", "loss"])
-    backend: str = "inductor"
-
-
-@dataclasses.dataclass
-class Float8:
-    enable_fsdp_float8_all_gather: bool = False
-    precompute_float8_dynamic_scale_for_fsdp: bool = False
-    recipe_name: str | None = None  # None = tensorwise; rowwise | rowwise_with_gw_hp
-    # linears left in high precision (name contains one); "auto_filter_small_kn": also small ones
-    filter_fqns: list[str] = dataclasses.field(default_factory=list)
-    emulate: bool = False
-
-
-@dataclasses.dataclass
-class MX:
-    """[quantize.linear.mx]: MXFP8 linears through torchao (tessera.float8.MX_RECIPES)."""
-
-    recipe_name: str = "mxfp8_rceil"
-    filter_fqns: list[str] = dataclasses.field(default_factory=lambda: ["output"])
-    mxfp8_dim1_cast_kernel_choice: str = "triton"
-
-
-@dataclasses.dataclass
-class QuantizedLinear:
-    float8: Float8 = dataclasses.field(default_factory=Float8)  # torchtitan 0.2's home of the [float8] keys
-    mx: MX = dataclasses.field(default_factory=MX)
-
-
-@dataclasses.dataclass
-class GroupedMMFloat8:
-    fqns: list[str] = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass
-class GroupedMMMX:
-    recipe_name: str = "mxfp8"
-    fqns: list[str] = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass
-class QuantizedGroupedMM:
-    """[quantize.grouped_mm.*]: low-precision expert GEMMs of MoE models."""
-
-    float8: GroupedMMFloat8 = dataclasses.field(default_factory=GroupedMMFloat8)
-    mx: GroupedMMMX = dataclasses.field(default_factory=GroupedMMMX)
-
-
-@dataclasses.dataclass
-class Quantize:
-    linear: QuantizedLinear = dataclasses.field(default_factory=QuantizedLinear)
-    grouped_mm: QuantizedGroupedMM = dataclasses.field(default_factory=QuantizedGroupedMM)
+    enable: bool = key(False, "torch.compile each block and the loss")
+    components: list[str] = key(["model", "loss"], "what to compile: model, loss", choices=("model", "loss"))
+    backend: str = key("inductor", "torch.compile backend")
 
 
 @dataclasses.dataclass
 class Metrics:
-    log_freq: int = 10
-    enable_tensorboard: bool = False
-    save_tb_folder: str = "tb"
-    disable_color_printing: bool = False
-    rank_0_only: bool = True  # torchtitan 0.1's key; false = save_for_all_ranks
-    save_for_all_ranks: bool = False  # every rank logs and writes its own TensorBoard events
-    enable_wandb: bool = False
-    # MFU: count attention's QK^T and scores @ V at half the full-sequence FLOPs, as a causal mask
-    # leaves half the score matrix to compute (flash kernels skip it); false is PaLM's and
-    # torchtitan's convention (mask ignored), so MFU figures compare with theirs
-    causal_attention_flops: bool = False
+    log_freq: int = key(10, "log loss, grad norm, throughput and memory every this many steps", bound=">= 1")
+    enable_tensorboard: bool = key(
+        False, "write TensorBoard events under dump_folder/save_tb_folder/<run start time>")
+    save_tb_folder: str = key("tb", "under job.dump_folder")
+    disable_color_printing: bool = key(
+        False, "no colour in the console log (colour is used only on a terminal, never with NO_COLOR)")
+    rank_0_only: bool = key(True, "torchtitan 0.1's key: false = save_for_all_ranks", origin=OLDER_TORCHTITAN)
+    save_for_all_ranks: bool = key(False, "every rank logs and writes its own TensorBoard events, not rank 0 alone")
+    enable_wandb: bool = key(
+        False, "log to Weights & Biases",
+        refused="Weights & Biases is not installed with Tessera; use metrics.enable_tensorboard")
+    # A causal mask leaves half the score matrix to compute (flash kernels skip it); false is PaLM's
+    # and torchtitan's convention (mask ignored), so MFU figures compare with theirs.
+    causal_attention_flops: bool = key(
+        False, "MFU counts causal attention at half the full-sequence FLOPs (torchtitan: false)", origin=TESSERA)
 
 
 @dataclasses.dataclass
 class Profiling:
-    enable_profiling: bool = False
-    save_traces_folder: str = "profile_traces"
-    profile_freq: int = 10
-    enable_memory_snapshot: bool = False
-    save_memory_snapshot_folder: str = "memory_snapshot"
-    profiler_active: int = 1  # steps traced each cycle
-    profiler_warmup: int = 3  # steps before them, run under the profiler but not recorded
+    enable_profiling: bool = key(False, "trace steps with torch.profiler")
+    save_traces_folder: str = key("profile_traces", "under job.dump_folder: iteration_<step>/rank<r>_trace.json")
+    profile_freq: int = key(10, "one trace every this many steps", bound=">= 1")
+    enable_memory_snapshot: bool = key(
+        False, "CUDA: record allocations and dump a snapshot every profile_freq steps")
+    save_memory_snapshot_folder: str = key("memory_snapshot", "under job.dump_folder")
+    profiler_active: int = key(1, "steps recorded in each trace", bound=">= 1")
+    profiler_warmup: int = key(3, "steps run under the profiler, unrecorded, before each trace", bound=">= 0")
 
 
 @dataclasses.dataclass
 class Comm:
-    init_timeout_seconds: int = 300
-    train_timeout_seconds: int = 100  # the training's collectives after the first step (torchtitan's key)
-    trace_buf_size: int = 20000  # NCCL flight recorder entries per rank, dumped when a collective times out
-    save_traces_folder: str = "comm_traces"  # under job.dump_folder
-    save_traces_file_prefix: str = "rank_"
-    mode: str = "default"
+    init_timeout_seconds: int = key(
+        300, "timeout of process-group start-up and the first step's collectives", bound=">= 1")
+    train_timeout_seconds: int = key(
+        100, "timeout of every collective after the first step: a stuck rank becomes an error", bound=">= 1")
+    trace_buf_size: int = key(
+        20000, "NCCL flight-recorder entries per rank, dumped when a collective times out", bound=">= 0")
+    save_traces_folder: str = key("comm_traces", "under job.dump_folder: where the flight recorder dumps")
+    save_traces_file_prefix: str = key("rank_", "file name prefix of those dumps")
+    mode: str = key(
+        "default", "default; fake_backend / local_tensor: a dry run without real communication",
+        choices=("default", "fake_backend", "local_tensor"), refused=_ESTIMATE)
 
 
 @dataclasses.dataclass
 class MemoryEstimation:
-    enable: bool = False
-    disable_fake_mode: bool = False
+    enable: bool = key(False, "estimate memory instead of training", refused=_ESTIMATE)
+    disable_fake_mode: bool = key(False, "estimate with real tensors", refused=_ESTIMATE)
 
 
 @dataclasses.dataclass
 class FaultTolerance:
-    enable: bool = False
-    process_group: str = "gloo"
-    process_group_timeout_ms: int = 10000
-    replica_id: int = 0
-    group_size: int = 0
-    min_replica_size: int = 1
-    semi_sync_method: str | None = None
+    enable: bool = key(False, "torchft replica groups that survive a failed replica", refused=_NO_FT)
+    process_group: str = key("gloo", "torchft's process group backend", refused=_NO_FT)
+    process_group_timeout_ms: int = key(10000, "torchft's process group timeout", refused=_NO_FT)
+    replica_id: int = key(0, "this replica group's id", refused=_NO_FT)
+    group_size: int = key(0, "replica groups", refused=_NO_FT)
+    min_replica_size: int = key(1, "replicas needed to continue", refused=_NO_FT)
+    semi_sync_method: str | None = key(None, "local SGD / DiLoCo", refused=_NO_FT)
 
 
 @dataclasses.dataclass
 class ValidationDataLoader:
-    num_workers: int = 0
-    prefetch_factor: int | None = None
-    pin_memory: bool = False
-    persistent_workers: bool = False
+    num_workers: int = key(0, "> 0: a background thread prepares validation batches ahead", bound=">= 0")
+    prefetch_factor: int | None = key(None, "batches ahead per worker (default 2)", bound=">= 1")
+    pin_memory: bool = key(False, "on CUDA, batches in pinned host memory")
+    persistent_workers: bool = key(
+        False, "keep workers between validations (no effect: one thread per validation)")
 
 
 @dataclasses.dataclass
 class Validation:
-    enable: bool = False
-    dataset: str = "default"
-    dataset_path: str = ""
-    freq: int = 500
-    steps: int = 10  # batches per validation; -1 = the whole dataset once
-    local_batch_size: int | None = None  # None: training.local_batch_size
-    seq_len: int | None = None  # None: training.seq_len
-    dataloader: ValidationDataLoader = dataclasses.field(default_factory=ValidationDataLoader)
+    enable: bool = key(False, "evaluate the loss on held-out data every freq steps")
+    dataset: str = key("default", "default: documents held out of the training data; c4_validation or a path")
+    dataset_path: str = key("", "as training.dataset_path", path=True)
+    freq: int = key(500, "validate every this many steps", bound=">= 1")
+    steps: int = key(10, "batches per validation; -1: the whole validation set once")  # checked in validate()
+    local_batch_size: int | None = key(
+        None, "sequences per rank per validation batch; unset: training.local_batch_size", bound=">= 1")
+    seq_len: int | None = key(None, "tokens per validation sequence; unset: training.seq_len", bound=">= 1")
+    dataloader: ValidationDataLoader = table(ValidationDataLoader)
 
 
 @dataclasses.dataclass
@@ -332,86 +342,65 @@ class Experimental:
     """Where configs before torchtitan 0.1 put pipeline parallelism; read as the [parallelism]
     keys with a deprecation note."""
 
-    pipeline_parallel_degree: int = 1
-    pipeline_parallel_schedule: str = ""
-    pipeline_parallel_schedule_csv: str = ""
-    pipeline_parallel_microbatches: int | None = None  # micro-batches per local batch
-    pipeline_parallel_split_points: list[str] = dataclasses.field(default_factory=list)  # first module of stages 1..
-    custom_import: str = ""  # a module imported first: it may register model specs and converters
-    custom_args_module: str = ""
+    pipeline_parallel_degree: int = key(
+        1, "pre-0.1 name of parallelism.pipeline_parallel_degree", origin=OLDER_TORCHTITAN)
+    pipeline_parallel_schedule: str = key(
+        "", "pre-0.1 name of parallelism.pipeline_parallel_schedule", origin=OLDER_TORCHTITAN)
+    pipeline_parallel_schedule_csv: str = key(
+        "", "pre-0.1 name of parallelism.pipeline_parallel_schedule_csv", path=True, origin=OLDER_TORCHTITAN)
+    pipeline_parallel_microbatches: int | None = key(
+        None, "pre-0.1: micro-batches per local batch", origin=OLDER_TORCHTITAN)
+    pipeline_parallel_split_points: list[str] = key(
+        [], "pre-0.1: the first module of stages 1..", origin=OLDER_TORCHTITAN)
+    custom_import: str = key(
+        "", "a Python module imported before anything is built: it may register model specs and converters")
+    custom_args_module: str = key("", "a module adding config sections", refused=_FIXED_SCHEMA)
 
 
 @dataclasses.dataclass
 class Debug:
-    seed: int = 0
-    deterministic: bool = False
-    deterministic_warn_only: bool = False  # with deterministic: a nondeterministic op warns instead of failing
-    moe_force_load_balance: bool = False
-    # An injected fault, to test recovery (Tessera's keys; 0 = off): before step fault_at_step,
-    # rank fault_rank crashes (exits at once, as if killed) or stalls (stops answering for twice
-    # comm.train_timeout_seconds); on a launcher's first attempt only, so an elastic restart runs clean.
-    fault_at_step: int = 0
-    fault_rank: int = 0
-    fault_kind: str = "crash"  # crash | stall
+    seed: int = key(0, "seed of weights, data order and dropout")
+    deterministic: bool = key(False, "deterministic kernels only, TF32 off")
+    deterministic_warn_only: bool = key(
+        False, "with deterministic: an op without a deterministic kernel warns instead of failing")
+    moe_force_load_balance: bool = key(False, "route MoE tokens round-robin, for load-balanced benchmarks")
+    # The injected fault, to test recovery: rank fault_rank crashes (exits at once, as if killed)
+    # or stalls (stops answering for twice comm.train_timeout_seconds); on a launcher's first
+    # attempt only, so an elastic restart runs clean.
+    fault_at_step: int = key(
+        0, "inject a fault before this step (0: never), on the first attempt only: tests recovery", bound=">= 0",
+        origin=TESSERA)
+    fault_rank: int = key(0, "the rank that fails", bound=">= 0", origin=TESSERA)
+    fault_kind: str = key(
+        "crash", "crash (exit at once, as if killed) or stall (stop answering)", choices=FAULT_KINDS, origin=TESSERA)
 
 
 @dataclasses.dataclass
 class JobConfig:
-    job: Job = dataclasses.field(default_factory=Job)
-    model: Model = dataclasses.field(default_factory=Model)
-    optimizer: Optimizer = dataclasses.field(default_factory=Optimizer)
-    lr_scheduler: LRScheduler = dataclasses.field(default_factory=LRScheduler)
-    training: Training = dataclasses.field(default_factory=Training)
-    parallelism: Parallelism = dataclasses.field(default_factory=Parallelism)
-    checkpoint: Checkpoint = dataclasses.field(default_factory=Checkpoint)
-    activation_checkpoint: ActivationCheckpoint = dataclasses.field(default_factory=ActivationCheckpoint)
-    compile: Compile = dataclasses.field(default_factory=Compile)
-    float8: Float8 = dataclasses.field(default_factory=Float8)  # torchtitan 0.1's section
-    quantize: Quantize = dataclasses.field(default_factory=Quantize)
-    metrics: Metrics = dataclasses.field(default_factory=Metrics)
-    profiling: Profiling = dataclasses.field(default_factory=Profiling)
-    comm: Comm = dataclasses.field(default_factory=Comm)
-    memory_estimation: MemoryEstimation = dataclasses.field(default_factory=MemoryEstimation)
-    fault_tolerance: FaultTolerance = dataclasses.field(default_factory=FaultTolerance)
-    validation: Validation = dataclasses.field(default_factory=Validation)
-    experimental: Experimental = dataclasses.field(default_factory=Experimental)
-    debug: Debug = dataclasses.field(default_factory=Debug)
+    job: Job = table(Job)
+    model: Model = table(Model)
+    optimizer: Optimizer = table(Optimizer)
+    lr_scheduler: LRScheduler = table(LRScheduler)
+    training: Training = table(Training)
+    parallelism: Parallelism = table(Parallelism)
+    checkpoint: Checkpoint = table(Checkpoint)
+    activation_checkpoint: ActivationCheckpoint = table(ActivationCheckpoint)
+    compile: Compile = table(Compile)
+    # torchtitan 0.1's section: the keys of [quantize.linear.float8] under their older name
+    float8: Float8 = table(Float8, help="torchtitan 0.1's section of quantize.linear.float8", origin=OLDER_TORCHTITAN)
+    quantize: Quantize = table(Quantize)
+    metrics: Metrics = table(Metrics)
+    profiling: Profiling = table(Profiling)
+    comm: Comm = table(Comm)
+    memory_estimation: MemoryEstimation = table(MemoryEstimation)
+    fault_tolerance: FaultTolerance = table(FaultTolerance)
+    validation: Validation = table(Validation)
+    experimental: Experimental = table(Experimental)
+    debug: Debug = table(Debug)
 
 
-# Allowed values of string keys, each owned by the code that implements them; checked after
-# parsing so a typo is caught before any work.
-CHOICES = {
-    ("optimizer", "name"): ("AdamW",),
-    ("debug", "fault_kind"): FAULT_KINDS,
-    ("optimizer", "implementation"): ("foreach", "fused", "for-loop"),
-    ("lr_scheduler", "decay_type"): DECAY_TYPES,
-    ("training", "mixed_precision_param"): tuple(MIXED_PRECISION_DTYPES),
-    ("training", "mixed_precision_reduce"): tuple(MIXED_PRECISION_DTYPES),
-    ("parallelism", "fsdp_reshard_after_forward"): RESHARD_POLICIES,
-    ("checkpoint", "async_mode"): ASYNC_MODES,
-    ("checkpoint", "export_dtype"): tuple(EXPORT_DTYPES),
-    ("activation_checkpoint", "mode"): AC_MODES,
-    ("model", "attn_mask_type"): ("causal", "block_causal"),
-    ("parallelism", "context_parallel_rotate_method"): ("allgather", "alltoall"),
-    ("parallelism", "context_parallel_load_balancer"): ("headtail", None),
-    ("training", "dtype"): ("float32", "bfloat16"),
-    ("comm", "mode"): ("default", "fake_backend", "local_tensor"),
-    ("activation_checkpoint", "determinism_check"): ("default", "none"),
-    ("quantize", "linear.mx.mxfp8_dim1_cast_kernel_choice"): ("triton", "cuda", "torch"),
-}
-
-# Keys holding paths a user types: relative ones resolve against the user's directory.
-PATH_KEYS = (
-    ("job", "config_file"),
-    ("job", "dump_folder"),
-    ("model", "tokenizer_path"),
-    ("model", "hf_assets_path"),
-    ("training", "dataset_path"),
-    ("validation", "dataset_path"),
-    ("checkpoint", "initial_load_path"),
-    ("parallelism", "pipeline_parallel_schedule_csv"),
-    ("experimental", "pipeline_parallel_schedule_csv"),
-)
+# (section, key) -> allowed values, as tests/test_plan.py reads them; the declarations above own them.
+CHOICES = {tuple(name.split(".", 1)): facts.choices for name, facts in declared(JobConfig).items() if facts.choices}
 
 
 def user_directory() -> Path:
@@ -535,22 +524,23 @@ def parse_overrides(argv: list[str]) -> list[tuple[str, str, str]]:
     return overrides
 
 
+def _set_key(config: JobConfig, dotted: str, value: typing.Any) -> None:
+    *tables, leaf = dotted.split(".")  # a key of a nested [section.table...] table
+    setattr(get_key(config, ".".join(tables)), leaf, value)
+
+
 def _apply(config: JobConfig, section: str, key: str, value: typing.Any, from_cli: bool) -> None:
     value = _convert(section, key, value, from_cli)  # validates section and key first
-    owner = getattr(config, section)
-    *groups, leaf = key.split(".")
-    for group in groups:  # a key of a nested [section.group...] table
-        owner = getattr(owner, group)
-    setattr(owner, leaf, value)
+    _set_key(config, f"{section}.{key}", value)
 
 
-def _keys(table: dict, prefix: str = "") -> Iterator[tuple[str, typing.Any]]:
+def _keys(entries: dict, prefix: str = "") -> Iterator[tuple[str, typing.Any]]:
     """A TOML section's keys, nested tables flattened to dotted keys."""
-    for key, value in table.items():
+    for name, value in entries.items():
         if isinstance(value, dict):
-            yield from _keys(value, f"{prefix}{key}.")
+            yield from _keys(value, f"{prefix}{name}.")
         else:
-            yield f"{prefix}{key}", value
+            yield f"{prefix}{name}", value
 
 
 def _read_toml(path: Path) -> dict:
@@ -571,7 +561,7 @@ def _read_toml(path: Path) -> dict:
 
 def load_config(argv: list[str], accepted: frozenset[str] = frozenset()) -> JobConfig:
     """Defaults, then the TOML file named by --job.config_file, then the other overrides.
-    `accepted`: refused keys (config_keys.REFUSED) that the caller implements, e.g. the
+    `accepted`: refused keys (schema.Key.refused) that the caller implements, e.g. the
     estimator's comm.mode = "fake_backend"."""
     overrides = parse_overrides(argv)
     config = JobConfig()
@@ -582,18 +572,18 @@ def load_config(argv: list[str], accepted: frozenset[str] = frozenset()) -> JobC
         sections = _read_toml(path)
         if not sections:  # an empty (or comment-only) file: surely not the config meant
             raise ConfigError(f"config file {path} holds no settings")
-        for section, table in sections.items():
-            if not isinstance(table, dict):
+        for section, entries in sections.items():
+            if not isinstance(entries, dict):
                 raise ConfigError(f"config file {path}: '{section}' must be a [section] table")
             _section_fields(section)
-            for key, value in _keys(table):
-                _apply(config, section, key, value, from_cli=False)
-    for section, key, value in overrides:
-        _apply(config, section, key, value, from_cli=True)
-    for section, key in PATH_KEYS:
-        value = getattr(getattr(config, section), key)
-        if value:
-            setattr(getattr(config, section), key, str(base / os.path.expanduser(value)))
+            for name, value in _keys(entries):
+                _apply(config, section, name, value, from_cli=False)
+    for section, name, value in overrides:
+        _apply(config, section, name, value, from_cli=True)
+    for name, facts in declared(JobConfig).items():
+        value = get_key(config, name)
+        if facts.path and value:
+            _set_key(config, name, str(base / os.path.expanduser(value)))
     config.training.dataset_mixture = [  # "path=weight": the paths resolve like dataset_path
         f"{base / os.path.expanduser(path.strip())}={weight}" if path.strip() else entry
         for entry in config.training.dataset_mixture
@@ -623,10 +613,10 @@ def _read_experimental(config: JobConfig) -> None:
     """Older configs' [experimental] pipeline keys become today's [parallelism] ones (split
     points need the model's depth and become stages in the job plan)."""
     old, new, defaults = config.experimental, config.parallelism, Experimental()
-    moved = [key for key in ("pipeline_parallel_degree", "pipeline_parallel_schedule", "pipeline_parallel_schedule_csv")
-             if getattr(old, key) != getattr(defaults, key)]
-    for key in moved:
-        setattr(new, key, getattr(old, key))
+    moved = [name for name in ("pipeline_parallel_degree", "pipeline_parallel_schedule", "pipeline_parallel_schedule_csv")
+             if getattr(old, name) != getattr(defaults, name)]
+    for name in moved:
+        setattr(new, name, getattr(old, name))
     microbatches = old.pipeline_parallel_microbatches
     if microbatches is not None:
         local = config.training.local_batch_size
@@ -650,41 +640,11 @@ def note(message: str) -> None:
 
 
 def validate(config: JobConfig, accepted: frozenset[str] = frozenset()) -> None:
-    """Value checks that types alone do not catch."""
-    for dotted, reason in REFUSED.items():
-        if dotted not in accepted and get_key(config, dotted) != get_key(JobConfig(), dotted):
-            raise ConfigError(f"config key {dotted} = {get_key(config, dotted)!r}: {reason}")
+    """What each key declares (schema.check_declared), then the rules between keys."""
     if config.activation_checkpoint.mode == "memory_budget":
-        raise ConfigError(f"config key activation_checkpoint.mode = 'memory_budget': {REFUSED['activation_checkpoint.memory_budget']}")
-    for (section, key), allowed in CHOICES.items():
-        value = get_key(config, f"{section}.{key}")
-        if value not in allowed:
-            raise ConfigError(f"config key {section}.{key}: {value!r} is not one of {list(allowed)}")
-    positive = [
-        ("training", "local_batch_size"), ("training", "seq_len"), ("training", "steps"),
-        ("metrics", "log_freq"), ("checkpoint", "interval"), ("validation", "freq"),
-        ("profiling", "profile_freq"), ("training", "gc_freq"), ("comm", "init_timeout_seconds"),
-        ("job", "stop_grace_seconds"), ("comm", "train_timeout_seconds"),
-        ("parallelism", "pipeline_parallel_degree"), ("parallelism", "pipeline_parallel_microbatch_size"),
-        ("parallelism", "context_parallel_degree"), ("profiling", "profiler_active"),
-        ("lr_scheduler", "total_steps"), ("validation", "local_batch_size"), ("validation", "seq_len"),
-    ]
-    for section, key in positive:
-        value = getattr(getattr(config, section), key)
-        if value is not None and value < 1:
-            raise ConfigError(f"config key {section}.{key}: {value} must be >= 1")
-    non_negative = [("lr_scheduler", "warmup_steps"), ("optimizer", "lr"), ("optimizer", "eps"),
-                    ("optimizer", "weight_decay"), ("checkpoint", "keep_latest_k"), ("training", "max_skipped_steps"),
-                    ("debug", "fault_at_step"), ("debug", "fault_rank"), ("profiling", "profiler_warmup"),
-                    ("comm", "trace_buf_size")]
-    for section, key in non_negative:
-        if getattr(getattr(config, section), key) < 0:
-            raise ConfigError(f"config key {section}.{key}: must be >= 0")
-    ratio = config.lr_scheduler.decay_ratio
-    if ratio is not None and not 0.0 <= ratio <= 1.0:
-        raise ConfigError(f"config key lr_scheduler.decay_ratio: {ratio} must be within [0, 1]")
-    if not 0.0 <= config.lr_scheduler.min_lr_factor <= 1.0:
-        raise ConfigError("config key lr_scheduler.min_lr_factor: must be within [0, 1]")
+        reason = declared(JobConfig)["activation_checkpoint.memory_budget"].refused
+        raise ConfigError(f"config key activation_checkpoint.mode = 'memory_budget': {reason}")
+    check_declared(config, accepted)
     option = config.activation_checkpoint.selective_ac_option
     if option != "op" and not (option.isdigit() and int(option) >= 1):
         raise ConfigError(f"config key activation_checkpoint.selective_ac_option: {option!r} is not 'op' or a positive int")
@@ -694,42 +654,24 @@ def validate(config: JobConfig, accepted: frozenset[str] = frozenset()) -> None:
         raise ConfigError(f"config key training.dataset_mixture: {e}") from None
     if config.training.dataset_mixture and (config.training.dataset_path or config.training.dataset != "default"):
         raise ConfigError("config key training.dataset_mixture replaces training.dataset and dataset_path; set one of them")
-    if config.training.shuffle_buffer < 1:
-        raise ConfigError(f"config key training.shuffle_buffer: {config.training.shuffle_buffer} must be >= 1")
     for section in ("training", "validation"):
         loader = getattr(config, section).dataloader
-        if loader.num_workers < 0:
-            raise ConfigError(f"config key {section}.dataloader.num_workers: {loader.num_workers} must be >= 0")
-        if loader.prefetch_factor is not None and (loader.prefetch_factor < 1 or loader.num_workers == 0):
-            raise ConfigError(f"config key {section}.dataloader.prefetch_factor: must be >= 1, and needs num_workers > 0")
+        if loader.prefetch_factor is not None and loader.num_workers == 0:
+            raise ConfigError(f"config key {section}.dataloader.prefetch_factor: needs num_workers > 0")
     prof = config.profiling
     if prof.enable_profiling and prof.profiler_warmup + prof.profiler_active > prof.profile_freq:
         raise ConfigError(f"config keys profiling.profiler_warmup {prof.profiler_warmup} + profiler_active "
                           f"{prof.profiler_active} exceed profile_freq {prof.profile_freq}: each trace's steps must fit in one period")
-    if config.training.max_norm <= 0:
-        raise ConfigError(f"config key training.max_norm: {config.training.max_norm} must be > 0")
     if config.validation.steps < 1 and config.validation.steps != -1:
         raise ConfigError(f"config key validation.steps: {config.validation.steps} must be >= 1 or -1 (the whole set)")
-    unknown = sorted(set(config.compile.components) - {"model", "loss"})
-    if unknown:
-        raise ConfigError(f"config key compile.components: {unknown} not in ['model', 'loss']")
     unknown = [name for name in config.model.converters if name not in registered_converters()]
     if unknown:
         raise ConfigError(f"config key model.converters: {unknown} not registered; available: {registered_converters()}")
-    for name, path in [*float8_converter.SECTIONS.items(), (float8_converter.MX_NAME, float8_converter.MX_SECTION),
-                       *float8_converter.GROUPED_SECTIONS.items()]:
-        section = float8_converter.section_of(config, path)
-        if section != type(section)() and name not in config.model.converters:
+    for name, section in converter_sections().items():
+        entries = get_key(config, section)
+        if entries != type(entries)() and name not in config.model.converters:
             # torchtitan's configs carry the section whether or not the converter runs
-            note(f"config section [{'.'.join(path)}] has no effect: model.converters does not list {name!r}")
-
-
-def get_key(config: JobConfig, dotted: str) -> typing.Any:
-    """The value of "section.key" or "section.table.key"."""
-    value = config
-    for name in dotted.split("."):
-        value = getattr(value, name)
-    return value
+            note(f"config section [{section}] has no effect: model.converters does not list {name!r}")
 
 
 def to_dict(config: JobConfig) -> dict:

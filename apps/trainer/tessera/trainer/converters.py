@@ -1,12 +1,14 @@
 """Model converters: named steps that swap modules of a freshly built model before tensor parallel
 and FSDP wrap it (float8 linears now, other quantisations later), as `model.converters` lists them.
 
-A converter is registered under its config name with a factory. The job plan calls the factory
-with the config and the parallel degrees, so a converter that cannot serve a layout raises its
-ConfigError there, once, before any worker starts. What the factory returns says everything the
-rest of the build needs from it: the swap itself, tensor-parallel styles for roles its modules
-need (handed to tessera.tp), and hooks to run after every optimizer step (e.g. float8 scale
-precompute for FSDP).
+A converter is registered under its config name with a factory and, declared by the converter's
+module, the config table it reads (e.g. "quantize.linear.float8"): the config notes such a table
+set while its converter is not listed, and the factory finds its table through the registry
+(`converter_sections`). The job plan calls the factory with the config and the parallel degrees,
+so a converter that cannot serve a layout raises its ConfigError there, once, before any worker
+starts. What the factory returns says everything the rest of the build needs from it: the swap
+itself, tensor-parallel styles for roles its modules need (handed to tessera.tp), and hooks to
+run after every optimizer step (e.g. float8 scale precompute for FSDP).
 """
 
 from __future__ import annotations
@@ -33,20 +35,26 @@ class ModelConverter:
 
 ConverterFactory = Callable[["JobConfig", "ParallelDims"], ModelConverter]
 
-_REGISTRY: dict[str, ConverterFactory] = {}
+_REGISTRY: dict[str, tuple[ConverterFactory, str]] = {}
 
 
-def register_converter(name: str, factory: ConverterFactory) -> None:
-    """Makes `name` usable in `model.converters`; a taken name is a ValueError."""
+def register_converter(name: str, factory: ConverterFactory, section: str = "") -> None:
+    """Makes `name` usable in `model.converters`; a taken name is a ValueError. `section`: the
+    dotted config table the converter reads, if any."""
     if name in _REGISTRY:
         raise ValueError(f"model converter {name!r} is already registered")
-    _REGISTRY[name] = factory
+    _REGISTRY[name] = (factory, section)
 
 
 def registered_converters() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def converter_sections() -> dict[str, str]:
+    """converter name -> the config table it reads, for the converters that read one."""
+    return {name: section for name, (_, section) in sorted(_REGISTRY.items()) if section}
+
+
 def build_converters(config: JobConfig, dims: ParallelDims) -> tuple[ModelConverter, ...]:
     """The configured converters, in the order `model.converters` lists them."""
-    return tuple(_REGISTRY[name](config, dims) for name in config.model.converters)
+    return tuple(_REGISTRY[name][0](config, dims) for name in config.model.converters)

@@ -2,44 +2,99 @@
 [float8] section) and "quantize.linear.float8" (torchtitan 0.2.x's, reading
 [quantize.linear.float8], the same keys), the MXFP8 one, "quantize.linear.mx"
 ([quantize.linear.mx]), and the MoE experts' grouped-GEMM ones, "quantize.grouped_mm.float8" and
-"quantize.grouped_mm.mx" (their sections). Importing this module registers them.
+"quantize.grouped_mm.mx" (their sections). Each converter's name is the dotted name of its table.
+Importing this module registers them, and the tables' keys are declared here, beside the code
+that reads them; tessera.trainer.config puts the tables in its JobConfig.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tessera.mesh import device_type
-from tessera.trainer.converters import ModelConverter, register_converter
+from tessera.trainer.converters import ModelConverter, converter_sections, register_converter
+from tessera.trainer.errors import ConfigError
+from tessera.trainer.schema import get_key, key, table
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # for annotations only: the config imports this module
     from tessera.float8 import Float8Options
     from tessera.mesh import ParallelDims
     from tessera.trainer.config import JobConfig
 
 # In filter_fqns, torchtitan's switch for the size rule (tessera.float8.size_filter), not a name.
 AUTO_FILTER_FLAG = "auto_filter_small_kn"
-# converter name -> the config table it reads
-SECTIONS = {"float8": ("float8",), "quantize.linear.float8": ("quantize", "linear", "float8")}
-MX_NAME, MX_SECTION = "quantize.linear.mx", ("quantize", "linear", "mx")
-GROUPED_SECTIONS = {f"quantize.grouped_mm.{kind}": ("quantize", "grouped_mm", kind) for kind in ("float8", "mx")}
 
 
-def section_of(config: JobConfig, path: tuple[str, ...]):
-    return functools.reduce(getattr, path, config)
+@dataclasses.dataclass
+class Float8:
+    enable_fsdp_float8_all_gather: bool = key(False, "FSDP all-gathers float8 weights (tensorwise recipe)")
+    precompute_float8_dynamic_scale_for_fsdp: bool = key(
+        False, "one all-reduce computes every weight's float8 scale after the optimizer step")
+    recipe_name: str | None = key(None, "unset (tensorwise), rowwise or rowwise_with_gw_hp")
+    filter_fqns: list[str] = key(
+        [], f"linears whose name contains one of these stay high precision; {AUTO_FILTER_FLAG}: also small ones")
+    emulate: bool = key(False, "float8 arithmetic emulated in high precision (CPU, older GPUs)")
+
+
+@dataclasses.dataclass
+class MX:
+    """[quantize.linear.mx]: MXFP8 linears through torchao (tessera.float8.MX_RECIPES)."""
+
+    recipe_name: str = key("mxfp8_rceil", "MXFP8 recipe of torchao (mxfp8_rceil, ...; mxfp8_emulated_rceil on CPU)")
+    filter_fqns: list[str] = key(["output"], "linears whose name contains one of these stay high precision")
+    mxfp8_dim1_cast_kernel_choice: str = key(
+        "triton", "kernel for MXFP8's column-wise cast: triton, cuda or torch", choices=("triton", "cuda", "torch"),
+        refused="torchao 0.18's MXFP8 training config chooses the cast kernel itself")
+
+
+@dataclasses.dataclass
+class QuantizedLinear:
+    float8: Float8 = table(Float8)  # torchtitan 0.2's home of the [float8] keys
+    mx: MX = table(MX)
+
+
+@dataclasses.dataclass
+class GroupedMMFloat8:
+    fqns: list[str] = key(
+        [], "MoE modules (name contains one, e.g. experts) whose grouped GEMMs run in float8 rowwise (CUDA sm_90+, bf16)")
+
+
+@dataclasses.dataclass
+class GroupedMMMX:
+    recipe_name: str = key(
+        "mxfp8", "MXFP8 recipe of MoE grouped GEMMs: mxfp8 (= mxfp8_rceil, sm_100), ...; mxfp8_emulated_rceil on CPU")
+    fqns: list[str] = key([], "MoE modules (name contains one, e.g. experts) whose grouped GEMMs run in MXFP8 (bf16)")
+
+
+@dataclasses.dataclass
+class QuantizedGroupedMM:
+    """[quantize.grouped_mm.*]: low-precision expert GEMMs of MoE models."""
+
+    float8: GroupedMMFloat8 = table(GroupedMMFloat8)
+    mx: GroupedMMMX = table(GroupedMMMX)
+
+
+@dataclasses.dataclass
+class Quantize:
+    linear: QuantizedLinear = table(QuantizedLinear)
+    grouped_mm: QuantizedGroupedMM = table(QuantizedGroupedMM)
+
+
+def _section(config: JobConfig, name: str) -> tuple[str, Any]:
+    """The dotted name of the table converter `name` registered, and that table of `config`."""
+    section = converter_sections()[name]
+    return section, get_key(config, section)
 
 
 def float8_options(config: JobConfig, dims: ParallelDims, name: str = "float8") -> Float8Options:
     """The float8 keys of converter `name`'s section as tessera.float8 options for this layout;
     ConfigError naming the key when they cannot run here (checked once, in the job plan)."""
-    # Imported here: config imports this module to register the names, and torchao takes
-    # seconds to import, which only runs that use float8 should pay.
+    # Imported here: torchao takes seconds to import, which only runs that use float8 should pay.
     from tessera import float8
-    from tessera.trainer.config import ConfigError
 
-    section = section_of(config, SECTIONS[name])
+    path, section = _section(config, name)
     options = float8.Float8Options(
         recipe_name=section.recipe_name or "tensorwise",  # "" (torchtitan: None) = torchao's default recipe
         filter_fqns=tuple(name for name in section.filter_fqns if name != AUTO_FILTER_FLAG),
@@ -54,7 +109,7 @@ def float8_options(config: JobConfig, dims: ParallelDims, name: str = "float8") 
     try:
         float8.check_options(options, device_type())
     except ValueError as e:
-        raise ConfigError(f"config section [{'.'.join(SECTIONS[name])}]: {e}") from None
+        raise ConfigError(f"config section [{path}]: {e}") from None
     if dims.fsdp_enabled:
         return options
     # Like torchtitan: the FSDP-only switches are dropped where there is no FSDP, so one config
@@ -76,39 +131,37 @@ def _factory(name: str, config: JobConfig, dims: ParallelDims) -> ModelConverter
     )
 
 
-def _mx_factory(config: JobConfig, dims: ParallelDims) -> ModelConverter:
+def _mx_factory(name: str, config: JobConfig, dims: ParallelDims) -> ModelConverter:
     from tessera import float8
-    from tessera.trainer.config import ConfigError
 
-    section = section_of(config, MX_SECTION)
+    path, section = _section(config, name)
     options = float8.MXOptions(recipe_name=section.recipe_name, filter_fqns=tuple(section.filter_fqns))
     try:
         float8.check_mx_options(options, device_type())
     except ValueError as e:
-        raise ConfigError(f"config section [quantize.linear.mx]: {e}") from None
+        raise ConfigError(f"config section [{path}]: {e}") from None
     if dims.tp_enabled:  # torchao 0.18 has no MX tensor-parallel styles
-        raise ConfigError("model.converters quantize.linear.mx with tensor_parallel_degree > 1 is not supported")
-    return ModelConverter(name=MX_NAME, convert=functools.partial(float8.convert_mx, options=options))
+        raise ConfigError(f"model.converters {name} with tensor_parallel_degree > 1 is not supported")
+    return ModelConverter(name=name, convert=functools.partial(float8.convert_mx, options=options))
 
 
 def _grouped_factory(name: str, config: JobConfig, dims: ParallelDims) -> ModelConverter:
     """The experts' weights are wrapped before expert parallel and FSDP shard them on dim 0
     (torchtitan's order); layouts no test here has proven are refused."""
     from tessera import float8
-    from tessera.trainer.config import ConfigError
 
-    section = section_of(config, GROUPED_SECTIONS[name])
+    path, section = _section(config, name)
     # [quantize.grouped_mm.float8] has no recipe_name: torchao has one float8 grouped recipe
     recipe = getattr(section, "recipe_name", float8.FLOAT8_ROWWISE)
     options = float8.GroupedMMOptions(recipe_name=recipe, fqns=tuple(section.fqns))
     try:
         float8.check_grouped_mm_options(options, device_type())
     except ValueError as e:
-        raise ConfigError(f"config section [{name}]: {e}") from None
-    for key, degree in (("tensor_parallel_degree", dims.tp), ("pipeline_parallel_degree", dims.pp),
-                        ("context_parallel_degree", dims.cp), ("data_parallel_replicate_degree", dims.dp_replicate)):
+        raise ConfigError(f"config section [{path}]: {e}") from None
+    for degree_key, degree in (("tensor_parallel_degree", dims.tp), ("pipeline_parallel_degree", dims.pp),
+                               ("context_parallel_degree", dims.cp), ("data_parallel_replicate_degree", dims.dp_replicate)):
         if degree > 1:
-            raise ConfigError(f"model.converters {name} with parallelism.{key} {degree} is not supported yet "
+            raise ConfigError(f"model.converters {name} with parallelism.{degree_key} {degree} is not supported yet "
                               "(expert parallel and FSDP are)")
     if config.compile.enable and "model" in config.compile.components:
         # measured: inductor fails on torchao 0.18's emulated MXFP8 grouped GEMM on CPU (an index
@@ -116,15 +169,14 @@ def _grouped_factory(name: str, config: JobConfig, dims: ParallelDims) -> ModelC
         raise ConfigError(f"model.converters {name} with compile.enable (model) is not supported yet: run it eager")
     # The experts' weights in compute: FSDP casts them to mixed_precision_param, autocast leaves
     # them as stored. fp32 ones take the per-expert loop, which would bypass the quantised GEMMs.
-    key = "mixed_precision_param" if dims.fsdp_enabled else "dtype"
-    if getattr(config.training, key) != "bfloat16":
-        raise ConfigError(f"model.converters {name} needs bfloat16 experts for torch's grouped GEMMs: set training.{key} "
+    dtype_key = "mixed_precision_param" if dims.fsdp_enabled else "dtype"
+    if getattr(config.training, dtype_key) != "bfloat16":
+        raise ConfigError(f"model.converters {name} needs bfloat16 experts for torch's grouped GEMMs: set training.{dtype_key} "
                           f"bfloat16{' (FSDP computes in it)' if dims.fsdp_enabled else ''}")
     return ModelConverter(name=name, convert=functools.partial(float8.convert_grouped_mm, options=options))
 
 
-for _name in SECTIONS:
-    register_converter(_name, functools.partial(_factory, _name))
-register_converter(MX_NAME, _mx_factory)
-for _name in GROUPED_SECTIONS:
-    register_converter(_name, functools.partial(_grouped_factory, _name))
+# Each converter reads the table of its own name; [float8] is torchtitan 0.1's name of [quantize.linear.float8].
+for _name, _factory_of in (("float8", _factory), ("quantize.linear.float8", _factory), ("quantize.linear.mx", _mx_factory),
+                           ("quantize.grouped_mm.float8", _grouped_factory), ("quantize.grouped_mm.mx", _grouped_factory)):
+    register_converter(_name, functools.partial(_factory_of, _name), section=_name)

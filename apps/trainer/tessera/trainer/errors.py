@@ -1,0 +1,25 @@
+"""The trainer's one error for bad user input, apart from the config so that modules the config
+imports (the converters declaring their sections) can raise it."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+
+class ConfigError(ValueError):
+    """Bad user input — a config file, key or value, or a file it names — that the trainer cannot
+    use; the message names it. The command line prints it as one line and exits 2."""
+
+
+@contextlib.contextmanager
+def user_input() -> Iterator[None]:
+    """Around reading what the user named (data, checkpoints): the libraries' ValueErrors there
+    describe that input, so they become ConfigErrors. Elsewhere a ValueError is a bug and keeps
+    its traceback."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
