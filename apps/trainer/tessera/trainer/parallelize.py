@@ -68,7 +68,7 @@ def parallelize(model: nn.Module, plan: JobPlan, meshes: Meshes | None) -> nn.Mo
     # each rank its share of every layer's experts; FSDP then shards them over the ranks beside ep
     # (expert_tensor_parallel_degree 1: the ep group holds the tp ranks, each sending its share of the tokens)
     ep.apply_ep(experts, meshes.ep if experts else None, divide_grads_by_ep=True,
-                split_rows_over=meshes.tp if plan.experts.spans_tp else None)
+                split_rows_over=meshes.tp if dims.ep_spans_tp else None)
     ac = plan.checkpointing
     if ac.mode != "none":
         apply_activation_checkpointing(

@@ -145,7 +145,7 @@ def make_plan(config: JobConfig, world_size: int, device: str | None = None, *, 
         fsdp=FsdpPlan(pipeline.reshard_after_forward if pipeline else par.fsdp_reshard_after_forward,
                       training.enable_cpu_offload, par.fsdp_reduce_every_microbatch),
         tensor_parallel=TensorParallelPlan(styles, par.enable_async_tensor_parallel),
-        pipeline=pipeline, experts=ExpertPlan(dims.ep_spans_tp, config.debug.moe_force_load_balance),
+        pipeline=pipeline, experts=ExpertPlan(config.debug.moe_force_load_balance),
         attention=attention, checkpointing=_checkpointing(config),
         compile=CompilePlan(_compiles(config, "model"), config.compile.backend), optimizer=_optimizer(config),
         # a compiled cross-entropy of vocab-sharded logits bypasses loss parallel (torch 2.13: the

@@ -61,7 +61,6 @@ class TensorParallelPlan:
 
 @dataclasses.dataclass(frozen=True)
 class ExpertPlan:
-    spans_tp: bool  # expert_tensor_parallel_degree 1: the ep group holds the tp ranks, who take the experts whole
     force_load_balance: bool  # route tokens round-robin (benchmarks)
 
 
