@@ -1,5 +1,6 @@
 """MFU's denominator and numerator: GPU names matched most-specific first, fp16 at the bf16
-peak, a measured peak (with a warning) for an unknown GPU, and the causal-attention switch."""
+peak, a measured peak (with a warning) for an unknown GPU and its bounded cost, and the
+causal-attention switch."""
 
 import pytest
 import torch
@@ -52,6 +53,24 @@ def test_unknown_gpu_warns_once_and_uses_the_measured_peak(gpu, capsys):
     assert metrics.peak_tflops("cuda", torch.bfloat16) == 123.0
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no data-sheet peak for GPU 'NVIDIA RTX 9090'" in err
+
+
+@pytest.mark.parametrize("flops_per_s, largest", [(1e9, 512), (1e12, 2048)])
+def test_measured_peak_stops_growing_once_a_product_takes_long(monkeypatch, flops_per_s, largest):
+    """A slow rate (bf16 without native support: ~1 GFLOP/s) is measured on small matrices, in
+    well under a second of (simulated) time; a fast one on the largest CPU size."""
+    clock, sizes = [0.0], []
+
+    def mm(a, b):
+        sizes.append(a.shape[0])
+        clock[0] += 2 * a.shape[0] ** 3 / flops_per_s
+
+    monkeypatch.setattr(metrics.torch, "mm", mm)
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: clock[0])
+    metrics.measured_peak_tflops.cache_clear()
+    assert metrics.measured_peak_tflops.__wrapped__("cpu", torch.float32) == pytest.approx(flops_per_s / 1e12)
+    assert max(sizes) == largest and clock[0] < 2.0
+    metrics.measured_peak_tflops.cache_clear()
 
 
 def test_causal_attention_flops_halve_only_the_attention_term(tmp_path):

@@ -22,22 +22,30 @@ def datasheet_peak_tflops(gpu_name: str) -> float | None:
 
 
 @functools.lru_cache(maxsize=None)
-def measured_peak_tflops(device: str, dtype: torch.dtype, repeats: int = 5) -> float:
+def measured_peak_tflops(device: str, dtype: torch.dtype, repeats: int = 5, long_s: float = 0.05) -> float:
     """Best matmul rate reached here: the MFU denominator where no data sheet applies (CPU,
     where AVX-512 BF16 makes bf16 several times faster than fp32; an unknown GPU; fp32 with
-    TF32 off). It honours the current TF32 setting and thread count."""
-    size = 8192 if device == "cuda" else 2048
-    a = torch.randn(size, size, dtype=dtype, device=device)
-    b = torch.randn(size, size, dtype=dtype, device=device)
+    TF32 off). It honours the current TF32 setting and thread count. The matrices grow from 256
+    until one product takes `long_s` (or reaches 2048 on CPU, 8192 on CUDA): a CPU without
+    native bf16 multiplies bf16 some 50x slower than fp32, where a fixed 2048 costs minutes."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    torch.mm(a, b)  # warm-up: thread pool, kernel selection
-    sync()
-    best = float("inf")
-    for _ in range(repeats):
+
+    def seconds(a, b):
         start = time.perf_counter()
         torch.mm(a, b)
         sync()
-        best = min(best, time.perf_counter() - start)
+        return time.perf_counter() - start
+
+    size, largest = 256, 8192 if device == "cuda" else 2048
+    while True:
+        a = torch.randn(size, size, dtype=dtype, device=device)
+        b = torch.randn(size, size, dtype=dtype, device=device)
+        seconds(a, b)  # warm-up: thread pool, kernel selection
+        best = seconds(a, b)
+        if best >= long_s or size >= largest:
+            break
+        size *= 2
+    best = min([best, *(seconds(a, b) for _ in range(repeats - 1))])
     return 2 * size**3 / best / 1e12
 
 
