@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
-# GPU readiness (issue 17), one command on a CUDA machine from a fresh clone: set up, build, run
-# tools/gpu_check (PASS/FAIL table, result in benchmarks/gpu-check-<date>-<gpu>.md), then hand
-# the rest of an 8-minute budget to the throughput check tools/bench/gpu.sh when present.
-# Arguments go to gpu_check (e.g. --dry-run, automatic without CUDA).
+# GPU readiness (issue 17) on a bare CUDA machine: no network, no Bazel, the machine's python3
+# ($PYTHON) and torch, torchao from .gpu_bundle/ (tools/gpu_bundle.sh, run beforehand where a
+# registry is reachable). Runs tools/gpu_check (PASS/FAIL table), then hands the rest of an
+# 8-minute budget to the throughput check tools/bench/gpu.sh. Results land in $OUT when set,
+# else benchmarks/. Arguments go to gpu_check (e.g. --dry-run, automatic without CUDA).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 start=$SECONDS
-./tools/setup || exit 1
-bazel build //tools/gpu_check || exit 1
-timeout 300 bazel-bin/tools/gpu_check/gpu_check "$@"
+out=${OUT:-benchmarks}
+timeout 300 tools/run_from_source.sh tools/gpu_check/gpu_check.py --out "$out" "$@"
 status=$?
 left=$((480 - (SECONDS - start)))
-if [[ -x tools/bench/gpu.sh && " $* " != *" --dry-run "* ]] && nvidia-smi -L >/dev/null 2>&1; then
+if [[ " $* " != *" --dry-run "* ]] && nvidia-smi -L >/dev/null 2>&1; then
     if ((left > 120)); then
         tools/bench/gpu.sh --budget_s $((left - 60)) || status=1
     else

@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
-# One command on a CUDA machine, from a fresh clone: set up, build, and run the GPU throughput
-# check (tools/bench/gpu_bench.py) within about 8 minutes; the result lands in benchmarks/.
+# The GPU throughput check (tools/bench/gpu_bench.py) within about 8 minutes on a bare CUDA
+# machine: the machine's python3 ($PYTHON) and torch, torchao from .gpu_bundle/
+# (tools/gpu_bundle.sh); no network, no Bazel. The result lands in $OUT when set, else benchmarks/.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-./tools/setup
-bazel build //tools/bench:gpu_bench
-timeout 480 bazel-bin/tools/bench/gpu_bench "$@"
+timeout 480 tools/run_from_source.sh tools/bench/gpu_bench.py --out "${OUT:-benchmarks}" "$@"

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tessera import ckpt, fsdp, models
 from tessera.mesh.testing import run_on_ranks
@@ -67,6 +68,19 @@ def test_plan_resolves_layout_batch_and_model():
 def test_every_user_error_comes_from_the_plan(world_size, argv, message):
     with pytest.raises(ConfigError, match=message):
         plan(world_size, *argv)
+
+
+@pytest.mark.parametrize("release, refused", [("2.11.0+cu130", True), ("2.12.1", False), ("2.13.0+cpu", False)])
+def test_v_shaped_schedules_on_cpu_need_torch_2_12(monkeypatch, release, refused):
+    """torch 2.11's V schedules send between a rank's own stages, which gloo cannot (measured:
+    'Pair is not connected' at the first step); the plan says so before any worker starts."""
+    monkeypatch.setattr(torch, "__version__", release)
+    argv = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]
+    if refused:
+        with pytest.raises(ConfigError, match="ZBVZeroBubble on CPU needs torch 2.12 or newer: torch 2.11.0"):
+            plan(2, *argv)
+    else:
+        assert plan(2, *argv).pipeline.schedule == "ZBVZeroBubble"
 
 
 def test_moe_families_plan_tensor_parallel_but_not_a_replaced_colwise_style():

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from tessera.fsdp import clip_grad_norm_
 from tessera.mesh.testing import run_on_ranks
@@ -17,7 +17,7 @@ MAX_NORM = 1.0
 
 def _full_grads():
     g = torch.Generator().manual_seed(0)
-    return [torch.randn(shape, generator=g) for shape in [(6, 4), (5, 3), (4,), (3, 2), (7,)]]
+    return [torch.randn(shape, generator=g) for shape in [(6, 4), (5, 3), (4,), (3, 2), (7,), (4,)]]
 
 
 def _param(grad):
@@ -34,7 +34,8 @@ def _torch_clip(grads, norm_type):
 
 def _as_params(rank, world_size, grads):
     """The same gradients as a mix: Shard(0) and Replicate DTensors on a 1-D mesh, an uneven
-    Shard(0) on a second 2-D mesh, and plain tensors (as TP leaves norm weights)."""
+    Shard(0) on a second 2-D mesh, plain tensors (as TP leaves norm weights) and unreduced sums
+    (Partial, as sequence parallel leaves norm weights: this rank's share of the gradient)."""
     mesh_1d = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
     mesh_2d = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("dp", "tp"))
     placed = [
@@ -43,6 +44,7 @@ def _as_params(rank, world_size, grads):
         distribute_tensor(grads[2], mesh_1d, [Replicate()]),
         grads[3].clone(),
         grads[4].clone(),
+        DTensor.from_local(grads[5] * (rank + 1) / (world_size * (world_size + 1) / 2), mesh_1d, [Partial()]),
     ]
     params = []
     for g in placed:

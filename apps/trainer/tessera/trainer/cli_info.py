@@ -10,12 +10,12 @@ import os
 import subprocess
 from pathlib import Path
 
-import tomli
+import tomllib
 
 from tessera.trainer.config import ConfigError, JobConfig, get_key
 from tessera.trainer.schema import OLDER_TORCHTITAN, TESSERA, declared
 
-TRAINER_VERSION = "0.10.0"
+TRAINER_VERSION = "0.10.1"
 LIBRARIES = ("mesh", "models", "data", "fsdp", "tp", "pp", "cp", "ep", "ckpt", "float8")
 
 USAGE = """usage: trainer [--nproc N] [--check [--check_world_size N]] [--job.config_file F] [--section.key VALUE ...]
@@ -76,7 +76,7 @@ def _library_version(name: str) -> str:
     pyproject = Path(next(iter(spec.submodule_search_locations))).parents[1] / "pyproject.toml"
     if pyproject.is_file():
         with open(pyproject, "rb") as f:
-            return tomli.load(f)["project"]["version"]
+            return tomllib.load(f)["project"]["version"]
     try:
         return importlib.metadata.version(f"tessera-{name}")
     except importlib.metadata.PackageNotFoundError:

@@ -18,7 +18,7 @@ import typing
 from collections.abc import Iterator
 from pathlib import Path
 
-import tomli
+import tomllib
 
 from tessera.ckpt import ASYNC_MODES, EXPORT_DTYPES
 from tessera.data import parse_mixture
@@ -546,14 +546,14 @@ def _keys(entries: dict, prefix: str = "") -> Iterator[tuple[str, typing.Any]]:
 def _read_toml(path: Path) -> dict:
     try:
         with open(path, "rb") as f:
-            return tomli.load(f)
+            return tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
     except IsADirectoryError:
         raise ConfigError(f"config file is a directory: {path}") from None
     except OSError as e:
         raise ConfigError(f"config file {path} cannot be read: {e.strerror}") from None
-    except tomli.TOMLDecodeError as e:
+    except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
     except UnicodeDecodeError:
         raise ConfigError(f"config file {path} is not UTF-8 text (a binary file?)") from None

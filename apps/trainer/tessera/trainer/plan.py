@@ -136,7 +136,7 @@ def make_plan(config: JobConfig, world_size: int, device: str | None = None, *, 
     check_hf_weights(config, spec, args)
     dataset = _source_or_note(lambda: dataset_source(training), notes if check_only else None)
     validation = _source_or_note(lambda: _validation_source(config), notes if check_only else None) if config.validation.enable else None
-    batch, pipeline = _batch(config, dims), _pipeline(config, spec, args, dims)
+    batch, pipeline = _batch(config, dims), _pipeline(config, spec, args, dims, device)
     loss_parallel = dims.tp_enabled and not par.disable_loss_parallel
     return JobPlan(
         config=config, world_size=world_size, device=device, dims=dims, meshes=mesh_layout(dims), spec=spec,
@@ -247,7 +247,7 @@ def _batch(config: JobConfig, dims: ParallelDims) -> BatchPlan:
     return BatchPlan(local, dims.dp, accumulation, config.training.seq_len, dims.tp * dims.cp * dims.pp)
 
 
-def _pipeline(config: JobConfig, spec: ModelSpec, args, dims: ParallelDims) -> PipelinePlan | None:
+def _pipeline(config: JobConfig, spec: ModelSpec, args, dims: ParallelDims, device: str) -> PipelinePlan | None:
     """The stages, micro-batches and FSDP resharding of a pipelined run, every choice checked."""
     par = config.parallelism
     if not dims.pp_enabled:
@@ -274,6 +274,9 @@ def _pipeline(config: JobConfig, spec: ModelSpec, args, dims: ParallelDims) -> P
         else:
             pp.check_split(parts, n_layers, **names)
             pp.check_stage_count(len(parts), dims.pp, schedule, f"the stage split names {len(parts)} stages")
+    if pp.is_v_shaped(schedule) and device == "cpu" and _torch_release() < (2, 12):
+        raise ConfigError(f"parallelism.pipeline_parallel_schedule {schedule} on CPU needs torch 2.12 or newer: torch "
+                          f"{torch.__version__} sends between a rank's own two stages, which gloo cannot")
     local, size = config.training.local_batch_size, par.pipeline_parallel_microbatch_size
     if local % size:
         raise ConfigError(f"parallelism.pipeline_parallel_microbatch_size {size} does not divide training.local_batch_size {local}")
@@ -391,6 +394,11 @@ def traced_on_cpu(plan: JobPlan) -> JobPlan:
         plan, device="cpu", attention=attention_plan(plan.config, plan.spec, plan.model_args, plan.dims, "cpu"),
         compile=dataclasses.replace(plan.compile, blocks=False),
         tensor_parallel=dataclasses.replace(plan.tensor_parallel, async_tp=False))
+
+
+def _torch_release() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
 
 
 def _check_layout(config: JobConfig, dims: ParallelDims, device: str, attention: AttentionPlan) -> None:

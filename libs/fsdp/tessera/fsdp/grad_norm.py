@@ -97,6 +97,16 @@ def clip_grad_norm_(
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"gradient norm is {total.item()}: gradients left unscaled; skip this optimizer step")
     for group in [plain, *mesh_groups]:
-        if group:
-            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+        partial = [p for p in group if _is_partial(p.grad)]
+        whole = [p for p in group if not _is_partial(p.grad)]
+        if whole:
+            torch.nn.utils.clip_grads_with_norm_(whole, max_norm, total)
+        if partial:  # torch 2.11's _foreach_mul_ leaves a Partial DTensor unscaled; mul_ scales it
+            torch.nn.utils.clip_grads_with_norm_(partial, max_norm, total, foreach=False)
     return total
+
+
+def _is_partial(grad: torch.Tensor) -> bool:
+    """A DTensor holding unreduced sums, as a replicated norm weight's gradient under sequence
+    parallel is until the optimizer's arithmetic reduces it."""
+    return isinstance(grad, DTensor) and any(placement.is_partial() for placement in grad.placements)

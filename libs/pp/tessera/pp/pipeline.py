@@ -39,7 +39,8 @@ class Pipeline:
         """
         losses: list[torch.Tensor] | None = [] if self.has_last else None
         target = labels if self.has_last else None
-        args = (inputs,) if self.has_first else ()
+        args = (inputs.contiguous(),) if self.has_first else ()  # torch 2.11 checks each micro-batch's strides
+        kwargs = {k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
         self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         return torch.stack(losses).sum() if self.has_last else None
 
@@ -68,19 +69,21 @@ class Pipeline:
 class _BufferKeepingStage(PipelineStage):
     """A PipelineStage whose shape inference leaves the module's buffers as it found them.
 
-    Before its first step, torch 2.13 infers what the stages exchange by running each stage's
-    forward and backward once more: on the first micro-batch at the first stage, on uninitialized
+    Before its first step, torch infers what the stages exchange by running each stage's forward
+    (2.13: and backward) once more: on the first micro-batch at the first stage, on uninitialized
     memory of the right shape at the others. Buffers a forward updates (an MoE layer's tokens per
     expert, running statistics) kept that extra run, so the later stages counted garbage: the
     router bias then moved differently from run to run. Values are put back in place once the
-    inference is done (after its backward, which uses the forward's saved tensors)."""
+    inference is done (2.13: after its backward, which uses the forward's saved tensors)."""
 
     _kept: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
-    def _prepare_forward_infra(self, num_microbatches, args, kwargs=None, has_backward=False):
+    def _prepare_forward_infra(self, num_microbatches, args, kwargs=None, *more, **more_kwargs):
+        """torch 2.13 passes has_backward (then runs the inference's backward too); 2.11 runs the
+        forward alone and passes nothing more."""
         self._kept = [(buffer, buffer.detach().clone()) for buffer in self.submod.buffers()]
-        result = super()._prepare_forward_infra(num_microbatches, args, kwargs, has_backward)
-        if not has_backward:
+        result = super()._prepare_forward_infra(num_microbatches, args, kwargs, *more, **more_kwargs)
+        if not (more[0] if more else more_kwargs.get("has_backward", False)):
             self._restore_buffers()
         return result
 
