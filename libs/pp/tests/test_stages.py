@@ -1,6 +1,7 @@
 import pytest
+import torch
 
-from tessera.pp import check_split, check_stage_count, even_split, splits_backward, stage_count, stage_ids
+from tessera.pp import check_backend, check_split, check_stage_count, even_split, splits_backward, stage_count, stage_ids
 
 
 def test_even_split_weights_inputs_and_outputs_as_layers():
@@ -121,3 +122,16 @@ def test_microbatch_counts_agree_with_torchs_schedule_constructors():
                     assert ours == torch_accepts, (schedule, pp, m)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("release, device, refused", [
+    ("2.11.0+cu130", "cpu", True), ("2.11.0+cu130", "cuda", False), ("2.12.1", "cpu", False), ("2.13.0+cpu", "cpu", False)])
+def test_v_shaped_schedules_on_gloo_need_torch_2_12(monkeypatch, release, device, refused):
+    monkeypatch.setattr(torch, "__version__", release)
+    for schedule in ("zbvzerobubble", "DualPipeV"):
+        if refused:
+            with pytest.raises(ValueError, match="on CPU needs torch 2.12 or newer: torch 2.11.0"):
+                check_backend(schedule, device)
+        else:
+            check_backend(schedule, device)
+    check_backend("1F1B", device)  # one stage per rank: nothing sent to itself

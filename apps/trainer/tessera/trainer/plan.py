@@ -274,9 +274,10 @@ def _pipeline(config: JobConfig, spec: ModelSpec, args, dims: ParallelDims, devi
         else:
             pp.check_split(parts, n_layers, **names)
             pp.check_stage_count(len(parts), dims.pp, schedule, f"the stage split names {len(parts)} stages")
-    if pp.is_v_shaped(schedule) and device == "cpu" and _torch_release() < (2, 12):
-        raise ConfigError(f"parallelism.pipeline_parallel_schedule {schedule} on CPU needs torch 2.12 or newer: torch "
-                          f"{torch.__version__} sends between a rank's own two stages, which gloo cannot")
+    try:
+        pp.check_backend(schedule, device)
+    except ValueError as e:
+        raise ConfigError(f"parallelism.pipeline_parallel_schedule {e}") from None
     local, size = config.training.local_batch_size, par.pipeline_parallel_microbatch_size
     if local % size:
         raise ConfigError(f"parallelism.pipeline_parallel_microbatch_size {size} does not divide training.local_batch_size {local}")
@@ -394,11 +395,6 @@ def traced_on_cpu(plan: JobPlan) -> JobPlan:
         plan, device="cpu", attention=attention_plan(plan.config, plan.spec, plan.model_args, plan.dims, "cpu"),
         compile=dataclasses.replace(plan.compile, blocks=False),
         tensor_parallel=dataclasses.replace(plan.tensor_parallel, async_tp=False))
-
-
-def _torch_release() -> tuple[int, int]:
-    major, minor = torch.__version__.split(".")[:2]
-    return int(major), int(minor)
 
 
 def _check_layout(config: JobConfig, dims: ParallelDims, device: str, attention: AttentionPlan) -> None:

@@ -13,6 +13,7 @@ import csv
 import math
 from collections.abc import Sequence
 
+import torch
 from torch.distributed.pipelining.schedules import (
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,
@@ -52,6 +53,16 @@ def is_single_stage(name: str) -> bool:
 def is_v_shaped(name: str) -> bool:
     """Two stages per rank placed in V order: rank r holds stages r and 2*pp-1-r."""
     return schedule_class(name) in (ScheduleZBVZeroBubble, ScheduleDualPipeV)
+
+
+def check_backend(name: str, device_type: str) -> None:
+    """ValueError where torch cannot run the named schedule on the device's backend: torch 2.11's
+    V-shaped schedules send between a rank's own two stages, which gloo (CPU) cannot (measured:
+    'Pair is not connected' at the first step; NCCL can, and torch 2.13 passes them locally)."""
+    release = tuple(int(part) for part in torch.__version__.split(".")[:2])
+    if is_v_shaped(name) and device_type == "cpu" and release < (2, 12):
+        raise ValueError(f"{canonical_schedule(name)} on CPU needs torch 2.12 or newer: torch {torch.__version__} sends "
+                         "between a rank's own two stages, which gloo cannot")
 
 
 def splits_backward(name: str, schedule_csv: str | None = None) -> bool:
