@@ -212,13 +212,283 @@ CASES = [
                                      setup=lambda tmp: [str(_dcp(tmp / "c")), str(tmp / "o")]), "convert", "lacks"),
 ]
 
+# ---- the surfaces that landed since: pipelines, context/expert parallel, float8/MX, token shards,
+# mixtures, Hugging Face folders and exports (issue 27)
+
+PP2 = ["--nproc", "2", "--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
+       "--training.local_batch_size", "4", "--training.seq_len", "32"]
+# 1F1B for 2 ranks and 4 micro-batches (F forward, B full backward)
+CSV_1F1B = "0F0,0F1,0B0,0F2,0B1,0F3,0B2,0B3\n1F0,1B0,1F1,1B1,1F2,1B2,1F3,1B3\n"
+
+
+def schedule_csv(text):
+    return lambda tmp: [*PP2, "--parallelism.pipeline_parallel_schedule_csv", str(_write(tmp / "s.csv", text))]
+
+
+def pp2(*argv):
+    return cli(*PP2, *argv)
+
+
+def layout(world_size, *argv):
+    return cli("--nproc", str(world_size), *argv)
+
+
+def _shards(tmp: Path, damage=None) -> Path:
+    """A valid token-shard folder of the default tokenizer (two shards), optionally damaged
+    through its index: damage(index dict, folder) edits them."""
+    from tessera.data import pretokenize
+
+    docs = _write(tmp / "docs.txt", "\n\n".join(f"document {i} " + "alpha beta gamma " * 20 for i in range(12)))
+    folder = tmp / "shards"
+    pretokenize([docs], folder, shard_tokens=400)
+    if damage is not None:
+        index = json.loads((folder / "index.json").read_text())
+        damage(index, folder)
+        (folder / "index.json").write_text(json.dumps(index))
+    return folder
+
+
+def shards_run(damage, *argv):
+    return run_with(*argv, setup=lambda tmp: ["--training.dataset_path", str(_shards(tmp, damage))])
+
+
+def _set(**fields):
+    return lambda index, folder: index.update(fields)
+
+
+def _shard_name(name):
+    def damage(index, folder):
+        index["shards"][0]["name"] = name.format(folder=folder) if isinstance(name, str) else name
+    return damage
+
+
+def _escape(index, folder):
+    """A complete shard outside the folder, which the index names."""
+    elsewhere = folder.parent / "elsewhere"
+    elsewhere.mkdir()
+    for suffix in (".tokens", ".offsets"):
+        (folder / f"shard-00000{suffix}").rename(elsewhere / f"shard-00000{suffix}")
+    index["shards"][0]["name"] = "../elsewhere/shard-00000"
+
+
+def _tokenizer_field(**fields):
+    return lambda index, folder: index["tokenizer"].update(fields)
+
+
+def _damaged_ids(index, folder):
+    tokens = folder / "shard-00000.tokens"
+    raw = bytearray(tokens.read_bytes())
+    raw[2:4] = b"\xff\xff"  # token 1: id 65535, beyond the 2048 of the vocabulary
+    tokens.write_bytes(bytes(raw))
+
+
+def _no_documents(index, folder):
+    for shard in index["shards"]:
+        (folder / f"{shard['name']}.tokens").write_bytes(b"")
+        (folder / f"{shard['name']}.offsets").write_bytes(bytes(8))
+        shard.update(documents=0, tokens=0)
+    index.update(documents=0, tokens=0)
+
+
+def _truncated_tokens(index, folder):
+    tokens = folder / "shard-00001.tokens"
+    tokens.write_bytes(tokens.read_bytes()[:-2])
+
+
+def _missing_offsets(index, folder):
+    (folder / "shard-00001.offsets").unlink()
+
+
+def mixture(*entries, setup=None):
+    def make(tmp):
+        extra = setup(tmp) if setup else []
+        return [*SMALL, "--job.dump_folder", str(tmp / "dump"),
+                "--training.dataset_mixture", ",".join(e.format(tmp=tmp) for e in entries), *extra]
+    return make
+
+
+def _hf_index(weight_map):
+    """A Hugging Face folder of one real file and an index mapping names as given."""
+    def setup(tmp):
+        folder = tmp / "hf"
+        save_hf({"model.norm.weight": torch.ones(2)}, folder)
+        (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
+        content = weight_map if isinstance(weight_map, (str, bytes)) else json.dumps({"weight_map": weight_map})
+        _write(folder / "model.safetensors.index.json", content)
+        return ["--checkpoint.initial_load_path", str(folder), "--checkpoint.initial_load_in_hf", "true"]
+    return setup
+
+
+def _dcp_escaping(tmp):
+    """A checkpoint whose metadata names its data files outside its folder."""
+    import dataclasses
+    import pickle
+
+    step = _dcp(tmp / "dump" / "checkpoint")
+    metadata = pickle.loads((step / ".metadata").read_bytes())
+    metadata.storage_data = {index: dataclasses.replace(info, relative_path=f"../../{info.relative_path}")
+                             for index, info in metadata.storage_data.items()}
+    (step / ".metadata").write_bytes(pickle.dumps(metadata))
+    return ["--checkpoint.enable", "true"]
+
+
+def _export_exists(tmp):
+    (tmp / "dump" / "checkpoint" / "step-3-hf").mkdir(parents=True)  # another run's export
+    return ["--checkpoint.enable", "true", "--checkpoint.last_save_in_hf", "true", "--training.steps", "3"]
+
+
+QWEN3_MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
+DEEPSEEK = ["--model.name", "deepseek_v3"]
+MX = ["--model.converters", "quantize.linear.mx", "--quantize.linear.mx.recipe_name", "mxfp8_emulated_rceil"]
+GROUPED = ["--model.converters", "quantize.grouped_mm.mx", "--quantize.grouped_mm.mx.recipe_name", "mxfp8_emulated_rceil",
+           "--quantize.grouped_mm.mx.fqns", "experts", "--training.dtype", "bfloat16"]
+
+SURFACE_CASES = [
+    # pipeline schedules: the whole CSV checked in the job plan, before any worker
+    ("pp-csv-missing", pp2("--parallelism.pipeline_parallel_schedule_csv", "/no/such.csv"), "trainer",
+     "parallelism.pipeline_parallel_schedule_csv /no/such.csv is not a file"),
+    ("pp-csv-empty", schedule_csv(""), "trainer", "{tmp}/s.csv holds no actions"),
+    ("pp-csv-blank-rows", schedule_csv("\n\n\n"), "trainer", "{tmp}/s.csv holds no actions"),
+    ("pp-csv-one-row", schedule_csv(CSV_1F1B.splitlines()[0]), "trainer",
+     "s.csv has 1 row; pipeline_parallel_degree 2 needs one per pp rank"),
+    ("pp-csv-three-rows", schedule_csv(CSV_1F1B + "0F0\n"), "trainer", "s.csv has 3 rows"),
+    ("pp-csv-bad-action", schedule_csv("0F0,0X0\n1F0\n"), "trainer", "s.csv: Invalid action string: 0X0"),
+    ("pp-csv-comm-action", schedule_csv("0F0,0SEND_F0\n1F0\n"), "trainer", "0SEND_F0 is not a compute action"),
+    ("pp-csv-stage-range", schedule_csv(CSV_1F1B.replace("1B3", "2B3")), "trainer",
+     "2B3 names stage 2; the pipeline has stages 0..1"),
+    ("pp-csv-microbatch-range", schedule_csv(CSV_1F1B.replace("0F3", "0F7")), "trainer",
+     "0F7 names micro-batch 7; the step has 0..3"),
+    ("pp-csv-wrong-rank", schedule_csv("1F0,1B0\n0F0,0B0\n"), "trainer", "1F1B places stage 1 on pp rank 1"),
+    ("pp-csv-forward-only", schedule_csv("0F0,0F1,0F2,0F3\n1F0,1F1,1F2,1F3\n"), "trainer",
+     "torch cannot run this order: Invalid backward microbatches for stage 0"),
+    ("pp-csv-backward-missing", schedule_csv(CSV_1F1B.replace(",0B3", "")), "trainer", "but got B=3"),
+    ("pp-csv-backward-first", schedule_csv(CSV_1F1B.replace("0F0,0F1,0B0", "0B0,0F0,0F1")), "trainer",
+     "without first running Forward"),
+    ("pp-csv-deadlock", schedule_csv("0F0,0B0,0F1,0B1,0F2,0B2,0F3,0B3\n1F1,1B1,1F0,1B0,1F2,1B2,1F3,1B3\n"), "trainer",
+     "torch cannot run this order: Malformed compute schedule"),
+    ("pp-csv-binary", schedule_csv(b"\xff\xfe\x00\x01"), "trainer", "parallelism.pipeline_parallel_schedule_csv"),
+    ("pp-microbatch-size", pp2("--parallelism.pipeline_parallel_microbatch_size", "3"), "trainer",
+     "pipeline_parallel_microbatch_size 3 does not divide training.local_batch_size 4"),
+    ("pp-reduce-every-microbatch", pp2("--parallelism.fsdp_reduce_every_microbatch", "true"), "trainer",
+     "fsdp_reduce_every_microbatch with pipeline parallel"),
+    ("pp-reshard-always-split", pp2("--parallelism.pipeline_parallel_schedule", "InterleavedZeroBubble",
+                                    "--parallelism.fsdp_reshard_after_forward", "always",
+                                    "--parallelism.pipeline_parallel_layers_per_stage", "2"), "trainer",
+     "'always' with schedule InterleavedZeroBubble trains with wrong gradients"),
+    ("pp-tied-embeddings", pp2("--model.name", "qwen3"), "trainer", "ties the output to the embedding"),
+    ("pp-parts-unknown", lambda tmp: [*config_file(
+        '[parallelism]\nmodule_fqns_per_model_part = [["tok_embeddings", "layers.0", "layers.1", "layers.2"], '
+        '["layers.3", "layers.4", "layers.9", "norm", "output"]]\n')(tmp), *PP2], "trainer",
+     "module_fqns_per_model_part names ['layers.9']"),
+    ("pp-layers-per-stage", pp2("--parallelism.pipeline_parallel_layers_per_stage", "1"), "trainer",
+     "pipeline_parallel_layers_per_stage"),
+    ("pp-ddp", layout(4, "--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_replicate_degree", "2",
+                      "--parallelism.data_parallel_shard_degree", "1"), "trainer", "pipeline parallel with DDP"),
+    # context parallel
+    ("cp-deepseek", layout(2, *DEEPSEEK, "--parallelism.context_parallel_degree", "2"), "trainer",
+     "context_parallel_degree > 1 is not supported yet for deepseek_v3/debugmodel: MLA's value heads"),
+    ("cp-seq-len", layout(2, "--parallelism.context_parallel_degree", "2", "--training.seq_len", "30"), "trainer",
+     "seq_len"),
+    ("cp-alltoall-documents", layout(2, "--parallelism.context_parallel_degree", "2", "--model.attn_mask_type",
+                                     "block_causal", "--parallelism.context_parallel_rotate_method", "alltoall"), "trainer",
+     "context_parallel_rotate_method alltoall runs torch's ring on the flash kernel"),
+    ("cp-compile", layout(2, "--parallelism.context_parallel_degree", "2", "--compile.enable", "true"), "trainer",
+     "compile.enable with context_parallel_degree > 1 is not supported yet"),
+    ("cp-validation-shape", layout(2, "--parallelism.context_parallel_degree", "2", "--validation.enable", "true",
+                                   "--validation.seq_len", "64"), "trainer",
+     "validation.local_batch_size / validation.seq_len other than training's are not supported"),
+    # expert parallel
+    ("ep-dense", layout(2, "--parallelism.expert_parallel_degree", "2"), "trainer",
+     "expert_parallel_degree 2: llama3/debugmodel has no experts"),
+    ("ep-not-dividing", layout(3, *DEEPSEEK, "--parallelism.expert_parallel_degree", "3"), "trainer",
+     "8 experts do not divide over expert parallel degree 3"),
+    ("ep-etp", layout(2, *QWEN3_MOE, "--parallelism.tensor_parallel_degree", "2",
+                      "--parallelism.expert_tensor_parallel_degree", "4"), "trainer",
+     "parallelism.expert_tensor_parallel_degree 4 must be 1 or tensor_parallel_degree 2"),
+    ("ep-force-balance-dense", cli("--check", "--debug.moe_force_load_balance", "true"), "trainer",
+     "debug.moe_force_load_balance: llama3/debugmodel has no experts"),
+    ("ep-compile-tp", layout(2, *QWEN3_MOE, "--parallelism.tensor_parallel_degree", "2", "--compile.enable", "true"),
+     "trainer", "compile.enable with tensor_parallel_degree > 1 is not supported yet for qwen3/debugmodel_moe"),
+    # float8 / MX converters: nothing converted is an error, a pattern matching nothing a warning
+    ("float8-filters-everything", cli("--check", "--model.converters", "float8", "--float8.filter_fqns", "layers,output"),
+     "trainer", "model.converters float8 would convert no module of llama3/debugmodel (float8.filter_fqns ['layers', 'output'])"),
+    ("float8-recipe", cli("--check", "--model.converters", "float8", "--float8.recipe_name", "blockwise"), "trainer",
+     "float8 recipe_name 'blockwise' is not one of"),
+    ("float8-all-gather-rowwise", layout(2, "--model.converters", "float8", "--float8.recipe_name", "rowwise",
+                                         "--float8.enable_fsdp_float8_all_gather", "true"), "trainer",
+     "enable_fsdp_float8_all_gather needs recipe_name 'tensorwise', not 'rowwise'"),
+    ("mx-filters-everything", cli("--check", *MX, "--quantize.linear.mx.filter_fqns", "layers,output"), "trainer",
+     "model.converters quantize.linear.mx would convert no module"),
+    ("mx-tp", layout(2, *MX, "--parallelism.tensor_parallel_degree", "2"), "trainer",
+     "model.converters quantize.linear.mx with tensor_parallel_degree > 1 is not supported"),
+    ("mx-recipe-needs-gpu", cli("--check", "--model.converters", "quantize.linear.mx"), "trainer",
+     "config section [quantize.linear.mx]"),
+    ("grouped-mm-dense", cli("--check", *GROUPED), "trainer",
+     "model.converters quantize.grouped_mm.mx would convert no module of llama3/debugmodel"),
+    ("grouped-mm-fqns-typo", cli("--check", *GROUPED[:-4], "--quantize.grouped_mm.mx.fqns", "expertz", *GROUPED[-2:],
+                                 *DEEPSEEK), "trainer",
+     "would convert no module of deepseek_v3/debugmodel (quantize.grouped_mm.mx.fqns ['expertz'])"),
+    ("grouped-mm-fqns-empty", cli("--check", *GROUPED[:-4], "--quantize.grouped_mm.mx.fqns", "", *GROUPED[-2:], *DEEPSEEK),
+     "trainer", "grouped_mm fqns is empty"),
+    ("grouped-mm-tp", layout(2, *GROUPED, *DEEPSEEK, "--parallelism.tensor_parallel_degree", "2"), "trainer",
+     "model.converters quantize.grouped_mm.mx with parallelism.tensor_parallel_degree 2 is not supported yet"),
+    ("grouped-mm-fp32", cli("--check", *GROUPED[:-2], "--training.dtype", "float32", *DEEPSEEK), "trainer",
+     "needs bfloat16 experts"),
+    ("grouped-mm-compile", cli("--check", *GROUPED, *DEEPSEEK, "--compile.enable", "true"), "trainer",
+     "with compile.enable (model) is not supported yet"),
+    # token shards
+    ("shards-name-escapes", shards_run(_escape), "trainer",
+     "index.json names shard '../elsewhere/shard-00000', not a file name in {tmp}/shards"),
+    ("shards-name-absolute", shards_run(_shard_name("{folder}/shard-00000")), "trainer", "not a file name in {tmp}/shards"),
+    ("shards-name-dotdot", shards_run(_shard_name("..")), "trainer", "names shard '..', not a file name"),
+    ("shards-name-not-text", shards_run(_shard_name(7)), "trainer", "names shard 7, not a file name"),
+    ("shards-dtype-float", shards_run(_set(dtype="<f2")), "trainer", "dtype '<f2' is not a token-id type (uint16 or uint32)"),
+    ("shards-dtype-signed", shards_run(_set(dtype="<i2")), "trainer", "dtype '<i2' is not a token-id type"),
+    ("shards-dtype-garbage", shards_run(_set(dtype="tokens")), "trainer", "index.json: malformed index"),
+    ("shards-max-id", shards_run(_set(max_id=5000)), "trainer",
+     "its shards hold token id 5000, beyond the vocabulary of 2048"),
+    ("shards-vocab-mismatch", shards_run(_tokenizer_field(vocab_size=4096)), "trainer",
+     "index says vocabulary 4096, tokenizer 'tessera-default' has 2048"),
+    ("shards-other-tokenizer", shards_run(_tokenizer_field(fingerprint="0123")), "trainer",
+     "were made by tokenizer 'tessera-default' (fingerprint 0123)"),
+    ("shards-damaged-ids", shards_run(_damaged_ids, "--training.shuffle", "false"), "trainer",
+     "shard-00000.tokens: token id 65535 at token 1 is beyond the vocabulary of 2048"),
+    ("shards-no-documents", shards_run(_no_documents), "trainer", "dataset {tmp}/shards has no documents"),
+    ("shards-truncated", shards_run(_truncated_tokens), "trainer", "shard-00001.tokens: truncated shard file"),
+    ("shards-file-missing", shards_run(_missing_offsets), "trainer", "shard-00001.offsets is missing"),
+    ("shards-format", shards_run(_set(format="something-else")), "trainer", "not a tessera-token-shards index of version 1"),
+    ("shards-no-vocab", shards_run(_tokenizer_field(vocab_size="big")), "trainer", "malformed index"),
+    # mixtures
+    ("mixture-no-weight", mixture("{tmp}/a.txt"), "trainer", "expected 'path=weight'"),
+    ("mixture-zero-weight", mixture("{tmp}/a.txt=0"), "trainer", "weight '0' must be a positive number"),
+    ("mixture-negative-weight", mixture("{tmp}/a.txt=-1"), "trainer", "weight '-1' must be a positive number"),
+    ("mixture-missing-dataset", mixture("/no/such/a.txt=1"), "trainer", "/no/such/a.txt"),
+    ("mixture-bad-shards", mixture("{tmp}/shards=1", setup=lambda tmp: _shards(tmp, _set(dtype="<f4")) and []),
+     "trainer", "dtype '<f4' is not a token-id type"),
+    # Hugging Face folders and exports
+    ("hf-index-escapes", run_with(setup=_hf_index({"model.norm.weight": "../model-00001-of-00001.safetensors"})), "trainer",
+     "not a file name in the folder"),
+    ("hf-index-not-json", run_with(setup=_hf_index("{not json")), "trainer", "model.safetensors.index.json is not a valid index"),
+    ("hf-index-no-weight-map", run_with(setup=_hf_index(json.dumps({"metadata": {}}))), "trainer",
+     "model.safetensors.index.json is not a valid index"),
+    ("hf-index-lists-missing", run_with(setup=_hf_index({"model.norm.weight": "model-00001-of-00001.safetensors",
+                                                         "lm_head.weight": "model-00001-of-00001.safetensors"})), "trainer",
+     "'lm_head.weight' is listed in"),
+    ("hf-export-exists", run_with(setup=_export_exists), "trainer",
+     "step-3-hf already exists, and this run (from step 0 to 3) would export its own weights there"),
+    # checkpoints
+    ("checkpoint-metadata-escapes", run_with(setup=_dcp_escaping), "trainer",
+     "its metadata names data file '../../__0_0.distcp', not a file in the folder"),
+]
+CASES += SURFACE_CASES
+
 
 def _snapshot(folder: Path) -> dict:
     return {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
 
 
 def test_corpus_is_large_enough():
-    assert len(CASES) >= 60
+    assert len(CASES) - len(SURFACE_CASES) >= 60 and len(SURFACE_CASES) >= 60
 
 
 @pytest.mark.parametrize("make, program, words", [case[1:] for case in CASES], ids=[case[0] for case in CASES])

@@ -67,10 +67,13 @@ EP_LAYOUTS = {  # ranks, extra flags, data-parallel ranks (ep lies inside dp_sha
 }
 
 
-@pytest.mark.parametrize("layout", sorted(EP_LAYOUTS))
-def test_deepseek_v3_expert_parallel_matches_single_process(tmp_path, layout):
+EP_CASES = [("deepseek_v3", layout) for layout in sorted(EP_LAYOUTS)] + [("qwen3_moe", "pp2_ep2_dualpipev")]
+
+
+@pytest.mark.parametrize("family, layout", EP_CASES, ids=[f"{f}-{layout}" for f, layout in EP_CASES])
+def test_expert_parallel_matches_single_process(tmp_path, family, layout):
     ranks, extra, dp, local = EP_LAYOUTS[layout]
-    argv = [*BASE, *FAMILIES["deepseek_v3"]]
+    argv = [*BASE, *FAMILIES[family]]
     reference, reference_params = _train_rank(
         0, 1, [*argv, "--job.dump_folder", str(tmp_path / "single"), "--training.local_batch_size", str(dp * local)])
     per_rank = run_on_ranks(_train_rank, ranks, [*argv, *extra, "--job.dump_folder", str(tmp_path / layout),

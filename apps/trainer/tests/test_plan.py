@@ -1,6 +1,7 @@
 """The job plan: every user error raised from config + world size alone (no process group, no
 model, no data), `--check`, fail-once under --nproc, and bugs kept apart from bad input."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -150,6 +151,18 @@ def test_layout_error_under_nproc_is_one_line_before_any_worker():
     assert proc.stdout == ""  # no worker started, so no banner and no rank's own error
 
 
+def test_a_data_error_every_rank_finds_is_one_line_from_the_launcher(tmp_path):
+    """The ranks hand their error line to the launcher, which prints the first rank's once, with
+    its exit status, and none of torch's own lines about the ranks it stopped."""
+    short = tmp_path / "short.txt"
+    short.write_text("hi\n")
+    argv = [sys.executable, "-m", "tessera.trainer.main", "--nproc", "2", "--training.dataset_path", str(short),
+            "--training.steps", "1", "--training.seq_len", "32", "--job.dump_folder", str(tmp_path / "dump")]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"error: dataset {short} holds fewer tokens than one sequence (seq_len + 1 = 33)", proc.stderr
+
+
 def test_a_bug_keeps_its_traceback(tmp_path, monkeypatch):
     import tessera.trainer.train as train_module
 
@@ -239,3 +252,52 @@ def test_build_and_step_read_only_the_resolved_plan():
     assert set(losses) == set(RESOLVED_LAYOUTS)
     for name, (train_loss, eval_loss) in losses.items():  # a step of random weights on random tokens: near ln(vocab)
         assert 5.0 < train_loss < 12.0 and 5.0 < eval_loss < 12.0, name
+
+
+FAMILIES = {"llama3": [], "qwen3": ["--model.name", "qwen3"],
+            "qwen3_moe": ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"],
+            "deepseek_v3": ["--model.name", "deepseek_v3"]}
+DEGREE_2 = {"fsdp": "data_parallel_shard_degree", "tp": "tensor_parallel_degree", "cp": "context_parallel_degree",
+            "pp": "pipeline_parallel_degree", "ep": "expert_parallel_degree"}
+# Each family x parallelism at degree 2 either runs, compared with one process by the test named,
+# or is refused by the plan in the words given.
+RUNS = {
+    ("llama3", "fsdp"): "test_distributed_train", ("llama3", "tp"): "test_distributed_train",
+    ("llama3", "cp"): "test_context_parallel_train", ("llama3", "pp"): "test_pipeline_train",
+    ("qwen3", "fsdp"): "test_context_parallel_train", ("qwen3", "tp"): "test_moe_tp_train",
+    ("qwen3", "cp"): "test_context_parallel_train",
+    ("qwen3_moe", "fsdp"): "test_moe_train", ("qwen3_moe", "tp"): "test_moe_tp_train",
+    ("qwen3_moe", "cp"): "test_context_parallel_train", ("qwen3_moe", "pp"): "test_moe_train",
+    ("qwen3_moe", "ep"): "test_moe_train",
+    ("deepseek_v3", "fsdp"): "test_moe_train", ("deepseek_v3", "tp"): "test_moe_tp_train",
+    ("deepseek_v3", "pp"): "test_moe_train", ("deepseek_v3", "ep"): "test_moe_train",
+}
+REFUSED = {
+    ("llama3", "ep"): "llama3/debugmodel has no experts",
+    ("qwen3", "pp"): "ties the output to the embedding", ("qwen3", "ep"): "qwen3/debugmodel has no experts",
+    ("deepseek_v3", "cp"): "context_parallel_degree > 1 is not supported yet for deepseek_v3/debugmodel: MLA's value heads",
+}
+
+
+def test_the_family_table_covers_every_family_and_parallelism():
+    assert sorted({**RUNS, **REFUSED}) == sorted((f, p) for f in FAMILIES for p in DEGREE_2)
+    tests = Path(__file__).parent
+    for cell, test in RUNS.items():
+        assert (tests / f"{test}.py").is_file(), cell
+
+
+@pytest.mark.parametrize("family, parallelism", sorted({**RUNS, **REFUSED}), ids="-".join)
+def test_every_family_and_parallelism_runs_or_is_refused_by_the_plan(family, parallelism):
+    argv = [*FAMILIES[family], f"--parallelism.{DEGREE_2[parallelism]}", "2"]
+    if (family, parallelism) in RUNS:
+        assert getattr(plan(2, *argv).dims, "dp_shard" if parallelism == "fsdp" else parallelism) == 2
+    else:
+        with pytest.raises(ConfigError, match=re.escape(REFUSED[family, parallelism])):
+            plan(2, *argv)
+
+
+def test_a_warm_up_longer_than_the_schedule_is_shortened_and_said():
+    p = plan(1, "--training.steps", "2", "--lr_scheduler.warmup_steps", "10")
+    assert p.optimizer.warmup_steps == 2
+    assert p.warnings == ("lr_scheduler.warmup_steps 10 exceeds the schedule's 2 steps; warming up over 2",)
+    assert plan(1, "--training.steps", "20", "--lr_scheduler.warmup_steps", "10").warnings == ()

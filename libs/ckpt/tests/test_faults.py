@@ -17,15 +17,30 @@ def _manager(folder, **kwargs):
     return CheckpointManager(folder, states, interval=2, **kwargs)
 
 
-def test_incomplete_step_folder_does_not_block_its_save(tmp_path):
+def test_incomplete_step_folder_is_kept_aside_and_does_not_block_its_save(tmp_path):
     stale = tmp_path / "step-2"
     stale.mkdir()
-    (stale / "__0_0.distcp").write_bytes(b"\0" * 100)  # e.g. an interrupted copy: no .metadata
+    (stale / "__0_0.distcp").write_bytes(b"\1" * 100)  # e.g. an interrupted copy: no .metadata
     manager = _manager(tmp_path)
     manager.save(2)
     assert (stale / ".metadata").is_file()
     assert set(read_dcp(stale)) == {"model", "optimizer"}
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2", "step-2.incomplete"]
+    assert (tmp_path / "step-2.incomplete" / "__0_0.distcp").read_bytes() == b"\1" * 100  # nothing destroyed
+    (tmp_path / "step-2" / ".metadata").unlink()  # damaged again: a second copy is kept beside the first
+    manager.save(2)
+    assert (tmp_path / "step-2.incomplete-2" / "__0_0.distcp").is_file()
+
+
+def test_resume_says_which_damaged_checkpoints_it_passed_over(tmp_path, caplog):
+    manager = _manager(tmp_path)
+    manager.save(2)
+    manager.save(4)
+    (tmp_path / "step-4" / ".metadata").unlink()  # damaged after it was published
+    with caplog.at_level("WARNING", logger="tessera.ckpt"):
+        assert _manager(tmp_path).load() == 2
+    assert "passing over incomplete checkpoints (no .metadata): step-4" in caplog.text
+    assert (tmp_path / "step-4").is_dir()  # loading never deletes
 
 
 def test_final_export_goes_beside_the_full_checkpoint(tmp_path):

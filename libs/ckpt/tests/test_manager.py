@@ -353,3 +353,41 @@ def test_whole_checkpoint_formats(saved, tmp_path):
     with pytest.raises(ValueError, match="evil.pt is not a weights_only-loadable"):
         torch_save_to_dcp(tmp_path / "evil.pt", tmp_path / "evil")
     assert not (tmp_path / "pwned").exists()
+
+
+class _Record:
+    """A first state that checks what wrote the checkpoint (as the trainer's train_state does)."""
+
+    def __init__(self, model: str):
+        self.model = model
+
+    def state_dict(self):
+        return {"model": self.model}
+
+    def load_state_dict(self, state):
+        if state["model"] != self.model:
+            raise ValueError(f"checkpoint was written by a {state['model']} run, this run trains {self.model}")
+
+
+def test_the_first_states_check_speaks_before_other_models_shapes(tmp_path):
+    model, optimizer = _trained()
+    states = {"record": _Record("small"), "model": ModelState([model]), "optimizer": OptimizerState([model], [optimizer])}
+    CheckpointManager(tmp_path, states, interval=1).save(1)
+    bigger, bigger_optimizer = _trained(dim=8)
+    states = {"record": _Record("big"), "model": ModelState([bigger]),
+              "optimizer": OptimizerState([bigger], [bigger_optimizer])}
+    with pytest.raises(ValueError, match="^checkpoint was written by a small run, this run trains big$"):
+        CheckpointManager(tmp_path, states, interval=1).load()
+
+
+def test_metadata_naming_files_outside_the_folder_is_refused(saved):
+    import dataclasses
+
+    folder, step_dir = saved
+    metadata = pickle.loads((step_dir / ".metadata").read_bytes())
+    metadata.storage_data = {index: dataclasses.replace(info, relative_path=f"../{info.relative_path}")
+                             for index, info in metadata.storage_data.items()}
+    (step_dir / ".metadata").write_bytes(pickle.dumps(metadata))
+    model, optimizer = _trained(seed=1)
+    with pytest.raises(ValueError, match=r"step-1 is corrupt: its metadata names data file '\.\./.*', not a file in the folder"):
+        _manager(folder, model, optimizer).load(1)

@@ -153,7 +153,7 @@ def test_bad_state():
         (dict(batch=2.0), "local_batch_size must be a positive int, got 2.0"),
         (dict(world=0), "dp_world_size must be a positive int"),
         (dict(rank=2, world=2), r"dp_rank must be in \[0, 2\), got 2"),
-        (dict(docs=[]), "dataset has no documents"),
+        (dict(docs=[]), "dataset 0 has no documents"),
     ],
 )
 def test_bad_arguments(kwargs, message):

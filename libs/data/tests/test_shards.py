@@ -5,6 +5,7 @@ import itertools
 import json
 import os
 import pickle
+import re
 
 import numpy as np
 import pytest
@@ -228,6 +229,58 @@ def test_bad_shards_are_one_line_errors(corpus, tmp_path):
     with pytest.raises(ValueError, match=r"made by tokenizer 'tessera-default' \(fingerprint \w+\), this run uses "
                                          r"'bytes.model' \(fingerprint \w+\)"):
         build_dataloader(open_shards(folder), other, 15, 2)
+
+
+def test_an_index_naming_files_outside_its_folder_is_refused(corpus, tmp_path):
+    _, folder = corpus
+    bad = _copy(folder, tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for suffix in (".tokens", ".offsets"):  # a valid shard outside the folder
+        (elsewhere / f"shard-00000{suffix}").write_bytes((folder / f"shard-00000{suffix}").read_bytes())
+    index = json.loads((folder / "index.json").read_text())
+    for name in ("../elsewhere/shard-00000", str(elsewhere / "shard-00000"), "..", ""):
+        index["shards"][0]["name"] = name
+        (bad / "index.json").write_text(json.dumps(index))
+        with pytest.raises(ValueError, match=f"index.json names shard '{re.escape(name)}', not a file name in {bad}"):
+            open_shards(bad)
+
+
+def test_token_ids_are_checked_against_the_vocabulary(corpus, tmp_path):
+    _, folder = corpus
+    index = json.loads((folder / "index.json").read_text())
+    assert 0 < index["max_id"] < TOK.vocab_size  # recorded by pretokenize
+    bad = _copy(folder, tmp_path)
+    for dtype in ("<f2", "<i2", "<f4"):  # the ids would be reinterpreted
+        (bad / "index.json").write_text(json.dumps({**index, "dtype": dtype}))
+        with pytest.raises(ValueError, match=f"index.json: dtype '{dtype}' is not a token-id type"):
+            open_shards(bad)
+    (bad / "index.json").write_text(json.dumps({**index, "max_id": TOK.vocab_size}))
+    with pytest.raises(ValueError, match=f"its shards hold token id {TOK.vocab_size}, beyond the vocabulary of {TOK.vocab_size}"):
+        open_shards(bad)
+    (bad / "index.json").write_text(json.dumps({**index, "tokenizer": {**index["tokenizer"], "vocab_size": 4096}}))
+    with pytest.raises(ValueError, match="index says vocabulary 4096, tokenizer 'tessera-default' has 2048"):
+        build_dataloader(open_shards(bad), TOK, 15, 2)
+    # a damaged tokens file (ids beyond the vocabulary) is named when read, not deep in the model
+    (bad / "index.json").write_text(json.dumps(index))
+    tokens = np.fromfile(bad / "shard-00000.tokens", dtype=index["dtype"])
+    tokens[5] = np.iinfo(tokens.dtype).max
+    tokens.tofile(bad / "shard-00000.tokens")
+    with pytest.raises(ValueError, match=r"shard-00000.tokens: token id 65535 at token 5 is beyond the vocabulary of 2048"):
+        next(build_dataloader(open_shards(bad), TOK, 15, 2, shuffle=False))
+
+
+def test_a_folder_without_documents_is_named(corpus, tmp_path):
+    _, folder = corpus
+    empty = _copy(folder, tmp_path)
+    index = json.loads((folder / "index.json").read_text())
+    for name in [shard["name"] for shard in index["shards"]]:
+        np.zeros(1, dtype="<i8").tofile(empty / f"{name}.offsets")
+        (empty / f"{name}.tokens").write_bytes(b"")
+    shards = [{**shard, "documents": 0, "tokens": 0} for shard in index["shards"]]
+    (empty / "index.json").write_text(json.dumps({**index, "shards": shards, "documents": 0, "tokens": 0}))
+    with pytest.raises(ValueError, match=f"^dataset {empty} has no documents$"):
+        build_dataloader(open_shards(empty), TOK, 15, 2)
 
 
 @pytest.mark.parametrize("entries, message", [

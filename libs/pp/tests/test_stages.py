@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from tessera.pp import check_backend, check_split, check_stage_count, even_split, splits_backward, stage_count, stage_ids
+from tessera.pp import (check_backend, check_schedule_csv, check_split, check_stage_count, even_split, splits_backward,
+                        stage_count, stage_ids)
 
 
 def test_even_split_weights_inputs_and_outputs_as_layers():
@@ -135,3 +136,45 @@ def test_v_shaped_schedules_on_gloo_need_torch_2_12(monkeypatch, release, device
         else:
             check_backend(schedule, device)
     check_backend("1F1B", device)  # one stage per rank: nothing sent to itself
+
+
+# 1F1B's order for 2 ranks and 4 micro-batches, with full backwards (B) or split ones (I then W)
+CSV_1F1B = "0F0,0F1,0B0,0F2,0B1,0F3,0B2,0B3\n1F0,1B0,1F1,1B1,1F2,1B2,1F3,1B3\n"
+CSV_SPLIT = "0F0,0F1,0I0,0W0,0F2,0I1,0W1,0F3,0I2,0W2,0I3,0W3\n1F0,1I0,1W0,1F1,1I1,1W1,1F2,1I2,1W2,1F3,1I3,1W3\n"
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("", "s.csv holds no actions$"),
+        ("\n\n", "s.csv holds no actions$"),
+        (CSV_1F1B.splitlines()[0], "s.csv has 1 row; pipeline_parallel_degree 2 needs one per pp rank$"),
+        (CSV_1F1B + "0F0\n", "s.csv has 3 rows"),
+        ("0F0,0X0\n1F0\n", "s.csv: Invalid action string: 0X0"),
+        ("0F0,0SEND_F0\n1F0\n", r"row 1 \(pp rank 0\): 0SEND_F0 is not a compute action"),
+        (CSV_1F1B.replace("1B3", "2B3"), r"row 2 \(pp rank 1\): 2B3 names stage 2; the pipeline has stages 0..1$"),
+        (CSV_1F1B.replace("0F3", "0F4"), r"row 1 \(pp rank 0\): 0F4 names micro-batch 4; the step has 0..3$"),
+        ("1F0,1B0\n0F0,0B0\n", r"row 1 \(pp rank 0\): 1F0: 1F1B places stage 1 on pp rank 1$"),
+        ("0F0,0F1,0F2,0F3\n1F0,1F1,1F2,1F3\n", "torch cannot run this order: Invalid backward microbatches for stage 0: "
+                                               "expected 4 total backwards, but got B=0"),  # forward only
+        (CSV_1F1B.replace(",0B3", ""), "expected 4 total backwards, but got B=3"),
+        (CSV_1F1B.replace("0F0,0F1,0B0", "0B0,0F0,0F1"), "microbatch 0 without first running Forward$"),
+        (CSV_SPLIT.replace(",0W3", ""), "I and W must have equal counts"),
+        # rank 1 starts with micro-batch 1, which rank 0 sends only after it has the gradient of 0
+        ("0F0,0B0,0F1,0B1,0F2,0B2,0F3,0B3\n1F1,1B1,1F0,1B0,1F2,1B2,1F3,1B3\n", "torch cannot run this order: "
+                                                                             "Malformed compute schedule"),
+    ],
+)
+def test_a_schedule_csv_is_checked_whole_before_any_process_starts(tmp_path, text, message):
+    path = tmp_path / "s.csv"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message) as error:
+        check_schedule_csv(str(path), "1F1B", 2, 2, 4)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("text", [CSV_1F1B, CSV_SPLIT, CSV_1F1B.replace("\n", ",\n")])  # trailing empty cells
+def test_schedule_csvs_torch_runs_pass_the_check(tmp_path, text):
+    path = tmp_path / "s.csv"
+    path.write_text(text)
+    check_schedule_csv(str(path), "1F1B", 2, 2, 4)

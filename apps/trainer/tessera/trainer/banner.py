@@ -31,4 +31,5 @@ def banner(plan: JobPlan, model: ParallelModel, peak: float, tokenizer, data_sou
         f"  MFU against {peak:,.1f} TFLOP/s, attention FLOPs "
         f"{'halved (causal)' if config.metrics.causal_attention_flops else 'full (mask ignored)'} | output {config.job.dump_folder}",
         f"  {version_text()}",
+        *(f"  warning: {what}" for what in plan.warnings),
     ])

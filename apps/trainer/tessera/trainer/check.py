@@ -89,4 +89,5 @@ def describe(plan: JobPlan) -> str:
         f"  flops       {plan.flops_per_token:.3e} per token; {plan.flops_per_token * batch.tokens_per_device:.3e} per device per step",
     ]
     lines += [f"  note        {note}" for note in plan.notes]
+    lines += [f"  warning     {what}" for what in plan.warnings]
     return "\n".join(lines)

@@ -15,6 +15,7 @@ from tessera.ckpt import (
     rng_state,
 )
 from tessera.trainer.config import JobConfig
+from tessera.trainer.errors import ConfigError
 from tessera.trainer.faults import TrainingError, weights_finite
 from tessera.trainer.hf_assets import export_files, initial_load_folder
 from tessera.trainer.plan import tokenizer_source
@@ -55,6 +56,7 @@ class Checkpointer:
         self.initial = initial_load_folder(config)
         dcp_files, self.hf_files = export_files(config, spec, args, tokenizer, tokenizer_source(config))
         self.folder = Path(config.job.dump_folder) / self.config.folder
+        self.steps = config.training.steps
         self.train_state = TrainState(f"{config.model.name}/{config.model.flavor}")
         # train_state first: loading applies states in this order, so a wrong model fails first
         self.states = {
@@ -95,7 +97,21 @@ class Checkpointer:
             self._say(f"loaded {self.folder / f'step-{loaded}'}; training continues after step {self.train_state.step}")
         elif self.initial is not None:
             self._load_initial(*self.initial)
+        self._check_outputs_free(self.train_state.step)
         return self.train_state.step
+
+    def _check_outputs_free(self, start: int) -> None:
+        """A final export this run would write, already in the folder from another run, would
+        be kept and this run's weights not exported: refused before training (a rerun into the
+        same folder, a resume from an older checkpoint.load_step)."""
+        if self.manager is None or self.config.load_only or not self.config.enable or start >= self.steps:
+            return
+        for final, wanted in ((self.folder / f"step-{self.steps}-hf", self.config.last_save_in_hf),
+                              (self.folder / f"step-{self.steps}-model", self.config.last_save_model_only)):
+            if wanted and final.exists():
+                raise ConfigError(f"{final} already exists, and this run (from step {start} to {self.steps}) would export "
+                                  "its own weights there; exports are never overwritten: move it away or use another "
+                                  "checkpoint.folder")
 
     def _load_initial(self, key: str, path: Path) -> None:
         if not path.is_dir():
@@ -141,8 +157,11 @@ class Checkpointer:
         if first or self.manager.due(step, last_step):
             self._check_finite(step)
             started = time.perf_counter()
-            self.manager.save(step)
-            self._say_saved(step, time.perf_counter() - started)
+            if self.manager.save(step):
+                self._say_saved(step, time.perf_counter() - started)
+            else:
+                self._say(f"{self.folder / f'step-{step}'} already holds a complete checkpoint, kept as it is "
+                          "(checkpoints are never overwritten)")
         if last_step and self.config.last_save_model_only:
             self.manager.export_model(step)
         if last_step and self.config.last_save_in_hf:

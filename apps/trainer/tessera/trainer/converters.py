@@ -31,6 +31,11 @@ class ModelConverter:
     tp_styles: Mapping[str, Callable] = dataclasses.field(default_factory=dict)  # role -> tessera.tp StyleFactory
     post_optimizer_hooks: tuple[Callable[[nn.Module], None], ...] = ()
     options: Any = None  # what it was configured with (float8: tessera.float8.Float8Options), for tools that model it
+    # which modules `convert` swaps, (fqn, module) -> bool, and the config key of the name patterns
+    # it reads with them: the job plan refuses a converter that would swap nothing, and says which
+    # pattern matches no module (a typo would otherwise convert what it meant to keep)
+    selects: Callable[[str, nn.Module], bool] | None = None
+    patterns: tuple[str, tuple[str, ...]] = ("", ())
 
 
 ConverterFactory = Callable[["JobConfig", "ParallelDims"], ModelConverter]

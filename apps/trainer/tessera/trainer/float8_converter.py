@@ -128,6 +128,8 @@ def _factory(name: str, config: JobConfig, dims: ParallelDims) -> ModelConverter
         convert=functools.partial(float8.convert, options=options),
         tp_styles=float8.tp_styles(options),
         post_optimizer_hooks=float8.post_optimizer_hooks(options), options=options,
+        selects=functools.partial(float8.selected, options=options),
+        patterns=(f"{_section(config, name)[0]}.filter_fqns", options.filter_fqns),
     )
 
 
@@ -142,7 +144,9 @@ def _mx_factory(name: str, config: JobConfig, dims: ParallelDims) -> ModelConver
         raise ConfigError(f"config section [{path}]: {e}") from None
     if dims.tp_enabled:  # torchao 0.18 has no MX tensor-parallel styles
         raise ConfigError(f"model.converters {name} with tensor_parallel_degree > 1 is not supported")
-    return ModelConverter(name=name, convert=functools.partial(float8.convert_mx, options=options))
+    return ModelConverter(name=name, convert=functools.partial(float8.convert_mx, options=options),
+                          selects=functools.partial(float8.mx_selected, options=options),
+                          patterns=(f"{path}.filter_fqns", options.filter_fqns))
 
 
 def _grouped_factory(name: str, config: JobConfig, dims: ParallelDims) -> ModelConverter:
@@ -173,7 +177,9 @@ def _grouped_factory(name: str, config: JobConfig, dims: ParallelDims) -> ModelC
     if getattr(config.training, dtype_key) != "bfloat16":
         raise ConfigError(f"model.converters {name} needs bfloat16 experts for torch's grouped GEMMs: set training.{dtype_key} "
                           f"bfloat16{' (FSDP computes in it)' if dims.fsdp_enabled else ''}")
-    return ModelConverter(name=name, convert=functools.partial(float8.convert_grouped_mm, options=options))
+    return ModelConverter(name=name, convert=functools.partial(float8.convert_grouped_mm, options=options),
+                          selects=functools.partial(float8.grouped_mm_selected, options=options),
+                          patterns=(f"{path}.fqns", options.fqns))
 
 
 # Each converter reads the table of its own name; [float8] is torchtitan 0.1's name of [quantize.linear.float8].

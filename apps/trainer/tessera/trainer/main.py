@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 from tessera.trainer.config import ConfigError, load_config
 from tessera.trainer.faults import STOP_SIGNALS, TrainingError, die_with_launcher, elastic_store_note
@@ -39,7 +40,12 @@ def _positive_int(name: str, value: str | None) -> int | None:
 def _launch_local(nproc: int, argv: list[str], grace_s: int) -> int:
     """Runs this same program on nproc local ranks (rendezvous on a free localhost port). A stop
     signal reaches every rank, which saves and exits 0 (faults.StopSignals); the launcher waits
-    for that up to the ranks' own grace, plus a margin, before killing them."""
+    for that up to the ranks' own grace, plus a margin, before killing them. An error the ranks
+    report (bad input every rank finds, a diverged run) is printed once, here, with its exit
+    status; a rank that crashed printed its own traceback."""
+    import logging
+    import tempfile
+
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import get_args_parser, run
 
@@ -49,15 +55,42 @@ def _launch_local(nproc: int, argv: list[str], grace_s: int) -> int:
         f"--signals_to_handle=SIGINT,SIGHUP,SIGQUIT,{','.join(sig.name for sig in STOP_SIGNALS)}",
         "--no-python", sys.executable, "-m", "tessera.trainer.main", *argv,
     ])
-    try:
-        run(launcher_args)
-    except Exception as e:  # ChildFailedError: the failing rank already printed its own error
-        if isinstance(e, SignalException) and e.sigval in STOP_SIGNALS:  # the ranks said what they saved
-            print(f"{nproc}-process run stopped by {e.sigval.name}", file=sys.stderr)
-            return 0
-        print(f"error: {nproc}-process run failed: {type(e).__name__}", file=sys.stderr)
-        return 1
+    # the launcher's own log lines (ranks signalled, exit codes) would follow every rank's error
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    with tempfile.TemporaryDirectory(prefix="tessera-errors-") as errors:
+        os.environ[_ERRORS_ENV] = errors
+        try:
+            run(launcher_args)
+        except Exception as e:
+            if isinstance(e, SignalException) and e.sigval in STOP_SIGNALS:  # the ranks said what they saved
+                print(f"{nproc}-process run stopped by {e.sigval.name}", file=sys.stderr)
+                return 0
+            reports = sorted(Path(errors).glob("rank-*"), key=lambda path: int(path.name.removeprefix("rank-")))
+            if reports:
+                code, _, message = reports[0].read_text().partition("\n")
+                print(message, file=sys.stderr)
+                return int(code)
+            failures = getattr(e, "failures", {})
+            exits = ", ".join(f"rank {f.local_rank} exit code {f.exitcode}" for f in failures.values())
+            print(f"error: {nproc}-process run failed: {exits or type(e).__name__}", file=sys.stderr)
+            return 1
+        finally:
+            del os.environ[_ERRORS_ENV]
     return 0
+
+
+_ERRORS_ENV = "TESSERA_ERRORS_DIR"  # where the ranks of --nproc leave their error line for the launcher
+
+
+def _error(message: str, code: int) -> int:
+    """Prints `message` (one line), or under --nproc hands it to the launcher, which prints the
+    first rank's once; returns the exit status."""
+    folder = os.environ.get(_ERRORS_ENV)
+    if folder:
+        Path(folder, f"rank-{os.environ.get('RANK', '0')}").write_text(f"{code}\n{message}")
+    else:
+        print(message, file=sys.stderr)
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,11 +131,9 @@ def main(argv: list[str] | None = None) -> int:
             print(note, file=sys.stderr, flush=True)
         train(config)
     except (ConfigError, OSError) as e:  # OSError: unwritable dump folder, full disk, unreadable files
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _error(f"error: {e}", 2)
     except TrainingError as e:  # diverged: the numbers, not the input, are at fault
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return _error(f"error: {e}", 1)
     return 0
 
 

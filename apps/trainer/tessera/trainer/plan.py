@@ -9,6 +9,7 @@ It reads the config and the tokenizer's size and nothing else; file paths are on
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,7 @@ class JobPlan:
     dataset: str | None  # None: the embedded corpus
     validation_dataset: str | None
     notes: tuple[str, ...] = ()  # what a check-only plan could not verify on this host
+    warnings: tuple[str, ...] = ()  # settings adjusted or matching nothing, said in the banner (torchtitan warns)
 
     @property
     def post_optimizer_hooks(self) -> tuple:
@@ -126,6 +128,7 @@ def make_plan(config: JobConfig, world_size: int, device: str | None = None, *, 
     # expert_tensor_parallel_degree 1: the ep group holds the tp ranks and takes the experts whole
     experts = {"experts": lambda layouts: None} if dims.ep_spans_tp else {}
     styles = tp.styles_with({**experts, **{role: f for c in converters for role, f in c.tp_styles.items()}})
+    meta_model = functools.cache(lambda: _meta_model(spec, args))
     _check_tensor_parallel(config, spec, args, dims, styles)
     _check_family(config, spec, args, dims, device)
     _check_expert_parallel(config, spec, args, dims)
@@ -136,8 +139,10 @@ def make_plan(config: JobConfig, world_size: int, device: str | None = None, *, 
     check_hf_weights(config, spec, args)
     dataset = _source_or_note(lambda: dataset_source(training), notes if check_only else None)
     validation = _source_or_note(lambda: _validation_source(config), notes if check_only else None) if config.validation.enable else None
-    batch, pipeline = _batch(config, dims), _pipeline(config, spec, args, dims, device)
+    batch, pipeline = _batch(config, dims), _pipeline(config, spec, meta_model, dims, device)
     loss_parallel = dims.tp_enabled and not par.disable_loss_parallel
+    optimizer, warnings = _optimizer(config)
+    warnings += _check_converters(config, spec, converters, meta_model)
     return JobPlan(
         config=config, world_size=world_size, device=device, dims=dims, meshes=mesh_layout(dims), spec=spec,
         model_args=args, batch=batch, precision=_precision(config, dims), converters=converters,
@@ -147,13 +152,13 @@ def make_plan(config: JobConfig, world_size: int, device: str | None = None, *, 
         tensor_parallel=TensorParallelPlan(styles, par.enable_async_tensor_parallel),
         pipeline=pipeline, experts=ExpertPlan(config.debug.moe_force_load_balance),
         attention=attention, checkpointing=_checkpointing(config),
-        compile=CompilePlan(_compiles(config, "model"), config.compile.backend), optimizer=_optimizer(config),
+        compile=CompilePlan(_compiles(config, "model"), config.compile.backend), optimizer=optimizer,
         # a compiled cross-entropy of vocab-sharded logits bypasses loss parallel (torch 2.13: the
         # local shard's loss, 2.6 instead of 8.2 on the debug model), so it stays eager there
         loss=LossPlan(loss_parallel, _compiles(config, "loss") and not loss_parallel,
                       1 / batch.accumulation),
         flops_per_token=_flops_per_token(config, spec, args), seed=config.debug.seed,
-        dataset=dataset, validation_dataset=validation, notes=tuple(notes),
+        dataset=dataset, validation_dataset=validation, notes=tuple(notes), warnings=tuple(warnings),
     )
 
 
@@ -175,11 +180,19 @@ def _checkpointing(config: JobConfig) -> CheckpointingPlan:
                              ac.debug)
 
 
-def _optimizer(config: JobConfig) -> OptimizerPlan:
+def _optimizer(config: JobConfig) -> tuple[OptimizerPlan, list[str]]:
+    """The optimizer and its schedule, and what was adjusted: a warm-up longer than the schedule
+    is shortened to it (torchtitan does the same, with a warning)."""
     opt, sched = config.optimizer, config.lr_scheduler
+    total = sched.total_steps or config.training.steps
+    warmup, adjusted = sched.warmup_steps, []
+    if warmup > total:
+        warmup = total
+        adjusted.append(f"lr_scheduler.warmup_steps {sched.warmup_steps} exceeds the schedule's {total} steps; "
+                        f"warming up over {total}")
     return OptimizerPlan(opt.name, opt.lr, (opt.beta1, opt.beta2), opt.eps, opt.weight_decay, opt.implementation,
-                         config.training.max_norm, sched.total_steps or config.training.steps, sched.warmup_steps,
-                         sched.decay_ratio, sched.decay_type, sched.min_lr_factor)
+                         config.training.max_norm, total, warmup, sched.decay_ratio, sched.decay_type,
+                         sched.min_lr_factor), adjusted
 
 
 def _source_or_note(find: Callable[[], str | None], notes: list[str] | None) -> str | None:
@@ -247,13 +260,37 @@ def _batch(config: JobConfig, dims: ParallelDims) -> BatchPlan:
     return BatchPlan(local, dims.dp, accumulation, config.training.seq_len, dims.tp * dims.cp * dims.pp)
 
 
-def _pipeline(config: JobConfig, spec: ModelSpec, args, dims: ParallelDims, device: str) -> PipelinePlan | None:
+def _meta_model(spec: ModelSpec, args) -> torch.nn.Module:
+    """The model on the meta device: its module names and shapes, no memory."""
+    with torch.device("meta"):
+        return spec.build(args)
+
+
+def _check_converters(config: JobConfig, spec: ModelSpec, converters, meta_model: Callable[[], torch.nn.Module]) -> list[str]:
+    """Refuses a converter that would swap no module of this model; returns a warning for each
+    name pattern of theirs that matches no module (torchtitan accepts those silently)."""
+    warnings = []
+    for converter in converters:
+        if converter.selects is None:
+            continue
+        model = meta_model()  # built once, for the first converter that asks
+        key, patterns = converter.patterns
+        flavor = f"{spec.name}/{config.model.flavor}"
+        if not any(converter.selects(fqn, module) for fqn, module in model.named_modules()):
+            raise ConfigError(f"model.converters {converter.name} would convert no module of {flavor}"
+                              + (f" ({key} {list(patterns)})" if patterns else ""))
+        warnings += [f"{key}: {pattern!r} matches no module of {flavor}" for pattern in patterns
+                     if not any(pattern in fqn for fqn, _ in model.named_modules())]
+    return warnings
+
+
+def _pipeline(config: JobConfig, spec: ModelSpec, meta_model: Callable[[], torch.nn.Module], dims: ParallelDims,
+              device: str) -> PipelinePlan | None:
     """The stages, micro-batches and FSDP resharding of a pipelined run, every choice checked."""
     par = config.parallelism
     if not dims.pp_enabled:
         return None
-    with torch.device("meta"):  # the module names to cut at, following tessera.pp's conventions
-        model = spec.build(args)
+    model = meta_model()  # the module names to cut at, following tessera.pp's conventions
     inputs, n_layers, outputs = pp.model_parts_names(model)
     first = {id(p) for name in inputs for p in model.get_submodule(name).parameters()}
     if any(id(p) in first for name in outputs for p in model.get_submodule(name).parameters()):
@@ -292,8 +329,10 @@ def _pipeline(config: JobConfig, spec: ModelSpec, args, dims: ParallelDims, devi
     if csv and not Path(csv).is_file():
         raise ConfigError(f"parallelism.pipeline_parallel_schedule_csv {csv} is not a file")
     try:
+        if csv:
+            pp.check_schedule_csv(csv, schedule, dims.pp, len(parts), microbatches)
         splits_backward = pp.splits_backward(schedule, csv)
-    except ValueError as e:
+    except (ValueError, UnicodeDecodeError) as e:
         raise ConfigError(f"parallelism.pipeline_parallel_schedule_csv {e}") from None
     reshard = par.fsdp_reshard_after_forward
     if reshard == "always" and splits_backward:

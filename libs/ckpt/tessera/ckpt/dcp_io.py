@@ -81,7 +81,12 @@ def check_storage_files(checkpoint: str | os.PathLike, metadata: Metadata) -> No
     """Every data file the metadata names exists and is long enough (catches truncation)."""
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+        name = info.relative_path
+        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+            # the metadata is data: the files it names must be in the checkpoint's own folder
+            raise ValueError(f"checkpoint {checkpoint} is corrupt: its metadata names data file {name!r}, not a file "
+                             "in the folder")
+        needed[name] = max(needed.get(name, 0), info.offset + info.length)
     for relative_path, size in sorted(needed.items()):
         path = Path(checkpoint) / relative_path
         if not path.is_file():

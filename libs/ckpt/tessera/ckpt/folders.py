@@ -34,12 +34,22 @@ def is_complete(path: Path) -> bool:
 
 def complete_steps(folder: Path) -> list[int]:
     """Steps with a complete checkpoint in ``folder``, ascending."""
+    return _steps(folder, complete=True)
+
+
+def incomplete_steps(folder: Path) -> list[int]:
+    """Steps whose ``step-<N>`` lacks its ``.metadata`` (damaged after publishing, or a copy cut
+    short), ascending: never loaded, never deleted."""
+    return _steps(folder, complete=False)
+
+
+def _steps(folder: Path, complete: bool) -> list[int]:
     if not folder.is_dir():
         return []
     steps = []
     for entry in folder.iterdir():
         match = _STEP.fullmatch(entry.name)
-        if match and is_complete(entry):
+        if match and entry.is_dir() and is_complete(entry) == complete:
             steps.append(int(match.group(1)))
     return sorted(steps)
 
@@ -77,6 +87,18 @@ def discard(path: Path) -> None:
     os.rename(path, doomed)
     fsync_dir(path.parent)
     shutil.rmtree(doomed)
+
+
+def set_aside(path: Path) -> Path:
+    """Renames an incomplete ``step-<N>`` to ``step-<N>.incomplete`` (``-2``, ``-3``... if taken),
+    so a save of that step can go ahead and the files are kept for whoever wants to look."""
+    target, n = path.with_name(f"{path.name}.incomplete"), 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}.incomplete-{n}")
+    os.rename(path, target)
+    fsync_dir(path.parent)
+    return target
 
 
 def check_writable(folder: Path, size: int) -> None:

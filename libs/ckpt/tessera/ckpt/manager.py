@@ -22,8 +22,8 @@ from tessera.ckpt.dcp_io import (
     METADATA_FILE, check_storage_files, load_into, raise_first_failure, read_metadata, save_state_dict,
 )
 from tessera.ckpt.folders import (
-    ExtraFiles, check_extra_files, check_writable, complete_steps, discard, export_folder, is_complete, publish,
-    remove_stale_tmp, remove_step, step_folder, write_extra_files,
+    ExtraFiles, check_extra_files, check_writable, complete_steps, export_folder, incomplete_steps, is_complete, publish,
+    remove_stale_tmp, remove_step, set_aside, step_folder, write_extra_files,
 )
 from tessera.ckpt.states import ModelState, RankLocalState, Stateful
 
@@ -127,14 +127,15 @@ class CheckpointManager:
         if last_step and self.last_save_model_only:
             self.export_model(step)
 
-    def save(self, step: int, model_only: bool = False) -> None:
-        """Writes ``step-<step>`` atomically; returns once written (sync) or staged (async).
+    def save(self, step: int, model_only: bool = False) -> bool:
+        """Writes ``step-<step>`` atomically; returns once written (sync) or staged (async), True,
+        or False when the step's checkpoint was there already.
 
         A step that already has a complete checkpoint is not saved again, so the last good
         checkpoint is never overwritten; an incomplete ``step-<step>`` (no ``.metadata``: a copy
-        cut short, never a save of ours) is replaced.
+        cut short or damaged, never a save of ours in progress) is moved to ``step-<step>.incomplete``.
         """
-        self._write(step_folder(self.folder, step), model_only)
+        return self._write(step_folder(self.folder, step), model_only)
 
     def export_model(self, step: int) -> None:
         """The model states alone, cast to ``export_dtype``, in ``step-<step>-model``."""
@@ -165,17 +166,18 @@ class CheckpointManager:
             return OSError(f"cannot write checkpoint to {self.folder}: {e.strerror or e}")
         return None
 
-    def _write(self, final: Path, model_only: bool) -> None:
+    def _write(self, final: Path, model_only: bool) -> bool:
         self.wait()
         if is_complete(final):
             logger.info("checkpoint %s already exists; not saving it again", final)
-            return
+            return False
         if self._rank == 0:
             self.folder.mkdir(parents=True, exist_ok=True)
             remove_stale_tmp(self.folder)
             if final.exists():
-                logger.warning("%s is incomplete (no %s); replacing it", final, METADATA_FILE)
-                discard(final)
+                kept = set_aside(final)
+                logger.warning("%s is incomplete (no %s); moved it to %s and saving this step anew", final,
+                               METADATA_FILE, kept.name)
         self._barrier()
         tmp = self.folder / f".{final.name}.tmp"
         started = time.perf_counter()
@@ -187,7 +189,7 @@ class CheckpointManager:
                 self._finish_save(tmp, final, started)
             finally:  # a failure on rank 0 alone (publishing) must not leave the others waiting
                 self._barrier()
-            return
+            return True
         upload = dcp.async_save(
             state_dict,
             storage_writer=FileSystemWriter(tmp),
@@ -198,6 +200,7 @@ class CheckpointManager:
         upload = getattr(upload, "upload_completion", upload)  # AsyncSaveResponse with some stagers
         logger.info("checkpoint %s staged in %.2fs, writing in the background", final.name, time.perf_counter() - started)
         self._pending = self._committer.submit(self._finish_async_save, upload, tmp, final, started)
+        return True
 
     def _finish_async_save(self, upload: Future, tmp: Path, final: Path, started: float) -> None:
         with self._storage_errors_named():
@@ -277,6 +280,10 @@ class CheckpointManager:
 
     # ---- loading ---------------------------------------------------------------------------
 
+    def complete_steps(self) -> list[int]:
+        """Steps with a complete checkpoint in the folder (full or model-only), ascending."""
+        return complete_steps(self.folder)
+
     def resume_step(self) -> tuple[int | None, list[int]]:
         """The step ``load()`` resumes from: the newest complete checkpoint holding more than the
         model, else the newest model-only one (a seed checkpoint), else None; and the newer
@@ -295,11 +302,15 @@ class CheckpointManager:
         """Restores the states (except ``exclude_from_loading``) from ``step``, or from
         ``resume_step()`` when -1. Returns the step loaded, or None if there is none.
 
-        A model-only checkpoint restores just the model states.
+        A model-only checkpoint restores just the model states. The first state is read and
+        applied before the others, so a check of its own fails before their shapes are compared.
         """
         self.wait()
         if step == -1:
             step, passed = self.resume_step()
+            damaged = [f"step-{n}" for n in incomplete_steps(self.folder) if step is None or n > step]
+            if damaged:
+                logger.warning("passing over incomplete checkpoints (no %s): %s", METADATA_FILE, ", ".join(damaged))
             if step is None:
                 logger.info("no checkpoint in %s; starting from scratch", self.folder)
                 return None
@@ -321,13 +332,16 @@ class CheckpointManager:
             if skipped:
                 logger.info("checkpoint %s is model-only; not restoring %s", path, skipped)
             names = [name for name in names if name in stored]
-        state_dict = {name: self.states[name].state_dict() for name in names}
         optional = tuple(
             f"{name}." for name in names
             if isinstance(self.states[name], RankLocalState) and not self.states[name].required
         )
-        load_into(state_dict, path, metadata=metadata, process_group=self.process_group, optional_prefixes=optional)
-        for name in names:
-            self.states[name].load_state_dict(state_dict[name])
+        # the first state alone first: its own check (a trainer's record of the model that wrote
+        # the checkpoint) speaks before any tensor of another model is found the wrong shape
+        for group in ([names[0]], names[1:]) if len(names) > 1 else [names]:
+            state_dict = {name: self.states[name].state_dict() for name in group}
+            load_into(state_dict, path, metadata=metadata, process_group=self.process_group, optional_prefixes=optional)
+            for name in group:
+                self.states[name].load_state_dict(state_dict[name])
         logger.info("checkpoint step %d loaded from %s in %.2fs", step, path, time.perf_counter() - started)
         return step

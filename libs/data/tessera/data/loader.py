@@ -156,9 +156,9 @@ def build_dataloader(
     mixture = None if weights is None else Mixture(list(weights), seed)
     shuffle_seed = seed if shuffle else None
     streams = []
-    for data in datasets:
+    for i, data in enumerate(datasets):
         if len(data) == 0:
-            raise ValueError("dataset has no documents")
+            raise ValueError(f"dataset {getattr(data, 'source', i)} has no documents")
         if isinstance(data, ShardDataset):
             check_tokenizer(data, tokenizer)
             streams.append(ShardStream(data, seq_len + 1, infinite, shuffle_seed, shuffle_buffer))

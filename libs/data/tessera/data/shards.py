@@ -63,13 +63,20 @@ class ShardDataset:
         return sum(s.num_documents for s in self.shards)
 
     def read(self, shard: int, start: int, count: int) -> np.ndarray:
-        """Token ids [start, start + count) of shard `shard` as int64."""
+        """Token ids [start, start + count) of shard `shard` as int64. An id beyond the
+        vocabulary (a damaged file) is refused here, naming the shard, rather than failing deep
+        in the model's embedding."""
         s = self.shards[shard]
         size = self.dtype.itemsize
         raw = os.pread(s.file.fileno(), count * size, start * size)
         if len(raw) != count * size:
             raise OSError(f"{s.tokens_path}: short read at token {start} (file changed since it was opened?)")
-        return np.frombuffer(raw, dtype=self.dtype).astype(np.int64)
+        ids = np.frombuffer(raw, dtype=self.dtype)
+        if count and int(ids.max()) >= self.tokenizer["vocab_size"]:
+            at = start + int(np.argmax(ids >= self.tokenizer["vocab_size"]))
+            raise ValueError(f"{s.tokens_path}: token id {int(ids.max())} at token {at} is beyond the vocabulary of "
+                             f"{self.tokenizer['vocab_size']} (damaged shard?)")
+        return ids.astype(np.int64)
 
     def document(self, index: int) -> np.ndarray:
         """Tokens of document `index` (counting across shards in order): BOS + text + EOS."""
@@ -110,9 +117,16 @@ def open_shards(folder: str | os.PathLike) -> ShardDataset:
         raise ValueError(f"{index_path}: not a {FORMAT} index of version {VERSION}")
     try:
         dtype = np.dtype(index["dtype"])
+        if dtype.kind != "u" or dtype.itemsize not in (2, 4):  # a float or signed type would reinterpret the ids
+            raise ValueError(f"{index_path}: dtype {index['dtype']!r} is not a token-id type (uint16 or uint32)")
         shards = tuple(_open_shard(folder, entry, dtype, index_path) for entry in index["shards"])
         tokenizer, total = index["tokenizer"], index["tokens"]
-    except (KeyError, TypeError) as e:
+        if not isinstance(tokenizer.get("vocab_size"), int):
+            raise TypeError("tokenizer.vocab_size")
+        if index.get("max_id", -1) >= tokenizer["vocab_size"]:
+            raise ValueError(f"{index_path}: its shards hold token id {index['max_id']}, beyond the vocabulary of "
+                             f"{tokenizer['vocab_size']}")
+    except (KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{index_path}: malformed index (missing or bad {e})") from None
     if sum(s.num_tokens for s in shards) != total or not shards:
         raise ValueError(f"{index_path}: index/shard mismatch: shard token counts do not add up to {total}")
@@ -120,8 +134,12 @@ def open_shards(folder: str | os.PathLike) -> ShardDataset:
 
 
 def _open_shard(folder: Path, entry: dict, dtype: np.dtype, index_path: Path) -> Shard:
-    tokens_path = folder / f"{entry['name']}.tokens"
-    offsets_path = folder / f"{entry['name']}.offsets"
+    name = entry["name"]
+    if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+        # the index is data: the files it names must be in its own folder
+        raise ValueError(f"{index_path} names shard {name!r}, not a file name in {folder}")
+    tokens_path = folder / f"{name}.tokens"
+    offsets_path = folder / f"{name}.offsets"
     num_tokens, num_documents = int(entry["tokens"]), int(entry["documents"])
     for path, expected in ((tokens_path, num_tokens * dtype.itemsize),
                            (offsets_path, (num_documents + 1) * _OFFSET_DTYPE.itemsize)):
@@ -149,6 +167,9 @@ def check_tokenizer(dataset: ShardDataset, tokenizer) -> None:
             f"(fingerprint {made.get('fingerprint')}), this run uses {tokenizer.name!r} "
             f"(fingerprint {tokenizer.fingerprint}); re-run tools/pretokenize with this tokenizer"
         )
+    if made["vocab_size"] != tokenizer.vocab_size:
+        raise ValueError(f"token shards {dataset.source}: index says vocabulary {made['vocab_size']}, tokenizer "
+                         f"{tokenizer.name!r} has {tokenizer.vocab_size}")
 
 
 class ShardWriter:
@@ -161,9 +182,12 @@ class ShardWriter:
         self._file: BinaryIO | None = None
         self._ends: list[np.ndarray] = []  # document ends in the open shard, in chunks
         self._tokens = 0  # tokens in the open shard
+        self._max_id = -1  # the largest id written, checked against the vocabulary when opened
 
     def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
         """Documents laid end to end in `tokens`, with their `lengths`."""
+        if len(tokens):
+            self._max_id = max(self._max_id, int(tokens.max()))
         first = 0
         while first < len(lengths):
             ends = self._tokens + np.cumsum(lengths[first:])
@@ -198,7 +222,8 @@ class ShardWriter:
     def finish(self, fields: dict[str, Any]) -> dict[str, Any]:
         self._close_shard()
         index = {
-            "format": FORMAT, "version": VERSION, "dtype": self.dtype.str, **fields, "shards": self.shards,
+            "format": FORMAT, "version": VERSION, "dtype": self.dtype.str, **fields, "max_id": self._max_id,
+            "shards": self.shards,
             "documents": sum(s["documents"] for s in self.shards), "tokens": sum(s["tokens"] for s in self.shards),
         }
         tmp = self.folder / f"{INDEX}.tmp"

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 from torch.distributed._composable.replicate import replicate
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
 
 RESHARD_POLICIES = ("default", "always", "never")
 # Parameter / gradient-reduction dtypes of mixed precision, by the names configs use.
@@ -32,6 +33,18 @@ def _tied(embedding: nn.Module | None, output: nn.Module | None) -> bool:
     if embedding is None or output is None:
         return False
     return any(p is q for p in embedding.parameters() for q in output.parameters())
+
+
+class _ByteAllGather(DefaultAllGather):
+    """torch's all-gather, with 1-byte float tensors sent as their bytes (uint8): gloo takes no
+    float8 dtype ("Invalid scalar type"), and FSDP gathers a group whose parameters all
+    all-gather in float8 (torchao's float8 all-gather, e.g. the output projection's own group)
+    in that dtype."""
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        if input_tensor.dtype.is_floating_point and input_tensor.dtype.itemsize == 1:
+            output_tensor, input_tensor = output_tensor.view(torch.uint8), input_tensor.view(torch.uint8)
+        return super().__call__(output_tensor, input_tensor, group, async_op)
 
 
 def apply_fsdp(
@@ -97,6 +110,10 @@ def apply_fsdp(
                             shard_placement_fn=placement)
         fully_shard(blocks[name], reshard_after_forward=reshard(last), **policy)
     fully_shard(model, reshard_after_forward=reshard(True), **policy)
+    if dp_mesh.device_type == "cpu":  # gloo
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_custom_all_gather(_ByteAllGather())
     return model
 
 

@@ -21,6 +21,9 @@ from torch.distributed.pipelining.schedules import (
     ScheduleDualPipeV,
     ScheduleZBVZeroBubble,
     _Action,
+    _add_send_recv,
+    _simulate_comms_compute,
+    _validate_schedule,
     get_schedule_class,
 )
 
@@ -72,13 +75,51 @@ def splits_backward(name: str, schedule_csv: str | None = None) -> bool:
     action is a ValueError naming it."""
     if not schedule_csv:
         return canonical_schedule(name) in SPLIT_BACKWARD_SCHEDULES
-    with open(schedule_csv, newline="") as f:
-        cells = [cell for row in csv.reader(f) for cell in row if cell.strip()]
-    try:
-        actions = [_Action.from_str(cell) for cell in cells]
-    except (RuntimeError, ValueError) as e:
-        raise ValueError(f"{schedule_csv}: {e}") from None
+    actions = [a for row in _read_csv(schedule_csv) for a in row if a is not None]
     return any(a.computation_type in (BACKWARD_INPUT, BACKWARD_WEIGHT) for a in actions)
+
+
+def _read_csv(path: str) -> list[list[_Action | None]]:
+    """The file's rows of actions, as torch's runtime reads them; ValueError naming a bad cell."""
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    try:
+        return [[_Action.from_str(cell) for cell in row] for row in rows]
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+def check_schedule_csv(path: str, schedule: str, pp: int, n_stages: int, n_microbatches: int) -> None:
+    """ValueError naming `path` and its first fault, for what torch would otherwise find in every
+    worker: a row per pp rank, compute actions (F, B, I, W) only, stages and micro-batches in
+    range and on the ranks `schedule` places them, every micro-batch forward and backward once,
+    and an order whose sends and receives can be scheduled. Needs no process group."""
+    rows = _read_csv(path)
+    if not any(a is not None for row in rows for a in row):
+        raise ValueError(f"{path} holds no actions")
+    if len(rows) != pp:
+        raise ValueError(f"{path} has {len(rows)} row{'s' * (len(rows) != 1)}; pipeline_parallel_degree {pp} needs one "
+                         "per pp rank")
+    owner = {stage: rank for rank in range(pp) for stage in stage_ids(rank, pp, n_stages, schedule)}
+    for rank, row in enumerate(rows):
+        for action in filter(None, row):
+            for one in action.sub_actions or (action,):
+                where = f"{path} row {rank + 1} (pp rank {rank}): {action}"
+                if not one.is_compute_op:
+                    raise ValueError(f"{where} is not a compute action (F, B, I or W); the sends and receives are added for you")
+                if not 0 <= one.stage_index < n_stages:
+                    raise ValueError(f"{where} names stage {one.stage_index}; the pipeline has stages 0..{n_stages - 1}")
+                if one.microbatch_index is None or not 0 <= one.microbatch_index < n_microbatches:
+                    raise ValueError(f"{where} names micro-batch {one.microbatch_index}; the step has 0..{n_microbatches - 1}")
+                if owner[one.stage_index] != rank:
+                    raise ValueError(f"{where}: {schedule} places stage {one.stage_index} on pp rank {owner[one.stage_index]}")
+    actions = {rank: [a for a in row if a is not None] for rank, row in enumerate(rows)}
+    try:  # torch's own checks, then its lowering to sends and receives, dry-run for deadlocks
+        _validate_schedule(actions, pp, n_stages, n_microbatches)
+        _simulate_comms_compute(_add_send_recv(actions, owner.__getitem__, n_stages), owner.__getitem__, n_stages)
+    except (AssertionError, ValueError, RuntimeError) as e:
+        first = " ".join(str(e).strip().split("\n\n")[0].split())  # torch appends the whole schedule
+        raise ValueError(f"{path}: torch cannot run this order: {first}") from None
 
 
 def stage_count(

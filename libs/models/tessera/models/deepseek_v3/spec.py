@@ -6,7 +6,7 @@ from tessera.models.deepseek_v3.flavors import deepseek_v3_flavors
 from tessera.models.deepseek_v3.model import DeepSeekV3
 from tessera.models.moe.balance import MOE_STEP_HOOKS, moe_refusals
 from tessera.models.moe.sharding import moe_tp_plan
-from tessera.models.spec import ModelSpec
+from tessera.models.spec import ModelSpec, RunLayout
 
 # Patterns for every flavor: a flavor has either wq or wq_a/q_norm/wq_b. "replicated" (a module
 # every TP rank runs whole on the block's replicated input, its weight gradients summed over the
@@ -77,6 +77,17 @@ def _n_experts(args) -> int:
     return args.moe.n_experts
 
 
+def refusals(args: DeepSeekV3Args, layout: RunLayout) -> tuple[tuple[str, str], ...]:
+    moe = moe_refusals(_n_experts)(args, layout)
+    if layout.cp > 1 and args.qk_head_dim != args.v_head_dim:
+        # seen on torch 2.13, CPU: torch's ring attention raises inside its kernel for value heads
+        # narrower than the query/key heads
+        return (*moe, ("context_parallel_degree > 1", f"MLA's value heads ({args.v_head_dim}) differ from its "
+                                                      f"query/key heads ({args.qk_head_dim}), which context parallel "
+                                                      "attention cannot take"))
+    return moe
+
+
 deepseek_v3_spec = ModelSpec(
     name="deepseek_v3",
     flavors=deepseek_v3_flavors,
@@ -87,6 +98,6 @@ deepseek_v3_spec = ModelSpec(
     hf_adapter=hf_adapter,
     hf_config=hf_config,
     step_hooks=MOE_STEP_HOOKS,
-    refusals=moe_refusals(_n_experts),
+    refusals=refusals,
     n_experts=_n_experts,
 )
