@@ -1,5 +1,5 @@
 """Malformed input across config, command line, layout, data, tokenizer, checkpoints, Hugging Face
-files and tools/convert: each case exits non-zero with one line on stderr naming the culprit, no
+files and the tools (convert, plan, estimate, pretokenize): each case exits non-zero with one line on stderr naming the culprit, no
 traceback, and every file that existed before is byte-identical afterwards."""
 
 import json
@@ -9,6 +9,9 @@ import pytest
 import torch
 
 import convert
+import estimate
+import plan
+import pretokenize
 from tessera.ckpt import CheckpointManager, ModelState, save_hf
 from tessera.models import get_model_spec
 from tessera.trainer.main import main as trainer
@@ -480,7 +483,86 @@ SURFACE_CASES = [
     ("checkpoint-metadata-escapes", run_with(setup=_dcp_escaping), "trainer",
      "its metadata names data file '../../__0_0.distcp', not a file in the folder"),
 ]
-CASES += SURFACE_CASES
+
+# ---- every tool's own arguments and inputs: tools/plan, tools/estimate, tools/pretokenize, tools/convert
+
+
+def _text(name, content):
+    return lambda tmp: str(_write(tmp / name, content))
+
+
+def tool(*argv):
+    """A tool's argv: `{tmp}` in an argument is the case's folder, a callable makes a file."""
+    return lambda tmp: [a(tmp) if callable(a) else a.format(tmp=tmp) for a in argv]
+
+
+def _hf_checkpoint(config):
+    def make(tmp):
+        save_hf({"model.norm.weight": torch.ones(4)}, tmp / "hf")
+        _write(tmp / "hf" / "config.json", json.dumps(config))
+        return str(tmp / "hf")
+    return make
+
+
+PLAN = ["--flavor", "8B", "--gpus", "8"]
+TOOL_CASES = [
+    ("plan-global-batch-zero", tool(*PLAN, "--global_batch", "0"), "plan", "--global_batch 0 must be >= 1"),
+    ("plan-global-batch-negative", tool(*PLAN, "--global_batch", "-4"), "plan", "--global_batch -4 must be >= 1"),
+    ("plan-tp-beyond-a-node", tool(*PLAN, "--tp", "16"), "plan", "--tp 16 exceeds the 8 GPUs of a H100 SXM node"),
+    ("plan-tp-not-dividing", tool("--flavor", "8B", "--gpus", "12", "--tp", "8"), "plan", "--tp 8 does not divide --gpus 12"),
+    ("plan-tp-zero", tool(*PLAN, "--tp", "0"), "plan", "--tp 0 must be >= 1"),
+    ("plan-tp-words", tool(*PLAN, "--tp", "two"), "plan", "--tp 'two' is not a comma-separated list"),
+    ("plan-flavor", tool("--flavor", "9B", "--gpus", "8"), "plan", "--flavor '9B' is not a flavor of llama3"),
+    ("plan-model", tool("--model", "gpt2", *PLAN), "plan", "--model 'gpt2' is not one of"),
+    ("plan-gpu", tool(*PLAN, "--gpu", "tpu"), "plan", "--gpu 'tpu' is not one of"),
+    ("plan-gpus-zero", tool("--flavor", "8B", "--gpus", "0"), "plan", "--gpus 0 must be >= 1"),
+    ("plan-seq-len-zero", tool(*PLAN, "--seq_len", "0"), "plan", "--seq_len 0 must be >= 1"),
+    ("plan-efficiency", tool(*PLAN, "--efficiency", "1.5"), "plan", "--efficiency and --memory_fraction must be within (0, 1]"),
+    ("plan-gpus-words", tool("--flavor", "8B", "--gpus", "eight"), "plan", "argument --gpus: invalid int value: 'eight'"),
+    ("plan-no-fit", tool("--flavor", "405B", "--gpus", "1"), "plan", "no layout of llama3/405B fits 1 x H100 SXM"),
+    ("estimate-world-size-zero", tool("--world_size", "0", "--formula"), "estimate", "--world_size '0' must be a positive integer"),
+    ("estimate-world-size-words", tool("--world_size", "two"), "estimate", "--world_size 'two' must be a positive integer"),
+    ("estimate-world-size-no-value", tool("--formula", "--world_size"), "estimate", "option --world_size needs a value"),
+    ("estimate-formula-traced-model", tool("--model.name", "qwen3", "--formula"), "estimate",
+     "model.name qwen3: the closed form covers llama2, llama3 only"),
+    ("estimate-real-tensors", tool("--memory_estimation.disable_fake_mode", "true"), "estimate",
+     "memory_estimation.disable_fake_mode: the estimator traces fake tensors only"),
+    ("estimate-flavor-without-tokenizer", tool("--model.flavor", "9B", "--model.tokenizer_path", "{tmp}/absent.model"),
+     "estimate", "model.flavor '9B' is not a flavor of llama3"),
+    ("estimate-layout", tool("--world_size", "2", "--parallelism.tensor_parallel_degree", "4", "--formula"), "estimate",
+     "world size 2 is not divisible"),
+    ("estimate-unknown-key", tool("--training.nope", "1"), "estimate", "training.nope"),
+    ("estimate-config-file", tool("--job.config_file", "{tmp}/absent.toml"), "estimate", "{tmp}/absent.toml"),
+    ("pretokenize-workers", tool("--out", "{tmp}/o", "--workers", "0", _text("a.txt", "x")), "pretokenize",
+     "workers must be a positive int, got 0"),
+    ("pretokenize-shard-tokens", tool("--out", "{tmp}/o", "--shard-tokens", "0", _text("a.txt", "x")), "pretokenize",
+     "shard_tokens must be a positive int, got 0"),
+    ("pretokenize-missing-source", tool("--out", "{tmp}/o", "{tmp}/absent.jsonl"), "pretokenize",
+     "dataset path not found: {tmp}/absent.jsonl"),
+    ("pretokenize-tokenizer", tool("--out", "{tmp}/o", "--tokenizer", "{tmp}/absent.json", _text("a.txt", "x")),
+     "pretokenize", "tokenizer file not found: {tmp}/absent.json"),
+    ("pretokenize-no-field", tool("--out", "{tmp}/o", _text("a.jsonl", '{"text": "a"}\n{"body": "b"}\n')), "pretokenize",
+     "{tmp}/a.jsonl:2: no 'text' field"),
+    ("pretokenize-field-not-text", tool("--out", "{tmp}/o", _text("a.jsonl", '{"text": 5}\n')), "pretokenize",
+     "{tmp}/a.jsonl:1: field 'text' is not a string"),
+    ("pretokenize-not-utf8", tool("--out", "{tmp}/o", _text("a.txt", b"\x00\xff\xfe")), "pretokenize",
+     "{tmp}/a.txt: not valid UTF-8"),
+    ("pretokenize-out-is-a-file", tool("--out", _text("o", "x"), _text("a.txt", "x")), "pretokenize",
+     "{tmp}/o exists and does not hold shards of these inputs"),
+    ("convert-no-record", _convert("dcp-to-hf", setup=lambda tmp: [str(_dcp(tmp / "c")), str(tmp / "o")]), "convert",
+     "has no model_args.json: pass --flavor (and --model) or --hf_config"),
+    ("convert-hf-config-missing", _convert("dcp-to-hf", "--hf_config", "{tmp}/absent",
+                                           setup=lambda tmp: [str(_dcp(tmp / "c")), str(tmp / "o")]), "convert",
+     "{tmp}/absent"),
+    ("convert-config-disagrees", _convert("hf-to-dcp", "--flavor", "debugmodel",
+                                          setup=lambda tmp: [_hf_checkpoint({"model_type": "llama", "hidden_size": 7})(tmp),
+                                                             str(tmp / "o")]), "convert", "config.json"),
+    ("convert-unknown-model", _convert("dcp-to-hf", "--model", "gpt2", "--flavor", "x", "{tmp}", "{tmp}/o"), "convert",
+     "gpt2"),
+]
+CASES += SURFACE_CASES + TOOL_CASES
+PROGRAMS = {"trainer": trainer, "convert": convert.main, "plan": plan.main, "estimate": estimate.main,
+            "pretokenize": pretokenize.main}
 
 
 def _snapshot(folder: Path) -> dict:
@@ -488,14 +570,14 @@ def _snapshot(folder: Path) -> dict:
 
 
 def test_corpus_is_large_enough():
-    assert len(CASES) - len(SURFACE_CASES) >= 60 and len(SURFACE_CASES) >= 60
+    assert len(CASES) - len(SURFACE_CASES) - len(TOOL_CASES) >= 60 and len(SURFACE_CASES) + len(TOOL_CASES) >= 60
 
 
 @pytest.mark.parametrize("make, program, words", [case[1:] for case in CASES], ids=[case[0] for case in CASES])
 def test_malformed_input_is_one_line_and_changes_nothing(tmp_path, capsys, make, program, words):
     argv = make(tmp_path)
     before = _snapshot(tmp_path)
-    code = (trainer if program == "trainer" else convert.main)(argv)
+    code = PROGRAMS[program](argv)
     err = capsys.readouterr().err.strip()
     assert code != 0
     assert "\n" not in err and "Traceback" not in err, err

@@ -272,6 +272,13 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
 
+    if not known.measure:  # the trainer's overrides: refused here once, not in every child run
+        from tessera.trainer.config import ConfigError, load_config
+        try:
+            load_config(overrides)
+        except ConfigError as e:
+            print(f"bench: error: {e}", file=sys.stderr)
+            return 2
     if known.measure:
         layout = LAYOUT_ARGS.get(known.measure, [])
         if known.measure == "bare":

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import SafetensorError
 
 import convert
 from tessera.ckpt import CheckpointManager, ModelState, OptimizerState, load_hf, read_dcp
@@ -110,6 +111,31 @@ def test_output_path_errors_are_one_line(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == f"convert: error: output {missing}: its folder {missing.parent} does not exist"
     assert _run("hf-to-dcp", "--model", "llama3", "--flavor", "debugmodel", tmp_path, step_dir / ".metadata") == 2
     assert "is a file; this conversion writes a folder" in capsys.readouterr().err
+
+
+def _torch_save_no_space(obj, f):  # torch's writer: the file's OSError, then its own RuntimeError
+    try:
+        raise OSError(28, "No space left on device")
+    except OSError:
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+
+def _save_file_no_space(tensors, filename, metadata=None):  # safetensors: its own error, the OS's inside
+    Path(filename).write_bytes(b"\0" * 8)
+    raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+
+@pytest.mark.parametrize("command, writer, fake", [
+    (["dcp-to-torch"], "torch.save", _torch_save_no_space),
+    (["dcp-to-hf", "--flavor", "debugmodel"], "tessera.ckpt.hf.save_file", _save_file_no_space),
+])
+def test_a_full_disk_is_one_line_naming_the_output_and_leaves_nothing(tmp_path, capsys, monkeypatch, command, writer, fake):
+    _, step_dir = _trained_checkpoint(tmp_path / "ckpt")
+    out = tmp_path / "out"
+    monkeypatch.setattr(writer, fake)
+    assert _run(*command, step_dir, out) == 2
+    assert capsys.readouterr().err.strip() == f"convert: error: [Errno 28] cannot write output {out}: No space left on device"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no hidden leftovers
 
 
 def test_the_checkpoint_record_and_config_json_give_the_shape_without_flags(tmp_path, capsys):

@@ -44,6 +44,15 @@ SMALL = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--metr
          "--metrics.disable_color_printing", "true", "--checkpoint.enable", "true", "--checkpoint.interval", "2",
          "--checkpoint.last_save_model_only", "false"]
 FSDP2 = ["--nproc", "2", "--parallelism.data_parallel_shard_degree", "2"]
+ONE_DP_RANK = ["--nproc", "2", "--parallelism.data_parallel_shard_degree", "1"]
+# The layouts a fault runs under (its name ends with the key), beside the uninterrupted run of each
+LAYOUTS = {
+    "single": [],
+    "fsdp2": FSDP2,
+    "pp2": [*ONE_DP_RANK, "--parallelism.pipeline_parallel_degree", "2"],  # 1F1B over 2 micro-batches
+    "cp2": [*ONE_DP_RANK, "--parallelism.context_parallel_degree", "2"],
+    "ep2": [*FSDP2, "--model.name", "deepseek_v3", "--parallelism.expert_parallel_degree", "2"],
+}
 ASYNC = ["--checkpoint.async_mode", "async"]
 STALL_TIMEOUT_S = 3  # comm.train_timeout_seconds of the stalled-rank run; the rank stalls twice that
 
@@ -169,7 +178,7 @@ def _folder_bytes(folder: Path) -> int:
 @dataclasses.dataclass
 class Fault:
     name: str
-    layout: str  # "single" or "fsdp2": which uninterrupted run it is compared with
+    layout: str  # a key of LAYOUTS: which uninterrupted run it is compared with
     inject: Callable[[Run, Path], None]
     extra: list[str] = dataclasses.field(default_factory=list)  # both runs' arguments beyond the layout
     faulty_extra: list[str] = dataclasses.field(default_factory=list)  # the faulty run's alone (the fault switch)
@@ -181,7 +190,7 @@ class Fault:
 def _fault(fault: Fault, steps: int, work: Path, reference: Run) -> dict:
     """Runs, injects, restarts once; the row of the table."""
     dump = work / fault.name
-    layout = [*(FSDP2 if fault.layout == "fsdp2" else []), *fault.extra]
+    layout = [*LAYOUTS[fault.layout], *fault.extra]
     checkpoint_bytes = _folder_bytes(_complete(reference.dump / "checkpoint")[0])
     if fault.disk:  # room for one checkpoint and a half, or plenty to be made read-only
         why = _mount_tmpfs(dump, checkpoint_bytes * (3 if fault.disk == "full" else steps) // 2)
@@ -279,6 +288,10 @@ def faults(rng: random.Random, steps: int, tmpfs: bool) -> list[Fault]:
         Fault("sigterm-fsdp2", "fsdp2", _sigterm),
         *disks,
         Fault("stalled-rank-fsdp2", "fsdp2", _nothing, faulty_extra=stall),
+        *(fault for layout in ("pp2", "cp2", "ep2") for fault in (
+            Fault(f"sigkill-step-{layout}", layout, _kill_at_random_step(rng, steps)),
+            Fault(f"sigkill-mid-save-sync-{layout}", layout, _kill_mid_save),
+            Fault(f"sigterm-{layout}", layout, _sigterm))),
         Fault("nan-lr-1e6-single", "single", _nothing, faulty_extra=nan, resumes=False),
     ]
 
@@ -291,17 +304,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="faults", description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0, help="chooses the random kill steps")
-    parser.add_argument("--only", default="", help="run the faults whose name contains this")
+    parser.add_argument("--only", default="", help="run the faults whose name contains one of these (comma-separated)")
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="tessera-faults-"))
     no_tmpfs = _tmpfs_unavailable(work)
+    chosen = [fault for fault in faults(random.Random(args.seed), args.steps, tmpfs=no_tmpfs is None)
+              if any(part in fault.name for part in args.only.split(","))]
+    if not chosen:
+        shutil.rmtree(work, ignore_errors=True)
+        parser.error(f"--only {args.only!r} matches no fault")
     rows, references = [], {}
-    for fault in faults(random.Random(args.seed), args.steps, tmpfs=no_tmpfs is None):
-        if args.only not in fault.name:
-            continue
+    for fault in chosen:
         if fault.layout not in references:  # the uninterrupted run of this layout
-            layout = FSDP2 if fault.layout == "fsdp2" else []
-            references[fault.layout] = Run(work / f"reference-{fault.layout}", args.steps, layout)
+            references[fault.layout] = Run(work / f"reference-{fault.layout}", args.steps, LAYOUTS[fault.layout])
             references[fault.layout].finish()
         rows.append(_fault(fault, args.steps, work, references[fault.layout]))
     print(f"{'fault':32} {'survived':>8} {'steps lost':>10} {'data lost':>9} {'loss diff':>9} {'weight diff':>11}  "

@@ -15,26 +15,20 @@ import argparse
 import dataclasses
 import heapq
 import itertools
-import logging
 import sys
 
 import torch
 
-# torchao's import reports optional kernels it cannot load and deprecated pytree registrations;
-# the planner runs neither
-for _logger in ("torchao", "torch.utils._pytree"):
-    logging.getLogger(_logger).setLevel(logging.ERROR)
+from tessera import pp as tessera_pp
+from tessera.models import get_model_spec, list_model_specs
+from tessera.trainer.config import ConfigError, load_config
+from tessera.trainer.gpus import GIB, GPU, PLANNED as GPUS
+from tessera.trainer.plan import JobPlan, make_plan
 
-from tessera import pp as tessera_pp  # noqa: E402
-from tessera.models import get_model_spec, list_model_specs  # noqa: E402
-from tessera.trainer.config import ConfigError, load_config  # noqa: E402
-from tessera.trainer.gpus import GIB, GPU, PLANNED as GPUS  # noqa: E402
-from tessera.trainer.plan import JobPlan, make_plan  # noqa: E402
-
-import formulas  # noqa: E402
-import step_time  # noqa: E402
-import traced  # noqa: E402
-from schedules import SCHEDULES, layers_per_stage  # noqa: E402
+import formulas
+import step_time
+import traced
+from schedules import SCHEDULES, layers_per_stage
 
 AC_MODES = ("none", "selective", "full")
 LONG_CONTEXT = 32768  # context parallel is tried from this seq_len on
@@ -143,7 +137,7 @@ def layouts(args, gpu: GPU):
     spec = get_model_spec(args.model)
     a = spec.flavors[args.flavor]
     layers, experts, traced_model = a.n_layers, spec.n_experts(a), args.model not in formulas.LLAMA_SHAPED
-    for tp in (t for t in args.tp if t <= gpu.gpus_per_node):
+    for tp in args.tp:
         for cp in (1, 2, 4, 8) if args.seq_len >= LONG_CONTEXT else (1,):
             for pp in (1,) if traced_model else (1, 2, 4, 8, 16):
                 if args.gpus % (tp * cp * pp) or (pp > 1 and layers < 2 * pp):
@@ -473,6 +467,25 @@ def describe(c: Candidate, gpu: GPU, rank: int) -> str:
     ])
 
 
+def _tp_degrees(given: str | None, gpus: int, gpu: GPU) -> tuple[int, ...]:
+    """The TP degrees to try: each one given must fit a node (TP stays within NVLink) and divide
+    the GPUs; the default keeps those of 1, 2, 4, 8 that do."""
+    if given is None:
+        return tuple(t for t in (1, 2, 4, 8) if t <= gpu.gpus_per_node and gpus % t == 0)
+    try:
+        degrees = tuple(int(t) for t in given.split(","))
+    except ValueError:
+        raise ConfigError(f"--tp {given!r} is not a comma-separated list of degrees") from None
+    for t in degrees:
+        if t < 1:
+            raise ConfigError(f"--tp {t} must be >= 1")
+        if t > gpu.gpus_per_node:
+            raise ConfigError(f"--tp {t} exceeds the {gpu.gpus_per_node} GPUs of a {gpu.name} node (tensor parallel stays within a node)")
+        if gpus % t:
+            raise ConfigError(f"--tp {t} does not divide --gpus {gpus}")
+    return degrees
+
+
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="llama3")
@@ -484,7 +497,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
                         help="the run's tokenizer (the shipped configs' path); missing here: the flavor's vocabulary")
     parser.add_argument("--global_batch", type=int, default=None, help="sequences per step (default: one per GPU)")
     parser.add_argument("--top", type=int, default=3)
-    parser.add_argument("--tp", default="1,2,4,8", help="tensor-parallel degrees to try (comma-separated)")
+    parser.add_argument("--tp", default=None, help="tensor-parallel degrees to try (comma-separated; default: those of "
+                        "1,2,4,8 that fit a node and divide --gpus)")
     parser.add_argument("--efficiency", type=float, default=0.35, help="share of the bf16 peak compiled compute reaches (README)")
     parser.add_argument("--memory_fraction", type=float, default=0.9, help="share of GPU memory a plan may use")
     parser.add_argument("--max_traced", type=int, default=100,
@@ -498,18 +512,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
         raise ConfigError(f"--flavor {args.flavor!r} is not a flavor of {args.model}: {sorted(get_model_spec(args.model).flavors)}")
     if args.gpu not in GPUS:
         raise ConfigError(f"--gpu {args.gpu!r} is not one of {sorted(GPUS)}")
-    for name in ("gpus", "seq_len", "top", "max_traced"):
+    if args.global_batch is None:
+        args.global_batch = args.gpus
+    for name in ("gpus", "seq_len", "top", "max_traced", "global_batch"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name} {getattr(args, name)} must be >= 1")
     if not 0 < args.efficiency <= 1 or not 0 < args.memory_fraction <= 1:
         raise ConfigError("--efficiency and --memory_fraction must be within (0, 1]")
-    try:
-        args.tp = tuple(int(t) for t in args.tp.split(","))
-    except ValueError:
-        raise ConfigError(f"--tp {args.tp!r} is not a comma-separated list of degrees") from None
-    if any(t < 1 for t in args.tp):
-        raise ConfigError(f"--tp {args.tp} must be >= 1")
-    args.global_batch = args.global_batch or args.gpus
+    args.tp = _tp_degrees(args.tp, args.gpus, GPUS[args.gpu])
     return args
 
 

@@ -40,16 +40,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenising processes")
     parser.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="most tokens per shard file")
     args = parser.parse_args(argv)
+    shown = False  # a progress line is open on stderr (it ends with \r): later lines start on a new one
+
+    def progress(*counts) -> None:
+        nonlocal shown
+        shown = True
+        _progress(*counts)
+
     try:
         index = pretokenize(
             [_user_path(s) for s in args.sources], _user_path(args.out),
             tokenizer_path=args.tokenizer and _user_path(args.tokenizer), text_field=args.text_field,
-            workers=args.workers, shard_tokens=args.shard_tokens, progress=_progress,
+            workers=args.workers, shard_tokens=args.shard_tokens, progress=progress,
         )
     except (ValueError, OSError) as e:
-        print(f"\nerror: {e}", file=sys.stderr)
+        print(("\n" if shown else "") + f"error: {e}", file=sys.stderr)
         return 2
-    print(f"\n{args.out}: {index['documents']:,} documents, {index['tokens']:,} tokens "
+    print(("\n" if shown else "") + f"{args.out}: {index['documents']:,} documents, {index['tokens']:,} tokens "
           f"({index['dtype']}) in {len(index['shards'])} shard(s)", file=sys.stderr)
     return 0
 

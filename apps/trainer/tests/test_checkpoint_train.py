@@ -198,6 +198,21 @@ def test_last_save_in_hf_loads_back_like_the_dcp_checkpoint(tmp_path):
     assert numbers(from_hf) == numbers(from_dcp) != numbers(fresh)
 
 
+def test_a_full_disk_during_the_hf_export_is_one_line_and_keeps_the_checkpoint(tmp_path, capsys, monkeypatch):
+    def no_space(tensors, filename, metadata=None):
+        raise OSError(28, "No space left on device", str(filename))
+
+    monkeypatch.setattr("tessera.ckpt.hf.save_file", no_space)
+    dump = tmp_path / "dump"
+    assert main([*SMALL, "--job.dump_folder", str(dump), "--training.steps", "2", "--checkpoint.enable", "true",
+                 "--checkpoint.last_save_in_hf", "true"]) == 2
+    folder = dump / "checkpoint"
+    assert capsys.readouterr().err.strip() == \
+        f"error: [Errno 28] cannot write Hugging Face export {folder}/step-2-hf: No space left on device"
+    assert steps_in(folder) == ["step-2", "step-2-model"]  # the DCP saves, whole; no export and no .tmp
+    assert set(read_dcp(folder / "step-2")) >= {"model", "optimizer"}
+
+
 def test_hugging_face_llama_file_gives_the_original_logits(tmp_path):
     spec, args = llama3_debug()
     torch.manual_seed(3)  # not the trainer's seed: its own initial weights would not match

@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 from torch import nn
 
@@ -82,3 +83,23 @@ def test_export_puts_extra_files_beside_the_weights(tmp_path):
     with pytest.raises(ValueError, match="extra checkpoint file name 'a/config.json' must be a plain file name"):
         export_hf(model, tmp_path / "hf2", lambda sd: sd, extra_files={"a/config.json": b""})
     assert not (tmp_path / "hf2").exists()
+
+
+def _full_disk(tensors, filename, metadata=None):
+    """safetensors' save_file on a full disk: part of the file, then its own error."""
+    with open(filename, "wb") as f:
+        f.write(b"\0" * 8)
+    raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+
+def test_a_full_disk_during_export_is_an_os_error_naming_the_file_and_leaves_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr("tessera.ckpt.hf.save_file", _full_disk)
+    model = nn.Linear(3, 2, bias=False)
+    with pytest.raises(OSError) as error:
+        export_hf(model, tmp_path / "hf", lambda sd: sd)
+    assert error.value.errno == 28
+    assert str(error.value) == f"[Errno 28] cannot write Hugging Face export {tmp_path / 'hf'}: No space left on device"
+    assert list(tmp_path.iterdir()) == []  # neither the folder nor its .tmp
+    with pytest.raises(OSError, match="No space left on device") as error:
+        save_hf({"w": torch.zeros(2)}, tmp_path / "direct")
+    assert error.value.filename == str(tmp_path / "direct" / "model.safetensors")

@@ -355,6 +355,28 @@ def test_whole_checkpoint_formats(saved, tmp_path):
     assert not (tmp_path / "pwned").exists()
 
 
+def _torch_save_on_a_full_disk(obj, f):
+    """torch.save's writer on a full disk: the Python file's OSError, then its own RuntimeError."""
+    f.write(b"PK")
+    try:
+        raise OSError(28, "No space left on device")
+    except OSError:
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+
+def test_whole_checkpoint_write_failures_are_os_errors_naming_the_file(saved, tmp_path, monkeypatch):
+    _, step_dir = saved
+    out = tmp_path / "whole.pt"
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "save", _torch_save_on_a_full_disk)
+        with pytest.raises(OSError, match="No space left on device") as error:
+            dcp_to_torch_save(step_dir, out)
+    assert error.value.errno == 28 and error.value.filename == str(out)
+    with pytest.raises(OSError) as error:  # the folder cannot be written (read-only, or missing)
+        dcp_to_torch_save(step_dir, tmp_path / "missing" / "whole.pt")
+    assert error.value.filename == str(tmp_path / "missing" / "whole.pt")
+
+
 class _Record:
     """A first state that checks what wrote the checkpoint (as the trainer's train_state does)."""
 

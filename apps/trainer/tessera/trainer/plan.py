@@ -208,14 +208,15 @@ def _source_or_note(find: Callable[[], str | None], notes: list[str] | None) -> 
 
 
 def _vocab_size(config: JobConfig, spec: ModelSpec, notes: list[str] | None) -> int:
-    """The tokenizer decides the vocabulary. Check-only plans fall back to the flavor's size."""
+    """The tokenizer decides the vocabulary. Check-only plans without it fall back to the
+    flavor's size."""
     try:
         with user_input():
             return load_tokenizer(tokenizer_source(config)).vocab_size
     except (ConfigError, OSError) as e:
-        flavor = spec.flavors.get(config.model.flavor)
-        if notes is None or flavor is None:
+        if notes is None:
             raise ConfigError(str(e)) from e
+        flavor = flavor_args(config, spec)  # an unknown flavor, not the absent tokenizer, is the error then
         notes.append(f"tokenizer not read here ({e}); vocab_size {flavor.vocab_size} from the flavor")
         return flavor.vocab_size
 

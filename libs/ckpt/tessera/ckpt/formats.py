@@ -70,8 +70,21 @@ def write_dcp(state_dict: dict[str, Any], dcp_dir: str | os.PathLike) -> None:
 
 
 def dcp_to_torch_save(dcp_dir: str | os.PathLike, out_file: str | os.PathLike) -> None:
-    """One ``torch.save`` file holding the whole checkpoint (see ``read_dcp``)."""
-    torch.save(read_dcp(dcp_dir), out_file)
+    """One ``torch.save`` file holding the whole checkpoint (see ``read_dcp``). A failed write
+    (read-only folder, full disk) is an OSError naming ``out_file``: torch's writer reports it as
+    a RuntimeError, with the OSError of a Python file's write as its context."""
+    state = read_dcp(dcp_dir)
+    try:
+        with open(out_file, "wb") as f:
+            torch.save(state, f)
+        return
+    except RuntimeError as e:
+        if not isinstance(e.__context__, OSError):
+            raise
+        error = e.__context__
+    except OSError as e:
+        error = e
+    raise OSError(error.errno, error.strerror, str(out_file)) from error
 
 
 def torch_save_to_dcp(torch_file: str | os.PathLike, dcp_dir: str | os.PathLike) -> None:

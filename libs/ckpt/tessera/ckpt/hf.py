@@ -13,6 +13,7 @@ import dataclasses
 import itertools
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -84,7 +85,13 @@ def _shard_plan(sizes: dict[str, int], max_shard_bytes: int) -> Plan:
 
 
 def _write_file(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    save_file(_plain_tensors(tensors), path, metadata={"format": "pt"})
+    try:
+        save_file(_plain_tensors(tensors), path, metadata={"format": "pt"})
+    except SafetensorError as e:  # a failed write (full disk) comes as safetensors' own error, the OS's inside
+        code = re.search(r"\(os error (\d+)\)", str(e))
+        if code is None:
+            raise
+        raise OSError(int(code[1]), os.strerror(int(code[1])), str(path)) from e
 
 
 def _write_files(folder: Path, plan: Plan, total_size: int, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
@@ -368,7 +375,7 @@ def export_hf(model: nn.Module | Sequence[nn.Module], folder: str | os.PathLike,
     Files are planned up front from the global shapes (``save_hf``'s layout), then filled one
     tensor at a time: rank 0 holds at most one file's tensors (on the CPU), the others one tensor.
     Written to ``.<name>.tmp`` next to ``folder`` and renamed when complete, so ``folder`` is
-    whole or absent. Returns False, writing nothing, when ``folder`` already exists.
+    whole or absent (a failed write removes the tmp folder; its OSError names ``folder``). Returns False, writing nothing, when ``folder`` already exists.
     ``extra_files`` (name -> bytes, or a path to copy) go in beside the weights: ``config.json``
     and tokenizer files, which ``transformers``' ``from_pretrained`` needs to open the folder.
     """
@@ -391,9 +398,16 @@ def export_hf(model: nn.Module | Sequence[nn.Module], folder: str | os.PathLike,
     try:
         if writer:
             shutil.rmtree(tmp, ignore_errors=True)
-            _write_files(tmp, plan, sum(sizes.values()), tensors)
-            write_extra_files(tmp, extra_files or {})
-            publish(tmp, final)
+            try:
+                _write_files(tmp, plan, sum(sizes.values()), tensors)
+                write_extra_files(tmp, extra_files or {})
+                publish(tmp, final)
+            except OSError as e:  # a full disk: no half-written folder stays, and the export is named
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise OSError(e.errno, f"cannot write Hugging Face export {final}: {e.strerror}") from e
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
     finally:
         for _ in tensors:  # the other ranks gather here; a writer that failed keeps pace with them
             pass
