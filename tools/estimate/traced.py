@@ -15,6 +15,7 @@ micro-batches in flight.
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,10 @@ from collectives import Collectives, group_dims, group_ranks
 from gpu_kernels import fused_rms_norms
 from live_bytes import LiveBytes
 from routing import balanced_routing
+
+# DTensor's advice on a norm reduced over two mesh dimensions (the step's clipping under FSDP x
+# TP) is for the run, not the estimate: it would be printed for every traced layout
+logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 NO_BOS = -1  # no token id: under block-causal masks each sequence is one document (the mask path, not its values)
 

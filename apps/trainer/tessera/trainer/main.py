@@ -86,8 +86,11 @@ def _error(message: str, code: int) -> int:
     """Prints `message` (one line), or under --nproc hands it to the launcher, which prints the
     first rank's once; returns the exit status."""
     folder = os.environ.get(_ERRORS_ENV)
-    if folder:
-        Path(folder, f"rank-{os.environ.get('RANK', '0')}").write_text(f"{code}\n{message}")
+    if folder:  # whole or absent: the launcher may stop this rank mid-write once another rank failed
+        report = Path(folder, f"rank-{os.environ.get('RANK', '0')}")
+        tmp = report.with_name(f".{report.name}.tmp")
+        tmp.write_text(f"{code}\n{message}")
+        tmp.rename(report)
     else:
         print(message, file=sys.stderr)
     return code

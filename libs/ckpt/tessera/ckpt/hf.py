@@ -404,7 +404,8 @@ def export_hf(model: nn.Module | Sequence[nn.Module], folder: str | os.PathLike,
                 publish(tmp, final)
             except OSError as e:  # a full disk: no half-written folder stays, and the export is named
                 shutil.rmtree(tmp, ignore_errors=True)
-                raise OSError(e.errno, f"cannot write Hugging Face export {final}: {e.strerror}") from e
+                what = f"cannot write Hugging Face export {final}"
+                raise (OSError(e.errno, f"{what}: {e.strerror}") if e.errno else OSError(f"{what}: {e}")) from e
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
