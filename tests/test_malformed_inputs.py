@@ -478,7 +478,8 @@ SURFACE_CASES = [
                                                          "lm_head.weight": "model-00001-of-00001.safetensors"})), "trainer",
      "'lm_head.weight' is listed in"),
     ("hf-export-exists", run_with(setup=_export_exists), "trainer",
-     "step-3-hf already exists, and this run (from step 0 to 3) would export its own weights there"),
+     "step-3-hf already exists from another run, and this run (resuming from no checkpoint of {tmp}/dump/checkpoint) "
+     "would export its own weights there"),
     # checkpoints
     ("checkpoint-metadata-escapes", run_with(setup=_dcp_escaping), "trainer",
      "its metadata names data file '../../__0_0.distcp', not a file in the folder"),
@@ -508,8 +509,8 @@ PLAN = ["--flavor", "8B", "--gpus", "8"]
 TOOL_CASES = [
     ("plan-global-batch-zero", tool(*PLAN, "--global_batch", "0"), "plan", "--global_batch 0 must be >= 1"),
     ("plan-global-batch-negative", tool(*PLAN, "--global_batch", "-4"), "plan", "--global_batch -4 must be >= 1"),
-    ("plan-tp-beyond-a-node", tool(*PLAN, "--tp", "16"), "plan", "--tp 16 exceeds the 8 GPUs of a H100 SXM node"),
-    ("plan-tp-not-dividing", tool("--flavor", "8B", "--gpus", "12", "--tp", "8"), "plan", "--tp 8 does not divide --gpus 12"),
+    ("plan-tp-beyond-a-node", tool(*PLAN, "--tp", "16"), "plan", "--tp 16: 16 exceeds the 8 GPUs of a H100 SXM node"),
+    ("plan-tp-not-dividing", tool("--flavor", "8B", "--gpus", "12", "--tp", "8"), "plan", "--tp 8: 8 does not divide --gpus 12"),
     ("plan-tp-zero", tool(*PLAN, "--tp", "0"), "plan", "--tp 0 must be >= 1"),
     ("plan-tp-words", tool(*PLAN, "--tp", "two"), "plan", "--tp 'two' is not a comma-separated list"),
     ("plan-flavor", tool("--flavor", "9B", "--gpus", "8"), "plan", "--flavor '9B' is not a flavor of llama3"),
@@ -580,6 +581,6 @@ def test_malformed_input_is_one_line_and_changes_nothing(tmp_path, capsys, make,
     code = PROGRAMS[program](argv)
     err = capsys.readouterr().err.strip()
     assert code != 0
-    assert "\n" not in err and "Traceback" not in err, err
+    assert "\n" not in err and "Traceback" not in err and "error: " in err, err
     assert words.format(tmp=tmp_path) in err, err
     assert _snapshot(tmp_path) == before  # no file written, changed or deleted

@@ -126,7 +126,8 @@ def _write_output(dst: str, force: bool, is_file: bool, write: Callable[[Path], 
         except OSError as e:  # a read-only folder, a full disk: said of the output, not of its hidden name
             if e.filename is None or not str(e.filename).startswith(str(tmp)):
                 raise
-            raise OSError(e.errno, f"cannot write output {dst}: {e.strerror}") from e
+            what = f"cannot write output {dst}"
+            raise (OSError(e.errno, f"{what}: {e.strerror}") if e.errno else OSError(f"{what}: {e}")) from e
         if occupied and not is_file:  # a folder cannot be renamed over a non-empty one
             old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
             os.rename(dst, old)

@@ -468,22 +468,22 @@ def describe(c: Candidate, gpu: GPU, rank: int) -> str:
 
 
 def _tp_degrees(given: str | None, gpus: int, gpu: GPU) -> tuple[int, ...]:
-    """The TP degrees to try: each one given must fit a node (TP stays within NVLink) and divide
-    the GPUs; the default keeps those of 1, 2, 4, 8 that do."""
-    if given is None:
-        return tuple(t for t in (1, 2, 4, 8) if t <= gpu.gpus_per_node and gpus % t == 0)
+    """The TP degrees to try (default 1, 2, 4, 8): those that fit a node (TP stays within NVLink)
+    and divide the GPUs. Given degrees of which none does are refused, naming why."""
     try:
-        degrees = tuple(int(t) for t in given.split(","))
+        degrees = (1, 2, 4, 8) if given is None else tuple(int(t) for t in given.split(","))
     except ValueError:
         raise ConfigError(f"--tp {given!r} is not a comma-separated list of degrees") from None
-    for t in degrees:
-        if t < 1:
-            raise ConfigError(f"--tp {t} must be >= 1")
+    if any(t < 1 for t in degrees):
+        raise ConfigError(f"--tp {min(degrees)} must be >= 1")
+    fitting = tuple(t for t in degrees if t <= gpu.gpus_per_node and gpus % t == 0)
+    if not fitting:
+        t = degrees[0]
         if t > gpu.gpus_per_node:
-            raise ConfigError(f"--tp {t} exceeds the {gpu.gpus_per_node} GPUs of a {gpu.name} node (tensor parallel stays within a node)")
-        if gpus % t:
-            raise ConfigError(f"--tp {t} does not divide --gpus {gpus}")
-    return degrees
+            raise ConfigError(f"--tp {given}: {t} exceeds the {gpu.gpus_per_node} GPUs of a {gpu.name} node "
+                              "(tensor parallel stays within a node)")
+        raise ConfigError(f"--tp {given}: {t} does not divide --gpus {gpus}")
+    return fitting
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -497,8 +497,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
                         help="the run's tokenizer (the shipped configs' path); missing here: the flavor's vocabulary")
     parser.add_argument("--global_batch", type=int, default=None, help="sequences per step (default: one per GPU)")
     parser.add_argument("--top", type=int, default=3)
-    parser.add_argument("--tp", default=None, help="tensor-parallel degrees to try (comma-separated; default: those of "
-                        "1,2,4,8 that fit a node and divide --gpus)")
+    parser.add_argument("--tp", default=None, help="tensor-parallel degrees to try, comma-separated (default 1,2,4,8); "
+                        "those that fit a node and divide --gpus are tried")
     parser.add_argument("--efficiency", type=float, default=0.35, help="share of the bf16 peak compiled compute reaches (README)")
     parser.add_argument("--memory_fraction", type=float, default=0.9, help="share of GPU memory a plan may use")
     parser.add_argument("--max_traced", type=int, default=100,

@@ -327,8 +327,8 @@ def test_float8_where_the_gpu_has_it():
     (["--flavor", "8B", "--gpus", "0"], "--gpus 0 must be >= 1"),
     (["--flavor", "8B", "--gpus", "8", "--gpu", "tpu"], "--gpu 'tpu' is not one of"),
     (["--flavor", "8B", "--gpus", "8", "--tp", "two"], "--tp 'two' is not a comma-separated list"),
-    (["--flavor", "8B", "--gpus", "8", "--tp", "16"], "--tp 16 exceeds the 8 GPUs of a H100 SXM node"),
-    (["--flavor", "8B", "--gpus", "12", "--tp", "8"], "--tp 8 does not divide --gpus 12"),
+    (["--flavor", "8B", "--gpus", "8", "--tp", "16"], "--tp 16: 16 exceeds the 8 GPUs of a H100 SXM node"),
+    (["--flavor", "8B", "--gpus", "12", "--tp", "8"], "--tp 8: 8 does not divide --gpus 12"),
     (["--flavor", "8B", "--gpus", "8", "--global_batch", "0"], "--global_batch 0 must be >= 1"),
     (["--flavor", "8B", "--gpus", "8", "--global_batch", "-4"], "--global_batch -4 must be >= 1"),
     (["--flavor", "8B"], "the following arguments are required: --gpus"),
@@ -339,3 +339,8 @@ def test_bad_input_one_line_exit_2(argv, message, capsys):
     assert plan.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+def test_tp_degrees_that_cannot_run_are_left_out_unless_none_can():
+    assert plan.parse(["--flavor", "8B", "--gpus", "4", "--tp", "1,2,4,8"]).tp == (1, 2, 4)
+    assert plan.parse(["--flavor", "8B", "--gpus", "12"]).tp == (1, 2, 4)

@@ -114,6 +114,25 @@ def test_load_step_resumes_an_older_checkpoint_exactly(run4, tmp_path, capsys):
     assert "saved" not in out
 
 
+def test_a_damaged_checkpoint_is_set_aside_and_its_export_kept_on_resume(run4, tmp_path, capsys):
+    """step-4 lost its .metadata after it was written: the run resumes from step-2 and says why,
+    saves step-4 anew beside the damaged folder, and keeps the step-4 export it finds."""
+    dump = copy_steps(run4, tmp_path, 2, 4)
+    folder = dump / "checkpoint"
+    (folder / "step-4" / ".metadata").unlink()
+    export = folder / "step-4-hf"
+    (export / "model.safetensors").parent.mkdir()
+    (export / "model.safetensors").write_bytes(b"the earlier export")
+    resumed = run(dump, "--training.steps", "4", *CKPT, "--checkpoint.last_save_in_hf", "true")
+    assert numbers(resumed) == numbers(run4[0])[2:]
+    out = capsys.readouterr().out
+    assert (f"loaded {folder / 'step-2'} (passing over step-4: no .metadata, damaged after it was written; set aside as "
+            "step-N.incomplete when that step is saved again); training continues after step 2") in out
+    assert f"{export} already exists, kept as it is (exports are never overwritten)" in out
+    assert steps_in(folder) == ["step-2", "step-4", "step-4-hf", "step-4.incomplete"]
+    assert (export / "model.safetensors").read_bytes() == b"the earlier export"
+
+
 def decoded(step_dir, state, key):
     """A per-rank state as saved (RankLocalState stores torch.save bytes)."""
     return torch.load(io.BytesIO(read_dcp(step_dir, only=state)[key]), weights_only=True)
@@ -255,9 +274,6 @@ def _garble_metadata(step_dir):
          "checkpoint.initial_load_path /no/such/ckpt does not exist"),
         (["--checkpoint.create_seed_checkpoint", "true", "--checkpoint.folder", "seed"], "seed",
          "seed checkpoint {dump}/seed/step-0 already exists"),
-        (["--checkpoint.load_step", "2", "--checkpoint.last_save_in_hf", "true"],
-         lambda step_dir: (step_dir.parent / "step-6-hf").mkdir(),
-         "{folder}/step-6-hf already exists, and this run (from step 2 to 6) would export its own weights there"),
         (["--checkpoint.enable", "false", "--checkpoint.load_step", "2"], None,
          "checkpoint.load_step needs checkpoint.enable = true"),
         (["--checkpoint.folder", "other", "--checkpoint.initial_load_path", "{dump}/hf", "--checkpoint.initial_load_in_hf",

@@ -214,7 +214,12 @@ def test_schedule_csv_actions_decide_split_backward(tmp_path):
     assert make_plan(load_config(argv), 2, "cpu").pipeline.splits_backward
     assert not make_plan(load_config([*BASE, *PP2]), 2, "cpu").pipeline.splits_backward
     # the CSV's order replaces 1F1B's, and with it 1F1B's rule of a micro-batch per stage
-    assert make_plan(load_config([*argv, "--training.local_batch_size", "1"]), 2, "cpu").pipeline.microbatches == 1
+    one = tmp_path / "one_microbatch.csv"
+    one.write_text("0F0,0I0,0W0\n1F0,1I0,1W0\n")
+    one_argv = [*BASE, *PP2, "--parallelism.pipeline_parallel_schedule_csv", str(one), "--training.local_batch_size", "1"]
+    assert make_plan(load_config(one_argv), 2, "cpu").pipeline.microbatches == 1
+    with pytest.raises(ConfigError, match="split_backward.csv row 1 .*names micro-batch 1; the step has 0..0"):
+        make_plan(load_config([*argv, "--training.local_batch_size", "1"]), 2, "cpu")
     with pytest.raises(ConfigError, match="'always' with schedule .*split_backward.csv trains with wrong gradients"):
         make_plan(load_config([*argv, "--parallelism.fsdp_reshard_after_forward", "always"]), 2, "cpu")
     bad = tmp_path / "bad.csv"

@@ -94,24 +94,29 @@ class Checkpointer:
                           f"full checkpoint, step-{full}")
         loaded = self.manager.load(self.config.load_step) if self.config.enable else None
         if loaded is not None:
-            self._say(f"loaded {self.folder / f'step-{loaded}'}; training continues after step {self.train_state.step}")
-        elif self.initial is not None:
-            self._load_initial(*self.initial)
-        self._check_outputs_free(self.train_state.step)
+            damaged = [f"step-{n}" for n in self.manager.incomplete_steps() if n > loaded]
+            why = (f" (passing over {', '.join(damaged)}: no .metadata, damaged after it was written; set aside as "
+                   "step-N.incomplete when that step is saved again)" if damaged else "")
+            self._say(f"loaded {self.folder / f'step-{loaded}'}{why}; training continues after step {self.train_state.step}")
+        else:
+            if self.initial is not None:
+                self._load_initial(*self.initial)
+            self._check_outputs_free()
         return self.train_state.step
 
-    def _check_outputs_free(self, start: int) -> None:
-        """A final export this run would write, already in the folder from another run, would
-        be kept and this run's weights not exported: refused before training (a rerun into the
-        same folder, a resume from an older checkpoint.load_step)."""
-        if self.manager is None or self.config.load_only or not self.config.enable or start >= self.steps:
+    def _check_outputs_free(self) -> None:
+        """A run that did not resume from this folder, whose final export is already there, is
+        another run: that export would be kept and this run's weights not exported, so it is
+        refused before training. A resume (after a crash, a damaged checkpoint, an older
+        checkpoint.load_step) keeps the export it finds and says so."""
+        if self.manager is None or self.config.load_only or not self.config.enable:
             return
         for final, wanted in ((self.folder / f"step-{self.steps}-hf", self.config.last_save_in_hf),
                               (self.folder / f"step-{self.steps}-model", self.config.last_save_model_only)):
             if wanted and final.exists():
-                raise ConfigError(f"{final} already exists, and this run (from step {start} to {self.steps}) would export "
-                                  "its own weights there; exports are never overwritten: move it away or use another "
-                                  "checkpoint.folder")
+                raise ConfigError(f"{final} already exists from another run, and this run (resuming from no checkpoint "
+                                  f"of {self.folder}) would export its own weights there; exports are never "
+                                  "overwritten: move it away or use another checkpoint.folder")
 
     def _load_initial(self, key: str, path: Path) -> None:
         if not path.is_dir():
@@ -162,8 +167,8 @@ class Checkpointer:
             else:
                 self._say(f"{self.folder / f'step-{step}'} already holds a complete checkpoint, kept as it is "
                           "(checkpoints are never overwritten)")
-        if last_step and self.config.last_save_model_only:
-            self.manager.export_model(step)
+        if last_step and self.config.last_save_model_only and not self.manager.export_model(step):
+            self._say(f"{self.folder / f'step-{step}-model'} already exists, kept as it is (exports are never overwritten)")
         if last_step and self.config.last_save_in_hf:
             self._export_hf(step)
 
@@ -199,7 +204,7 @@ class Checkpointer:
         exported = export_hf(self.parts, final, lambda state_dict: self.spec.hf_adapter.to_hf(state_dict, self.args),
                              dtype=EXPORT_DTYPES[self.config.export_dtype], pp_group=self.pp_group,
                              extra_files=self.hf_files)
-        self._say(f"Hugging Face export written to {final}" if exported else f"{final} already exists; not exporting again")
+        self._say(f"Hugging Face export written to {final}" if exported else f"{final} already exists, kept as it is (exports are never overwritten)")
 
     def save_failed(self) -> bool:
         """A background save of this rank failed (its error is raised by `close`)."""

@@ -36,6 +36,9 @@ class ModelConverter:
     # pattern matches no module (a typo would otherwise convert what it meant to keep)
     selects: Callable[[str, nn.Module], bool] | None = None
     patterns: tuple[str, tuple[str, ...]] = ("", ())
+    # `selects` without the size filters a user may switch on (float8's auto_filter_small_kn):
+    # what they leave out is said in a warning, as torchtitan converts nothing silently then
+    selects_by_name: Callable[[str, nn.Module], bool] | None = None
 
 
 ConverterFactory = Callable[["JobConfig", "ParallelDims"], ModelConverter]

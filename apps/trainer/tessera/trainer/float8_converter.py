@@ -130,6 +130,7 @@ def _factory(name: str, config: JobConfig, dims: ParallelDims) -> ModelConverter
         post_optimizer_hooks=float8.post_optimizer_hooks(options), options=options,
         selects=functools.partial(float8.selected, options=options),
         patterns=(f"{_section(config, name)[0]}.filter_fqns", options.filter_fqns),
+        selects_by_name=functools.partial(float8.selected, options=dataclasses.replace(options, auto_filter_small_kn=False)),
     )
 
 

@@ -50,6 +50,8 @@ def _launch_local(nproc: int, argv: list[str], grace_s: int) -> int:
     from torch.distributed.run import get_args_parser, run
 
     os.environ["TESSERA_LAUNCHER_PID"] = str(os.getpid())  # the ranks die with this process (faults.py)
+    # torchrun's own default for several ranks per node, set here without its four-line banner
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     launcher_args = get_args_parser().parse_args([
         "--standalone", f"--nproc_per_node={nproc}", f"--shutdown_timeout={grace_s + 30}",
         f"--signals_to_handle=SIGINT,SIGHUP,SIGQUIT,{','.join(sig.name for sig in STOP_SIGNALS)}",
@@ -83,14 +85,18 @@ _ERRORS_ENV = "TESSERA_ERRORS_DIR"  # where the ranks of --nproc leave their err
 
 
 def _error(message: str, code: int) -> int:
-    """Prints `message` (one line), or under --nproc hands it to the launcher, which prints the
-    first rank's once; returns the exit status."""
+    """Prints `message` (one line) and returns the exit status, or under --nproc hands it to the
+    launcher, which prints the first rank's once, and exits."""
     folder = os.environ.get(_ERRORS_ENV)
     if folder:  # whole or absent: the launcher may stop this rank mid-write once another rank failed
         report = Path(folder, f"rank-{os.environ.get('RANK', '0')}")
         tmp = report.with_name(f".{report.name}.tmp")
         tmp.write_text(f"{code}\n{message}")
         tmp.rename(report)
+        sys.stdout.flush()
+        # no interpreter teardown: with the process group's threads still up it can abort, printing
+        # "terminate called without an active exception" beside the launcher's one line (seen in CI)
+        os._exit(code)
     else:
         print(message, file=sys.stderr)
     return code

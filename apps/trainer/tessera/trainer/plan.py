@@ -268,8 +268,9 @@ def _meta_model(spec: ModelSpec, args) -> torch.nn.Module:
 
 
 def _check_converters(config: JobConfig, spec: ModelSpec, converters, meta_model: Callable[[], torch.nn.Module]) -> list[str]:
-    """Refuses a converter that would swap no module of this model; returns a warning for each
-    name pattern of theirs that matches no module (torchtitan accepts those silently)."""
+    """Refuses a converter whose kind and name patterns leave no module of this model; returns a
+    warning when its size filter leaves none, and one for each name pattern that matches no module
+    (torchtitan accepts both silently)."""
     warnings = []
     for converter in converters:
         if converter.selects is None:
@@ -277,9 +278,12 @@ def _check_converters(config: JobConfig, spec: ModelSpec, converters, meta_model
         model = meta_model()  # built once, for the first converter that asks
         key, patterns = converter.patterns
         flavor = f"{spec.name}/{config.model.flavor}"
-        if not any(converter.selects(fqn, module) for fqn, module in model.named_modules()):
+        if not any((converter.selects_by_name or converter.selects)(fqn, module) for fqn, module in model.named_modules()):
             raise ConfigError(f"model.converters {converter.name} would convert no module of {flavor}"
                               + (f" ({key} {list(patterns)})" if patterns else ""))
+        if not any(converter.selects(fqn, module) for fqn, module in model.named_modules()):
+            warnings.append(f"model.converters {converter.name} converts no module of {flavor}: its size filter "
+                            "leaves out every one it would take")
         warnings += [f"{key}: {pattern!r} matches no module of {flavor}" for pattern in patterns
                      if not any(pattern in fqn for fqn, _ in model.named_modules())]
     return warnings

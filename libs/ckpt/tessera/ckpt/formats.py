@@ -84,6 +84,8 @@ def dcp_to_torch_save(dcp_dir: str | os.PathLike, out_file: str | os.PathLike) -
         error = e.__context__
     except OSError as e:
         error = e
+    if error.errno is None:
+        raise OSError(f"cannot write {out_file}: {error}") from error
     raise OSError(error.errno, error.strerror, str(out_file)) from error
 
 

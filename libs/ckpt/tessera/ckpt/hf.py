@@ -402,13 +402,12 @@ def export_hf(model: nn.Module | Sequence[nn.Module], folder: str | os.PathLike,
                 _write_files(tmp, plan, sum(sizes.values()), tensors)
                 write_extra_files(tmp, extra_files or {})
                 publish(tmp, final)
-            except OSError as e:  # a full disk: no half-written folder stays, and the export is named
+            except BaseException as e:  # a full disk, a stop: no half-written folder stays
                 shutil.rmtree(tmp, ignore_errors=True)
-                what = f"cannot write Hugging Face export {final}"
+                if not isinstance(e, OSError):
+                    raise
+                what = f"cannot write Hugging Face export {final}"  # named as the user knows it
                 raise (OSError(e.errno, f"{what}: {e.strerror}") if e.errno else OSError(f"{what}: {e}")) from e
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
     finally:
         for _ in tensors:  # the other ranks gather here; a writer that failed keeps pace with them
             pass

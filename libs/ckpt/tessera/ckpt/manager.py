@@ -137,9 +137,10 @@ class CheckpointManager:
         """
         return self._write(step_folder(self.folder, step), model_only)
 
-    def export_model(self, step: int) -> None:
-        """The model states alone, cast to ``export_dtype``, in ``step-<step>-model``."""
-        self._write(export_folder(self.folder, step), model_only=True)
+    def export_model(self, step: int) -> bool:
+        """The model states alone, cast to ``export_dtype``, in ``step-<step>-model``; False when
+        that folder is already complete (it is kept as it is)."""
+        return self._write(export_folder(self.folder, step), model_only=True)
 
     def check_writable(self) -> None:
         """Fails now, naming the folder and the OS error, if no checkpoint could be written
@@ -280,9 +281,10 @@ class CheckpointManager:
 
     # ---- loading ---------------------------------------------------------------------------
 
-    def complete_steps(self) -> list[int]:
-        """Steps with a complete checkpoint in the folder (full or model-only), ascending."""
-        return complete_steps(self.folder)
+    def incomplete_steps(self) -> list[int]:
+        """Steps whose ``step-<N>`` lacks its ``.metadata``: never loaded; set aside as
+        ``step-<N>.incomplete`` when that step is saved anew."""
+        return incomplete_steps(self.folder)
 
     def resume_step(self) -> tuple[int | None, list[int]]:
         """The step ``load()`` resumes from: the newest complete checkpoint holding more than the
