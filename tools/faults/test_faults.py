@@ -5,6 +5,8 @@ exact resumes, a diverged run stopped."""
 
 import re
 
+import pytest
+
 import faults
 
 
@@ -26,3 +28,10 @@ def test_pipeline_context_and_expert_parallel_runs_resume_exactly(capsys):
     assert re.search(r"^3 faults injected, 3 survived, 0 checkpoints lost$", out, re.M), out
     for name in ("sigkill-step-pp2", "sigterm-cp2", "sigkill-mid-save-sync-ep2"):
         assert re.search(rf"^{name} +True +\d+ +0 +0 +0 ", out, re.M), out
+
+
+def test_an_only_that_matches_no_fault_is_refused(capsys):
+    with pytest.raises(SystemExit) as stop:
+        faults.main(["--only", "sigkill-stpe"])
+    assert stop.value.code == 2
+    assert "faults: error: --only 'sigkill-stpe' matches no fault" in capsys.readouterr().err
