@@ -4,9 +4,9 @@
 
 Each fault runs the trainer as a separate process (the debug model, tiny batches, a checkpoint
 every 2 steps) under one layout (LAYOUTS: one process, FSDP 2, PP 2, CP 2, DeepSeek-V3 under
-EP 2 x FSDP 2; the name ends with it), injects the fault, then re-runs the same command as an operator would (for a
-full or read-only disk: after making room) and compares with an uninterrupted run of the same
-layout. Printed per fault: survived (the final state was reached; for NaN: the run stopped
+EP 2 x FSDP 2; the name ends with it), injects the fault, then re-runs the same command as an
+operator would (for a full or read-only disk: after making room) and compares with an
+uninterrupted run of the same layout. Printed per fault: survived (the final state was reached; for NaN: the run stopped
 non-zero after training.max_skipped_steps with one line), steps lost (trained again after the
 restart), data lost (checkpoints that were complete before the fault and unreadable after it,
 plus any holding non-finite weights: must be 0), the largest difference of the logged losses

@@ -29,6 +29,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
 from torch.futures import Future
 
+from tessera.ckpt.paths import is_file_name
+
 logger = logging.getLogger("tessera.ckpt")
 
 METADATA_FILE = ".metadata"
@@ -82,8 +84,7 @@ def check_storage_files(checkpoint: str | os.PathLike, metadata: Metadata) -> No
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         name = info.relative_path
-        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
-            # the metadata is data: the files it names must be in the checkpoint's own folder
+        if not is_file_name(name):
             raise ValueError(f"checkpoint {checkpoint} is corrupt: its metadata names data file {name!r}, not a file "
                              "in the folder")
         needed[name] = max(needed.get(name, 0), info.offset + info.length)

@@ -29,6 +29,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from tessera.ckpt.folders import ExtraFiles, check_extra_files, publish, write_extra_files
 from tessera.ckpt.formats import check_state_dict
+from tessera.ckpt.paths import is_file_name
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -139,7 +140,7 @@ def _checkpoint_files(folder: Path) -> dict[Path, list[str] | None]:
         raise ValueError(f"{index_path} is not a valid index ({e!r})") from None
     files: dict[Path, list[str] | None] = {}
     for name, filename in weight_map.items():
-        if not isinstance(filename, str) or Path(filename).name != filename:
+        if not is_file_name(filename):
             raise ValueError(f"{index_path} maps {name!r} to {filename!r}, not a file name in the folder")
         files.setdefault(folder / filename, []).append(name)
     return files
@@ -375,7 +376,8 @@ def export_hf(model: nn.Module | Sequence[nn.Module], folder: str | os.PathLike,
     Files are planned up front from the global shapes (``save_hf``'s layout), then filled one
     tensor at a time: rank 0 holds at most one file's tensors (on the CPU), the others one tensor.
     Written to ``.<name>.tmp`` next to ``folder`` and renamed when complete, so ``folder`` is
-    whole or absent (a failed write removes the tmp folder; its OSError names ``folder``). Returns False, writing nothing, when ``folder`` already exists.
+    whole or absent (a failed write removes the tmp folder; its OSError names ``folder``).
+    Returns False, writing nothing, when ``folder`` already exists.
     ``extra_files`` (name -> bytes, or a path to copy) go in beside the weights: ``config.json``
     and tokenizer files, which ``transformers``' ``from_pretrained`` needs to open the folder.
     """
