@@ -1,16 +1,51 @@
-"""Run a function on N local CPU processes joined by gloo: the harness for distributed tests."""
+"""Run a function on N local CPU processes joined by gloo: the harness for distributed tests.
+
+The ranks of a world size stay up between calls: spawning N processes and importing torch and
+the trainer into each took 4 s (one rank) to 17 s (eight) on two cores, most of a typical parity
+test's time. Each call starts from the state a fresh rank has (environment, working directory,
+default dtype, signal handlers, the default RNG seed, no compiled code); a call that fails, times
+out or loses a rank takes its ranks down, as their peers may be stuck in a collective.
+"""
 
 from __future__ import annotations
 
+import atexit
+import dataclasses
 import multiprocessing
 import os
 import pickle
 import queue
+import signal
+import sys
+import time
 import traceback
 from typing import Any, Callable
 
+_MAX_LIVE_RANKS = 8  # idle ranks hold memory: beyond this, the least recently used world sizes go
+_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGXFSZ)
 
-def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple, results) -> None:
+
+def _as_fresh(fn: Callable, rank: int, world_size: int, args: tuple, seed: int) -> Any:
+    """fn(rank, world_size, *args) with the per-process state a new rank starts with, put back after."""
+    import torch
+
+    env, cwd, dtype = dict(os.environ), os.getcwd(), torch.get_default_dtype()
+    handlers = {sig: signal.getsignal(sig) for sig in _SIGNALS}
+    torch.manual_seed(seed)
+    if "torch._dynamo" in sys.modules:
+        torch._dynamo.reset()  # a compile test must compile, not meet an earlier call's cache or its limit
+    try:
+        return fn(rank, world_size, *args)
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(cwd)
+        torch.set_default_dtype(dtype)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
+def _worker(rank: int, world_size: int, port: int, inbox, results) -> None:
     import torch
     import torch.distributed as dist
 
@@ -19,58 +54,114 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple, re
         WORLD_SIZE=str(world_size),
     )
     torch.set_num_threads(1)  # N ranks share few cores; more threads only oversubscribe them
+    seed = torch.initial_seed()
     try:
         store = dist.TCPStore("127.0.0.1", port, is_master=False)  # the parent's (run_on_ranks)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
-        value = fn(rank, world_size, *args)
-        dist.barrier()
-        # plain pickle copies tensors into bytes; the queue's own pickler would pass shared-memory
-        # handles that die with this process
-        results.put((rank, True, pickle.dumps(value)))
-    except BaseException:  # report everything, including SystemExit, to the parent
+    except BaseException:
         results.put((rank, False, traceback.format_exc()))
         return
-    dist.destroy_process_group()
+    while (job := inbox.get()) is not None:
+        try:
+            fn, args = pickle.loads(job)
+            value = _as_fresh(fn, rank, world_size, args, seed)
+            dist.barrier()
+            # plain pickle copies tensors into bytes; the queue's own pickler would pass shared-memory
+            # handles that die with this process
+            results.put((rank, True, pickle.dumps(value)))
+        except BaseException:  # report everything, including SystemExit, to the parent
+            results.put((rank, False, traceback.format_exc()))
+            return  # the parent takes this world size down
 
 
-def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600.0) -> list[Any]:
-    """Calls fn(rank, world_size, *args) on world_size spawned processes; returns values by rank.
+@dataclasses.dataclass
+class _Ranks:
+    procs: list
+    inboxes: list
+    results: Any
+    store: Any  # the rendezvous store: it listens as long as the ranks live
 
-    fn must be importable (a module-level function). The default process group is initialised
-    (gloo, 127.0.0.1) and RANK/WORLD_SIZE/MASTER_* are set as torchrun would. A failure on any
-    rank raises RuntimeError carrying that rank's traceback. Exit codes are not trusted: gloo
-    sometimes aborts at interpreter exit after a clean finish, so results travel by queue.
-    """
+
+_LIVE: dict[int, _Ranks] = {}  # world size -> its ranks, least recently used first
+
+
+def _close(world_size: int) -> None:
+    ranks = _LIVE.pop(world_size, None)
+    if ranks is None:
+        return
+    for p in ranks.procs:
+        p.kill()
+    for p in ranks.procs:
+        p.join(timeout=30)
+
+
+def _close_all() -> None:
+    for world_size in list(_LIVE):
+        _close(world_size)
+
+
+atexit.register(_close_all)
+
+
+def _ranks(world_size: int) -> _Ranks:
+    """The live ranks of this world size, spawned when there are none."""
     from torch.distributed import TCPStore
 
+    if world_size in _LIVE:
+        _LIVE[world_size] = _LIVE.pop(world_size)  # now the most recently used
+        return _LIVE[world_size]
+    while _LIVE and sum(len(r.procs) for r in _LIVE.values()) + world_size > _MAX_LIVE_RANKS:
+        _close(next(iter(_LIVE)))
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
+    inboxes = [ctx.Queue() for _ in range(world_size)]
     # The rendezvous store lives here, bound to a port the kernel picks as it listens: choosing a
     # free port first and binding it later in rank 0 raced with concurrent tests' connections
     # (EADDRINUSE, seen in a full suite run).
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    port = store.port
-    procs = [
-        ctx.Process(target=_worker, args=(fn, rank, world_size, port, args, results), daemon=True)
-        for rank in range(world_size)
-    ]
+    procs = [ctx.Process(target=_worker, args=(rank, world_size, store.port, inboxes[rank], results), daemon=True)
+             for rank in range(world_size)]
     for p in procs:
         p.start()
+    _LIVE[world_size] = _Ranks(procs, inboxes, results, store)
+    return _LIVE[world_size]
+
+
+def _next_result(ranks: _Ranks, deadline: float, timeout_s: float) -> tuple[int, bool, Any]:
+    """The next rank's report; a rank that died without one, or the deadline, raises."""
+    while True:
+        try:
+            return ranks.results.get(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+        except queue.Empty:
+            dead = [f"rank {r} exit {p.exitcode}" for r, p in enumerate(ranks.procs) if p.exitcode is not None]
+            if dead:
+                raise RuntimeError(f"distributed run lost a rank without a report ({', '.join(dead)})") from None
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"distributed run timed out after {timeout_s}s (no rank exited)") from None
+
+
+def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600.0) -> list[Any]:
+    """Calls fn(rank, world_size, *args) on world_size processes; returns values by rank.
+
+    fn must be importable (a module-level function). The default process group is initialised
+    (gloo, 127.0.0.1) and RANK/WORLD_SIZE/MASTER_* are set as torchrun would. A failure on any
+    rank raises RuntimeError carrying that rank's traceback; a rank that dies without a report
+    raises at once. The ranks stay up for the next call of this world size (see the module's
+    docstring).
+    """
+    job = pickle.dumps((fn, args))  # here, so that what cannot travel fails now, not in a queue's thread
+    ranks = _ranks(world_size)
+    for inbox in ranks.inboxes:
+        inbox.put(job)
+    deadline = time.monotonic() + timeout_s
     values: dict[int, Any] = {}
     try:
         while len(values) < world_size:
-            try:
-                rank, ok, value = results.get(timeout=timeout_s)
-            except queue.Empty:
-                dead = [f"rank {r} exit {p.exitcode}" for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                raise RuntimeError(f"distributed run timed out after {timeout_s}s ({', '.join(dead) or 'no rank exited'})")
+            rank, ok, value = _next_result(ranks, deadline, timeout_s)
             if not ok:
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
             values[rank] = pickle.loads(value)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-        del store  # stops listening once every rank is gone
+    except BaseException:
+        _close(world_size)
+        raise
     return [values[r] for r in range(world_size)]
