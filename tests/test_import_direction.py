@@ -8,7 +8,7 @@ import pytest
 
 LIBS = Path(__file__).absolute().parent.parent / "libs"
 MAY_IMPORT = {"mesh": set(), "models": set(), "data": set(), "fsdp": {"mesh"}, "tp": {"mesh"}, "ckpt": {"mesh"},
-              "float8": {"mesh"}, "pp": {"mesh"}, "cp": {"mesh"}, "ep": {"mesh"}}
+              "float8": {"mesh"}, "pp": {"mesh"}, "cp": {"mesh"}, "ep": {"mesh"}, "optim": set()}
 
 
 def tessera_imports(source: str) -> set[str]:

@@ -14,7 +14,7 @@ import pytest
 LIBS = Path(__file__).absolute().parent.parent / "libs"
 # Tessera libraries a library may import (DEVELOPERS.md): installed next to it in the test.
 ALLOWED = {"mesh": [], "models": [], "data": [], "fsdp": ["mesh"], "tp": ["mesh"], "ckpt": ["mesh"], "float8": ["mesh"],
-           "pp": ["mesh"], "cp": ["mesh"], "ep": ["mesh"]}
+           "pp": ["mesh"], "cp": ["mesh"], "ep": ["mesh"], "optim": []}
 SMOKE = {
     "mesh": "from tessera.mesh import resolve_parallel_dims; assert resolve_parallel_dims(4, tp=2).dp_shard == 2",
     "models": "from tessera.models import get_model_spec; assert 'debugmodel' in get_model_spec('llama3').flavors",
@@ -26,6 +26,7 @@ SMOKE = {
     "pp": "from tessera.pp import build_pipeline, even_split; assert len(even_split(2, 4)) == 2",
     "cp": "from tessera.cp import apply_cp, local_positions; assert local_positions(8, 2, 0).tolist() == [0, 1, 6, 7]",
     "ep": "from tessera.ep import apply_ep, check_ep_degree, find_experts; check_ep_degree(8, 4)",
+    "optim": "from tessera.optim import Muon, orthogonalise; import torch; assert orthogonalise(torch.eye(3)).shape == (3, 3)",
 }
 
 
@@ -39,14 +40,28 @@ def pip_install(lib: str, target: Path, scratch: Path) -> None:
     )
 
 
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    """name -> its own site folder, each library installed once (a dependency serves every
+    library that may import it)."""
+    folders = {}
+
+    def install(name):
+        if name not in folders:
+            scratch = tmp_path_factory.mktemp(f"pip-{name}")
+            pip_install(name, scratch / "site", scratch)
+            assert not (scratch / "site" / "tessera" / "__init__.py").exists(), "tessera must stay a namespace package"
+            folders[name] = scratch / "site"
+        return folders[name]
+
+    return install
+
+
 @pytest.mark.parametrize("lib", sorted(ALLOWED))
-def test_library_installs_and_imports_alone(lib, tmp_path):
+def test_library_installs_and_imports_alone(lib, tmp_path, installed):
     # one folder each, as separate site installs would be (pip --target skips a tessera/ already there);
     # the PEP 420 namespace joins them
-    targets = [tmp_path / f"site-{name}" for name in [lib, *ALLOWED[lib]]]
-    for name, folder in zip([lib, *ALLOWED[lib]], targets):
-        pip_install(name, folder, tmp_path)
-        assert not (folder / "tessera" / "__init__.py").exists(), "tessera must stay a namespace package"
+    targets = [installed(name) for name in [lib, *ALLOWED[lib]]]
     target = targets[0]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RUNFILES_DIR", "PYTHONSAFEPATH")}
     env["PYTHONPATH"] = os.pathsep.join(map(str, targets))

@@ -3,7 +3,8 @@
 - variants (default): Tessera's trainer against a bare PyTorch loop (the floor: the same model,
   optimizer, clipping and batches, the batches made beforehand, a loss read at log steps only); Tessera under FSDP, TP and CP on 2 local ranks; one process with
   per-block compile, activation checkpointing (full, selective per-op) and float8 (torchao,
-  emulated on CPU: a correctness path, slower than fp32 there). Each variant runs in its own
+  emulated on CPU: a correctness path, slower than fp32 there); Muon against AdamW at FSDP 2 and 4
+  (step time, peak RSS, and the bytes Muon's owner gathers and scatters move per step). Each variant runs in its own
   process (peak RSS is its own); `--repeats N` runs the list N times interleaved and reports
   medians. Prints tokens/s per rank, peak RSS, the ratios to the bare loop and to the plain
   trainer, and the framework's overhead over the bare loop. Compile's warm-up step is left out
@@ -21,6 +22,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -34,6 +36,9 @@ VARIANTS = {
     "bare": ("bare PyTorch loop", 1),
     "tessera": ("tessera trainer", 1),
     "fsdp2": ("tessera FSDP", 2),
+    "fsdp4": ("tessera FSDP", 4),
+    "muon_fsdp2": ("tessera FSDP + Muon", 2),
+    "muon_fsdp4": ("tessera FSDP + Muon", 4),
     "tp2": ("tessera TP (SP, loss parallel)", 2),
     "cp2": ("tessera CP (ring, K/V all-gathered)", 2),
     "cp2_alltoall": ("tessera CP (ring, K/V passed on)", 2),
@@ -44,6 +49,9 @@ VARIANTS = {
 }
 LAYOUT_ARGS = {
     "fsdp2": ["--parallelism.data_parallel_shard_degree", "2"],
+    "fsdp4": ["--parallelism.data_parallel_shard_degree", "4"],
+    "muon_fsdp2": ["--parallelism.data_parallel_shard_degree", "2", "--optimizer.name", "Muon"],
+    "muon_fsdp4": ["--parallelism.data_parallel_shard_degree", "4", "--optimizer.name", "Muon"],
     "tp2": ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
     "cp2": ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
     "cp2_alltoall": ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
@@ -116,18 +124,41 @@ def measure_bare(overrides: list[str], steps: int, warmup: int) -> dict:
     return {"tps": _tokens_per_second(rates[timed_after(warmup, config.metrics.log_freq):]), "rss": _peak_rss_gib()}
 
 
+@contextlib.contextmanager
+def _owner_traffic(moved: list[int]):
+    """Counts into moved[0] the bytes this rank sends and receives in gathers and scatters: the
+    traffic of Muon's owners (tessera.optim.owners), which nothing else in a step uses."""
+    import torch.distributed as dist
+
+    gather, scatter = dist.gather, dist.scatter
+
+    def counted(collective, tensor, pieces, **kwargs):
+        moved[0] += tensor.numel() * tensor.element_size() * (len(pieces) - 1 if pieces else 1)
+        return collective(tensor, pieces, **kwargs)
+
+    dist.gather = lambda tensor, gather_list=None, **kw: counted(gather, tensor, gather_list, **kw)
+    dist.scatter = lambda tensor, scatter_list=None, **kw: counted(scatter, tensor, scatter_list, **kw)
+    try:
+        yield
+    finally:
+        dist.gather, dist.scatter = gather, scatter
+
+
 def _trainer_rank(rank: int, world_size: int, overrides: list[str], warmup: int) -> dict:
     from tessera.trainer.config import load_config
     from tessera.trainer.train import train
 
     config = load_config(overrides)
-    history = [h for h in train(config) if "tps" in h]
+    moved = [0]
+    with _owner_traffic(moved):
+        history = [h for h in train(config) if "tps" in h]
     warm_up = next((h["compile_warmup_s"] for h in history if "compile_warmup_s" in h), None)
     first = timed_after(warmup, config.metrics.log_freq)
     windows = [(h["step"] - before["step"], h["tps"]) for before, h in zip(history, history[1:]) if before["step"] >= first]
     tps = _tokens_per_second(windows)
     return {"tps": tps, "rss": _peak_rss_gib(), "warmup_s": warm_up,
-            "step_s": config.training.local_batch_size * config.training.seq_len / tps}
+            "step_s": config.training.local_batch_size * config.training.seq_len / tps,
+            "owner_mib": moved[0] / config.training.steps / 2**20}
 
 
 def measure_tessera(overrides: list[str], steps: int, warmup: int, ranks: int) -> dict:
@@ -137,7 +168,8 @@ def measure_tessera(overrides: list[str], steps: int, warmup: int, ranks: int) -
     from tessera.mesh.testing import run_on_ranks
 
     per_rank = run_on_ranks(_trainer_rank, ranks, overrides, warmup)
-    return {"tps": sum(r["tps"] for r in per_rank) / ranks, "rss": max(r["rss"] for r in per_rank)}
+    return {"tps": sum(r["tps"] for r in per_rank) / ranks, "rss": max(r["rss"] for r in per_rank),
+            "step_s": max(r["step_s"] for r in per_rank), "owner_mib": max(r["owner_mib"] for r in per_rank)}
 
 
 def _child(variant: str, overrides: list[str], steps: int, warmup: int) -> dict:
@@ -174,6 +206,11 @@ def run_variants(known, overrides: list[str]) -> None:
         if known.repeats > 1:
             rates = ", ".join(f"{x['tps']:,.0f}" for x in runs[v])
             print(f"{'':34}       runs: {rates}")
+        if r.get("owner_mib"):
+            plain_fsdp = results.get(v.removeprefix("muon_"))
+            vs = (f"; step {r['step_s'] / plain_fsdp['step_s']:.2f}x and peak RSS {r['rss'] / plain_fsdp['rss']:.2f}x "
+                  f"of AdamW at {ranks} ranks") if plain_fsdp and plain_fsdp is not r else ""
+            print(f"{'':34}       Muon's owners move {r['owner_mib']:.1f} MiB per step on the busiest rank{vs}")
         if r.get("warmup_s"):
             print(f"{'':34}       compile warm-up (first step): {r['warmup_s']:.1f} s{_pays_after(r, plain)}")
     if floor and plain:

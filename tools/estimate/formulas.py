@@ -65,6 +65,33 @@ def _module_params(a, name: str) -> list[tuple[int, int, int | None]]:
             "output": [] if a.tie_embeddings else [(a.vocab_size, a.dim, 0)]}[name]
 
 
+def _param_names(a, module: str) -> list[str]:
+    """The parameter names of `module`, in _module_params' order."""
+    if module.startswith("layers."):
+        return [f"{module}.{k}.weight" for k in block_linears(a)] + [f"{module}.attention_norm.weight",
+                                                                      f"{module}.ffn_norm.weight"]
+    return [f"{module}.weight" for _ in _module_params(a, module)]
+
+
+def _optimizer_bytes(plan: JobPlan, modules: list[str], fsdp: int) -> tuple[int, int]:
+    """This rank's optimizer state: AdamW's two moments (fp32, or optimizer.state_dtype) and a float32 step per parameter,
+    Muon's one fp32 momentum buffer per matrix it steps; and the step's largest Muon temporaries
+    (its owner holds one whole matrix in the Newton-Schulz dtype, with the iteration's X, X X^T,
+    its polynomial and the next X)."""
+    a, opt = plan.model_args, plan.optimizer
+    muon = {n for g in opt.groups if g.algorithm == "muon" for n in g.names}
+    state, largest = 0, 0
+    moment = opt.state_dtype.itemsize if opt.state_dtype else F32
+    for module in modules:
+        for name, (rows, cols, split) in zip(_param_names(a, module), _module_params(a, module)):
+            elements = _local_elements(rows, cols, split, plan.dims.tp, fsdp)
+            state += F32 * elements if name in muon else 2 * moment * elements + F32
+            if name in muon:
+                short = min(rows, cols)
+                largest = max(largest, opt.muon.ns_dtype.itemsize * (3 * rows * cols + 2 * short * short))
+    return state, largest
+
+
 def _local_elements(rows: int, cols: int, split: int | None, tp: int, fsdp: int) -> int:
     """Elements one rank stores: TP splits `split`, then FSDP2 chunks dim 0 of that into equal,
     padded shards (every rank allocates the padded size)."""
@@ -103,7 +130,7 @@ def estimate_rank(plan: JobPlan, pp_rank: int = 0) -> FormulaEstimate:
     shapes = [p for m in modules for p in _module_params(a, m)]
     elements = sum(_local_elements(r, c, s, dims.tp, fsdp) for r, c, s in shapes)
     params = F32 * elements
-    optimizer = 2 * params + F32 * len(shapes)  # AdamW: exp_avg, exp_avg_sq, a float32 step each
+    optimizer, muon_temporaries = _optimizer_bytes(plan, modules, fsdp)
     buffers = 8 * plan.batch.seq_len * a.head_dim // 2 * (len(local_stages(plan, pp_rank)))  # complex64 RoPE table per part
     blocks = sum(m.startswith("layers.") for m in modules)
     tp_local_block = sum(_local_elements(r, c, s, dims.tp, 1) for r, c, s in _block_params(a))
@@ -124,11 +151,12 @@ def estimate_rank(plan: JobPlan, pp_rank: int = 0) -> FormulaEstimate:
     # this block's gathered weights, the next one's prefetched and this block's unsharded
     # gradients, in the param dtype whatever the all-gather's; the kept last block is freed by
     # then, and the last reduce-scatter's fp32 input overlaps them in an order this does not follow);
-    # or the optimizer step (gradients, + foreach AdamW's parameter-sized temporaries; fused: in place)
+    # or the optimizer step (gradients, + foreach AdamW's parameter-sized temporaries, fused: in
+    # place; + Muon's whole matrix on its owner)
     last_block = _recompute_bytes(plan) + (3 * plan.precision.param.itemsize * tp_local_block if _regathers(plan, fsdp) else 0)
     if "output" in modules:
         last_block -= _head_activations(plan)
-    temporaries = params if plan.optimizer.implementation == "foreach" else 0
+    temporaries = (params if plan.optimizer.implementation == "foreach" else 0) + muon_temporaries
     peak = params + optimizer + buffers + max(act + held + max(_logits_grad(plan, modules, fp8), last_block), grads + temporaries)
     return FormulaEstimate(params, grads, optimizer, buffers, act, peak, rank_flops(plan, pp_rank),
                            comm_bytes(plan, elements, _kept_gathered(plan, modules, frozenset()) if fsdp > 1 else 0, blocks, modules, pp_rank))

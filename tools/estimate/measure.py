@@ -10,11 +10,10 @@ from torch.distributed.tensor import DTensor
 
 from tessera.mesh import Meshes, build_meshes
 from tessera.trainer.config import load_config
-from tessera.trainer.lr_schedule import build_lr_scheduler
 from tessera.trainer.parallelize import build_parallel_model
 from tessera.trainer.plan import make_plan
 from tessera.trainer.step import cross_entropy, make_train_step, step_functions
-from tessera.trainer.optimizer import build_optimizer
+from tessera.trainer.optimizer import build_optimizers
 
 from live_bytes import LiveBytes
 from traced import NO_BOS
@@ -34,10 +33,9 @@ def measure_rank(rank: int, world_size: int, argv: list[str]) -> dict[str, int]:
     with LiveBytes() as live:
         meshes = build_meshes(plan.dims, "cpu") if dist.is_initialized() else Meshes.single()
         model = build_parallel_model(plan, meshes, cross_entropy)
-        optimizers = [build_optimizer(part, plan.optimizer) for part in model.parts]
-        schedulers = [build_lr_scheduler(o, 10, warmup_steps=1, decay_ratio=None, decay_type="linear", min_lr_factor=0.0) for o in optimizers]
+        optimizers = build_optimizers(model.parts, plan.optimizer)
         forward_backward = step_functions(model.parts, model.pipeline, cross_entropy, plan, meshes, bos_id=NO_BOS)[0]
-        step = make_train_step(model.parts, optimizers, schedulers[0], forward_backward, plan, pp_mesh=meshes.pp)
+        step = make_train_step(model.parts, optimizers.all, optimizers.scheduler, forward_backward, plan, pp_mesh=meshes.pp)
         vocab, batch = plan.model_args.vocab_size, plan.batch
 
         def batches():
@@ -54,6 +52,6 @@ def measure_rank(rank: int, world_size: int, argv: list[str]) -> dict[str, int]:
     return {
         "params": local_bytes(params),
         "grads": local_bytes(p.grad for p in params if p.grad is not None),
-        "optimizer": local_bytes(v for o in optimizers for s in o.state.values() for v in s.values()),
+        "optimizer": local_bytes(v for o in optimizers.all for s in o.state.values() for v in s.values()),
         "peak": peak,
     }

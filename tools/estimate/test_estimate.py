@@ -48,6 +48,8 @@ LAYOUTS = {  # name: (world size, degrees)
     # and under TP, where the vocab-parallel embedding's held gradient is the whole vocabulary's
     "fsdp2_tp2_accum2": (4, ["--parallelism.tensor_parallel_degree", "2", "--training.global_batch_size", "16"]),
     "cp2": (2, ["--parallelism.context_parallel_degree", "2"]),  # torch's ring (allgather), FSDP over the cp ranks
+    # Muon: one momentum per matrix it steps, AdamW's two moments for the rest; the owner's whole matrices
+    "muon_fsdp2": (2, ["--optimizer.name", "Muon"]),
     "qwen3_fsdp2": (2, ["--model.name", "qwen3", "--model.flavor", "debugmodel"]),  # traced only: no closed form
     # MoE, traced only, with the balanced routing the trace assumes (routing.py) made real by round-robin routing:
     # expert parallel over the FSDP ranks (MLA, shared experts, sigmoid scores), and over FSDP x TP with the tp ranks
@@ -104,8 +106,12 @@ def test_state_exact_and_peak_within_5_percent(layout, measured):
 def test_formula_against_trace():
     """Closed form vs trace for each layout the trace covers: state exact, activations and
     collective bytes within 1 %, peak within 10 % (the formula's backward is coarser)."""
-    tp4 = (4, ["--parallelism.tensor_parallel_degree", "4", "--parallelism.data_parallel_shard_degree", "1"])  # the embedding's
-    for world, degrees in (LAYOUTS["fsdp2_tp2"], LAYOUTS["tp2"], tp4):  # gradient: the whole vocabulary's, 4x its shard
+    # tp4: the embedding's gradient is the whole vocabulary's, 4x its shard; Muon's state and its owners' whole
+    # matrices; AdamW's moments in bfloat16
+    tp4 = (4, ["--parallelism.tensor_parallel_degree", "4", "--parallelism.data_parallel_shard_degree", "1"])
+    muon = (4, ["--parallelism.tensor_parallel_degree", "2", "--optimizer.name", "Muon"])
+    bf16_moments = (2, ["--optimizer.state_dtype", "bfloat16", "--optimizer.implementation", "for-loop"])
+    for world, degrees in (LAYOUTS["fsdp2_tp2"], LAYOUTS["tp2"], tp4, muon, bf16_moments):
         for mode in ("none", "selective"):
             plan = make_plan(load_config([*BASE, *degrees, "--activation_checkpoint.mode", mode]), world, "cpu", check_only=True)
             t, f = traced.trace_rank(plan, 0), formulas.estimate_rank(plan)

@@ -30,7 +30,7 @@ from tessera.mesh import Meshes, build_meshes
 from tessera.trainer.parallelize import convert, parallelize
 from tessera.trainer.plan import JobPlan, traced_on_cpu
 from tessera.trainer.step import cross_entropy, gradient_sync, step_functions
-from tessera.trainer.optimizer import build_optimizer
+from tessera.trainer.optimizer import build_optimizers
 
 from collectives import Collectives, group_dims, group_ranks
 from gpu_kernels import fused_rms_norms
@@ -90,7 +90,7 @@ def trace_rank(plan: JobPlan, rank: int) -> RankMemory:
                 Collectives(group_dims(meshes), live.key) as comm:
             for part in parts:
                 part.to_empty(device="cpu")
-            optimizers = [build_optimizer(part, plan.optimizer) for part in parts]
+            optimizers = build_optimizers(parts, plan.optimizer).all
             params = [p for part in parts for p in part.parameters()]
             for p in params:  # a first step creates AdamW's state, as in every step after it
                 p.grad = torch.zeros_like(p)

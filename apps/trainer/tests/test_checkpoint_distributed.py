@@ -45,7 +45,7 @@ def _train_and_capture(rank, world_size, runs):
         # An optimizer without state would take a zero-gradient step to build one (torch's
         # get_optimizer_state_dict), changing the run it observes: only a loaded one is read.
         loaded = [name for name in ("model", "optimizer")
-                  if name == "model" or any(o.state for o in self.states[name].optimizers)]
+                  if name == "model" or any(o.state for part in self.states[name].optimizers for o in part)]
         captured.append({name: _gathered(self.states[name].state_dict()) for name in loaded})
         return step
 
@@ -105,7 +105,7 @@ def test_fsdp4_checkpoint_resumes_under_fsdp2_tp2_and_one_process(runs):
     tmp, uninterrupted, results = runs
     step_dir = tmp / "fsdp4" / "checkpoint" / "step-2"
     saved = read_dcp(step_dir)
-    assert saved["train_state"] == {"step": 2, "model": "llama3/debugmodel"}
+    assert saved["train_state"] == {"step": 2, "model": "llama3/debugmodel", "optimizer": [["default", "adamw", 0.1, 1.0, "all", ""]]}
     # One process takes the whole state from initial_load_path into an empty checkpoint folder.
     single = _train_and_capture(0, 1, [[*BASE, "--training.steps", "4", "--training.local_batch_size", "8",
                                         "--job.dump_folder", str(tmp / "single"),

@@ -221,8 +221,7 @@ def _step_without_config(rank, world_size):
 
     from tessera.mesh import build_meshes
     from tessera.trainer.family_hooks import FamilyHooks
-    from tessera.trainer.lr_schedule import LockstepSchedulers
-    from tessera.trainer.optimizer import build_optimizer, build_scheduler
+    from tessera.trainer.optimizer import build_optimizers
     from tessera.trainer.parallelize import build_parallel_model
     from tessera.trainer.step import build_loss, make_train_step, step_functions
 
@@ -234,11 +233,10 @@ def _step_without_config(rank, world_size):
         torch.manual_seed(0)
         loss_fn = build_loss(p)
         model = build_parallel_model(p, meshes, loss_fn)
-        optimizers = [build_optimizer(part, p.optimizer) for part in model.parts]
-        scheduler = LockstepSchedulers([build_scheduler(o, p.optimizer) for o in optimizers])
+        optimizers = build_optimizers(model.parts, p.optimizer)
         forward_backward, evaluate = step_functions(model.parts, model.pipeline, loss_fn, p, meshes, bos_id=1)
         family = FamilyHooks(p, model.parts, meshes)
-        step = make_train_step(model.parts, optimizers, scheduler, forward_backward, p,
+        step = make_train_step(model.parts, optimizers.all, optimizers.scheduler, forward_backward, p,
                                (*p.post_optimizer_hooks, family), pp_mesh=meshes.pp)
         tokens = torch.randint(2, p.model_args.vocab_size, (p.batch.local, 33), generator=torch.Generator().manual_seed(1))
         batches = iter([(tokens[:, :-1], tokens[:, 1:])] * p.batch.accumulation)

@@ -413,3 +413,53 @@ def test_metadata_naming_files_outside_the_folder_is_refused(saved):
     model, optimizer = _trained(seed=1)
     with pytest.raises(ValueError, match=r"step-1 is corrupt: its metadata names data file '\.\./.*', not a file in the folder"):
         _manager(folder, model, optimizer).load(1)
+
+
+class Record:
+    """A state whose "groups" key came later: older checkpoints lack it."""
+
+    optional_keys = ("groups",)
+
+    def __init__(self, groups=None, with_groups=True):
+        self.groups, self.with_groups, self.loaded = groups, with_groups, None
+
+    def state_dict(self):
+        return {"step": 1, **({"groups": self.groups} if self.with_groups else {})}
+
+    def load_state_dict(self, state):
+        self.loaded = state
+
+
+def test_optional_keys_left_out_when_an_older_checkpoint_lacks_them(tmp_path):
+    CheckpointManager(tmp_path / "old", {"record": Record(with_groups=False)}, interval=1).save(1)
+    CheckpointManager(tmp_path / "new", {"record": Record(["a", 1])}, interval=1).save(1)
+    older, newer = Record(["b", 2]), Record(["b", 2])
+    CheckpointManager(tmp_path / "old", {"record": older}, interval=1).load()
+    CheckpointManager(tmp_path / "new", {"record": newer}, interval=1).load()
+    assert older.loaded == {"step": 1} and newer.loaded == {"step": 1, "groups": ["a", 1]}
+
+
+def test_a_part_may_hold_several_optimizers(tmp_path):
+    """Muon for the matrices, AdamW for the rest of one part: saved and loaded by parameter name."""
+    def built(seed):
+        torch.manual_seed(seed)
+        model = Toy()
+        matrices = [p for p in model.parameters() if p.ndim == 2]
+        optimizers = [torch.optim.SGD(matrices, lr=0.1, momentum=0.9),
+                      torch.optim.AdamW([p for p in model.parameters() if p.ndim == 1], lr=0.01)]
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        for o in optimizers:
+            o.step()
+        return model, optimizers
+
+    model, optimizers = built(0)
+    states = {"model": ModelState([model]), "optimizer": OptimizerState([model], [optimizers])}
+    CheckpointManager(tmp_path, states, interval=1).save(1)
+    fresh, fresh_optimizers = built(1)
+    CheckpointManager(tmp_path, {"model": ModelState([fresh]), "optimizer": OptimizerState([fresh], [fresh_optimizers])},
+                      interval=1).load()
+    for saved, loaded in zip(optimizers, fresh_optimizers):
+        for p, q in zip([p for g in saved.param_groups for p in g["params"]], [q for g in loaded.param_groups for q in g["params"]]):
+            for key, value in saved.state[p].items():
+                assert torch.equal(torch.as_tensor(value), torch.as_tensor(loaded.state[q][key])), key

@@ -27,7 +27,7 @@ def banner(plan: JobPlan, model: ParallelModel, peak: float, tokenizer, data_sou
         f"compile {'on' if plan.compile.blocks or plan.loss.compiled else 'off'}",
         f"  attention: {plan.attention.describe()}",
         f"  lr: {opt.name} {opt.lr:g}, {opt.warmup_steps} warm-up steps, {opt.decay_type} decay "
-        f"over {decay} to {opt.min_lr_factor:g}x",
+        f"over {decay} to {opt.min_lr_factor:g}x | groups {opt.describe_groups()}",
         f"  MFU against {peak:,.1f} TFLOP/s, attention FLOPs "
         f"{'halved (causal)' if config.metrics.causal_attention_flops else 'full (mask ignored)'} | output {config.job.dump_folder}",
         f"  {version_text()}",

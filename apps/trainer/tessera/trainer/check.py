@@ -68,6 +68,7 @@ def describe(plan: JobPlan) -> str:
     total, per_rank = parameter_counts(plan)
     degrees = " x ".join(f"{name} {degree}" for name, degree in dims.degrees().items() if degree > 1) or "single process"
     ac, opt = plan.checkpointing, plan.optimizer
+    moments = f", AdamW moments in {str(opt.state_dtype).removeprefix('torch.')}" if opt.state_dtype else ""
     lines = [
         f"job plan: {plan.spec.name}/{config.model.flavor} on {plan.world_size} {plan.device} rank(s); nothing was built",
         f"  model       {total:,} parameters; {per_rank:,} per rank ({degrees})",
@@ -84,8 +85,11 @@ def describe(plan: JobPlan) -> str:
         *([f"  fsdp        reshard after forward {plan.fsdp.reshard_after_forward}; reduce "
            f"{'every micro-batch' if plan.fsdp.reduce_every_microbatch else 'once per step'}"
            f"{'; CPU offload' if plan.fsdp.cpu_offload else ''}"] if dims.fsdp_enabled else []),
-        f"  optimizer   {opt.name} ({opt.implementation}) lr {opt.lr:g}, clip {opt.max_norm:g}; {opt.warmup_steps} warm-up "
-        f"steps, {opt.decay_type} decay over {opt.total_steps} steps",
+        f"  optimizer   {opt.name} ({opt.implementation}{moments}) lr {opt.lr:g}, clip {opt.max_norm:g}; "
+        f"{opt.warmup_steps} warm-up steps, {opt.decay_type} decay over {opt.total_steps} steps",
+        f"  groups      {opt.describe_groups()}",
+        *([f"  muon        {opt.muon.adjust_lr} lr, momentum {opt.muon.momentum:g}{' (Nesterov)' if opt.muon.nesterov else ''}, "
+           f"{opt.muon.ns_steps} Newton-Schulz steps in {str(opt.muon.ns_dtype).removeprefix('torch.')}"] if opt.muon else []),
         f"  flops       {plan.flops_per_token:.3e} per token; {plan.flops_per_token * batch.tokens_per_device:.3e} per device per step",
     ]
     lines += [f"  note        {note}" for note in plan.notes]

@@ -18,24 +18,42 @@ from tessera.trainer.config import JobConfig
 from tessera.trainer.errors import ConfigError
 from tessera.trainer.faults import TrainingError, weights_finite
 from tessera.trainer.hf_assets import export_files, initial_load_folder
+from tessera.trainer.param_groups import signature
 from tessera.trainer.plan import tokenizer_source
 
 
 class TrainState:
-    """Steps completed, and the model they trained: resuming another model's run is refused
-    even where the shapes agree (llama2 and llama3 debug models)."""
+    """Steps completed, the model they trained and its optimizer groups: resuming another model's
+    run is refused even where the shapes agree (llama2 and llama3 debug models), and so is a
+    resume with other groups, whose state and settings would load into the wrong places."""
 
-    def __init__(self, model: str) -> None:
+    optional_keys = ("optimizer",)  # checkpoints before tessera-trainer 0.12 lack it: one AdamW group
+
+    def __init__(self, model: str, optimizer: list[list]) -> None:
         self.step = 0
         self.model = model
+        self.optimizer = optimizer  # param_groups.signature
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "model": self.model}
+        return {"step": self.step, "model": self.model, "optimizer": self.optimizer}
 
     def load_state_dict(self, state: dict) -> None:
         if state["model"] != self.model:
             raise ValueError(f"checkpoint was written by a {state['model']} run, this run trains {self.model} (model.name/model.flavor)")
+        saved = state.get("optimizer")
+        if saved is None and [group[4] for group in self.optimizer] == ["all"]:
+            saved = self.optimizer  # an older checkpoint: AdamW over one group, as this run
+        if saved != self.optimizer:
+            raise ValueError(f"checkpoint was written with optimizer groups {_groups_text(saved)}, this run has "
+                             f"{_groups_text(self.optimizer)} (optimizer.name, param_groups, weight_decay, muon_exclude)")
         self.step = state["step"]
+
+
+def _groups_text(signature: list[list] | None) -> str:
+    if signature is None:
+        return "[one AdamW group]"
+    return "[" + "; ".join(f"{label}: {count} parameters, {algorithm} weight_decay={wd:g} lr_scale={scale:g}"
+                           for label, algorithm, wd, scale, count, _ in signature) + "]"
 
 
 class Checkpointer:
@@ -46,18 +64,19 @@ class Checkpointer:
     loader exist; every method is collective. The job plan has checked the [checkpoint] keys.
     """
 
-    def __init__(self, config: JobConfig, spec, args, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
+    def __init__(self, config: JobConfig, plan, parts: list[nn.Module], optimizers: list[list[torch.optim.Optimizer]],
                  scheduler, dataloader, rank: int, pp_group=None, tokenizer=None) -> None:
-        """parts: the model, or this rank's pipeline stages (one optimizer each); pp_group: the
-        pipeline's process group, which a Hugging Face export gathers the stages over; tokenizer:
-        the run's, whose bos/eos ids an export's config.json states."""
+        """parts: the model, or this rank's pipeline stages (the optimizers of each); pp_group:
+        the pipeline's process group, which a Hugging Face export gathers the stages over;
+        tokenizer: the run's, whose bos/eos ids an export's config.json states."""
         self.config = config.checkpoint
+        spec, args = plan.spec, plan.model_args
         self.spec, self.args, self.parts, self.rank, self.pp_group = spec, args, parts, rank, pp_group
         self.initial = initial_load_folder(config)
         dcp_files, self.hf_files = export_files(config, spec, args, tokenizer, tokenizer_source(config))
         self.folder = Path(config.job.dump_folder) / self.config.folder
         self.steps = config.training.steps
-        self.train_state = TrainState(f"{config.model.name}/{config.model.flavor}")
+        self.train_state = TrainState(f"{config.model.name}/{config.model.flavor}", signature(plan.optimizer.groups))
         # train_state first: loading applies states in this order, so a wrong model fails first
         self.states = {
             "train_state": self.train_state,

@@ -15,8 +15,8 @@ import tomllib
 from tessera.trainer.config import ConfigError, JobConfig, get_key
 from tessera.trainer.schema import OLDER_TORCHTITAN, TESSERA, declared
 
-TRAINER_VERSION = "0.11.0"
-LIBRARIES = ("mesh", "models", "data", "fsdp", "tp", "pp", "cp", "ep", "ckpt", "float8")
+TRAINER_VERSION = "0.12.0"
+LIBRARIES = ("mesh", "models", "data", "fsdp", "tp", "pp", "cp", "ep", "ckpt", "float8", "optim")
 
 USAGE = """usage: trainer [--nproc N] [--check [--check_world_size N]] [--job.config_file F] [--section.key VALUE ...]
        trainer --help [SECTION]    the config keys (of one section), their defaults and meanings

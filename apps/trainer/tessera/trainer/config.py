@@ -78,7 +78,8 @@ class Model:
 
 @dataclasses.dataclass
 class Optimizer:
-    name: str = key("AdamW", "optimizer: AdamW", choices=("AdamW",))
+    name: str = key("AdamW", "AdamW, or Muon: Muon for hidden matrices, AdamW for the rest (optimizer.muon_exclude)",
+                    choices=("AdamW", "Muon"))
     lr: float = key(8e-4, "peak learning rate", bound=">= 0")
     beta1: float = key(0.9, "AdamW beta1")
     beta2: float = key(0.95, "AdamW beta2")
@@ -87,11 +88,33 @@ class Optimizer:
     # fused (torchtitan's default too) is the fastest on CPU and CUDA and skips a non-finite step
     # on the device (tessera.trainer.step)
     implementation: str = key(
-        "fused", "AdamW kernel: foreach, fused (one kernel per parameter group) or for-loop",
+        "fused", "AdamW kernel: foreach, fused (one kernel per parameter group) or for-loop; Muon steps one matrix at "
+        "a time (torch has no foreach or fused Muon)",
         choices=("foreach", "fused", "for-loop"))
+    state_dtype: str = key(
+        "float32", "dtype of AdamW's moments: float32 (torch's AdamW: the parameters' dtype), or bfloat16 (Tessera's "
+        "for-loop AdamW, half the state; needs implementation = 'for-loop')", choices=("float32", "bfloat16"),
+        origin=TESSERA)
     early_step_in_backward: bool = key(
         False, "step each parameter's optimizer as soon as its gradient is ready",
         refused="not supported: stepping inside backward would skip gradient clipping and the non-finite-step check")
+    # Parameter groups and Muon: Tessera's keys (torchtitan 0.2.2 has one group and AdamW only)
+    param_groups: list[list[str]] = key(
+        [], "groups, first match wins: each selectors and settings, e.g. [\"norms\", \"biases\", \"weight_decay=0\"], "
+        "[\"output\", \"lr_scale=0.5\"]; selectors: norms, biases, embeddings, output, experts, router, or name "
+        "patterns ('*' wildcards)", origin=TESSERA)
+    muon_exclude: list[str] = key(
+        ["embeddings", "output"], "under Muon, matrices that AdamW steps instead (1-D parameters always are): selectors "
+        "as in param_groups", origin=TESSERA)
+    muon_momentum: float = key(0.95, "Muon momentum", bound=">= 0", origin=TESSERA)
+    muon_nesterov: bool = key(True, "Muon with Nesterov momentum", origin=TESSERA)
+    muon_ns_steps: int = key(5, "Newton-Schulz iterations of each Muon update", bound=">= 1", origin=TESSERA)
+    # match_rms_adamw (Moonshot's rule) lets Muon share AdamW's lr and weight decay, as one [optimizer] lr implies
+    muon_adjust_lr: str = key(
+        "match_rms_adamw", "Muon's per-matrix lr: match_rms_adamw (0.2 sqrt(max(m, n)), AdamW's lr carries over) or "
+        "original (sqrt(max(1, m / n)))", choices=("match_rms_adamw", "original"), origin=TESSERA)
+    muon_ns_dtype: str = key("bfloat16", "dtype of Muon's Newton-Schulz iteration", choices=("bfloat16", "float32"),
+                             origin=TESSERA)
 
 
 @dataclasses.dataclass

@@ -49,23 +49,31 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, **sch
 
 
 class LockstepSchedulers:
-    """The schedules of the per-part optimizers (one per pipeline stage), stepped together.
-    They are equal, so one state is saved: the same as a single-part run's, and either loads
-    into the other."""
+    """The schedules of every optimizer (per pipeline stage, AdamW and Muon), stepped together.
+    They share one position, so one is saved: the same as a single-optimizer run's, and either
+    loads into the other; each keeps its own groups' base lrs."""
 
-    def __init__(self, schedulers: list[torch.optim.lr_scheduler.LRScheduler]) -> None:
-        self.schedulers = schedulers
+    def __init__(self, schedulers: list[torch.optim.lr_scheduler.LambdaLR], lr: float) -> None:
+        """lr: the optimizer's lr, of which get_last_lr gives the scheduled share (a group's
+        lr_scale left out)."""
+        self.schedulers, self.lr = schedulers, lr
 
     def step(self) -> None:
         for scheduler in self.schedulers:
             scheduler.step()
 
     def get_last_lr(self) -> list[float]:
-        return self.schedulers[0].get_last_lr()
+        first = self.schedulers[0]
+        return [self.lr * first.lr_lambdas[0](first.last_epoch)]
 
     def state_dict(self) -> dict:
-        return self.schedulers[0].state_dict()
+        first = self.schedulers[0].state_dict()
+        return {"last_epoch": first["last_epoch"], "_step_count": first["_step_count"]}
 
     def load_state_dict(self, state: dict) -> None:
+        """The position; each optimizer's own lrs come back with its state (loaded before)."""
         for scheduler in self.schedulers:
-            scheduler.load_state_dict(state)
+            own = scheduler.state_dict()
+            own.update(last_epoch=state["last_epoch"], _step_count=state["_step_count"],
+                       _last_lr=[group["lr"] for group in scheduler.optimizer.param_groups])
+            scheduler.load_state_dict(own)

@@ -21,11 +21,13 @@ from tessera.data import load_tokenizer, parse_mixture
 from tessera.fsdp import MIXED_PRECISION_DTYPES
 from tessera.mesh import MeshLayout, ParallelDims, device_type, mesh_layout, resolve_parallel_dims
 from tessera.models import ModelSpec, RunLayout, choose_kernel, get_model_spec, plain_causal
-from tessera.trainer.config import ConfigError, JobConfig, user_directory, user_input
+from tessera.trainer.config import ConfigError, JobConfig, Optimizer, user_directory, user_input
 from tessera.trainer.converters import ModelConverter, build_converters
 from tessera.trainer.hf_assets import check_hf_weights, flavor_args, initial_load_folder
+from tessera.trainer.param_groups import resolve_groups
 from tessera.trainer.sub_plans import (AttentionPlan, BatchPlan, CheckpointingPlan, CompilePlan, ExpertPlan, FsdpPlan,
-                                       LossPlan, OptimizerPlan, PipelinePlan, Precision, TensorParallelPlan)
+                                       LossPlan, MuonPlan, OptimizerPlan, PipelinePlan, Precision,
+                                       TensorParallelPlan)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +143,7 @@ def make_plan(config: JobConfig, world_size: int, device: str | None = None, *, 
     validation = _source_or_note(lambda: _validation_source(config), notes if check_only else None) if config.validation.enable else None
     batch, pipeline = _batch(config, dims), _pipeline(config, spec, meta_model, dims, device)
     loss_parallel = dims.tp_enabled and not par.disable_loss_parallel
-    optimizer, warnings = _optimizer(config)
+    optimizer, warnings = _optimizer(config, spec, meta_model)
     warnings += _check_converters(config, spec, converters, meta_model)
     return JobPlan(
         config=config, world_size=world_size, device=device, dims=dims, meshes=mesh_layout(dims), spec=spec,
@@ -180,19 +182,35 @@ def _checkpointing(config: JobConfig) -> CheckpointingPlan:
                              ac.debug)
 
 
-def _optimizer(config: JobConfig) -> tuple[OptimizerPlan, list[str]]:
-    """The optimizer and its schedule, and what was adjusted: a warm-up longer than the schedule
-    is shortened to it (torchtitan does the same, with a warning)."""
+def _optimizer(config: JobConfig, spec: ModelSpec,
+               meta_model: Callable[[], torch.nn.Module]) -> tuple[OptimizerPlan, list[str]]:
+    """The optimizer, its parameter groups and its schedule, and what was adjusted: a warm-up
+    longer than the schedule is shortened to it (torchtitan does the same, with a warning)."""
     opt, sched = config.optimizer, config.lr_scheduler
+    muon = None
+    if opt.name == "Muon":
+        muon = MuonPlan(opt.muon_momentum, opt.muon_nesterov, opt.muon_ns_steps, opt.muon_adjust_lr,
+                        getattr(torch, opt.muon_ns_dtype))
+    else:
+        defaults = Optimizer()
+        for name in ("muon_exclude", "muon_momentum", "muon_nesterov", "muon_ns_steps", "muon_adjust_lr", "muon_ns_dtype"):
+            if getattr(opt, name) != getattr(defaults, name):
+                raise ConfigError(f"optimizer.{name} applies only with optimizer.name = 'Muon' (this run: {opt.name!r})")
+    if opt.state_dtype != "float32" and opt.implementation != "for-loop":
+        raise ConfigError(f"optimizer.state_dtype {opt.state_dtype!r} runs Tessera's for-loop AdamW (torch's kernels keep "
+                          f"the moments in the parameters' dtype): set optimizer.implementation = 'for-loop', not "
+                          f"{opt.implementation!r}")
+    state_dtype = None if opt.state_dtype == "float32" else getattr(torch, opt.state_dtype)
+    groups, adjusted = resolve_groups(opt, meta_model, spec, f"{spec.name}/{config.model.flavor}")
     total = sched.total_steps or config.training.steps
-    warmup, adjusted = sched.warmup_steps, []
+    warmup = sched.warmup_steps
     if warmup > total:
         warmup = total
         adjusted.append(f"lr_scheduler.warmup_steps {sched.warmup_steps} exceeds the schedule's {total} steps; "
                         f"warming up over {total}")
-    return OptimizerPlan(opt.name, opt.lr, (opt.beta1, opt.beta2), opt.eps, opt.weight_decay, opt.implementation,
+    return OptimizerPlan(opt.name, opt.lr, (opt.beta1, opt.beta2), opt.eps, opt.weight_decay, opt.implementation, state_dtype,
                          config.training.max_norm, total, warmup, sched.decay_ratio, sched.decay_type,
-                         sched.min_lr_factor), adjusted
+                         sched.min_lr_factor, groups, muon), adjusted
 
 
 def _source_or_note(find: Callable[[], str | None], notes: list[str] | None) -> str | None:

@@ -127,6 +127,27 @@ class CompilePlan:
 
 
 @dataclasses.dataclass(frozen=True)
+class ParamGroup:
+    """Parameters one optimizer steps with one weight decay and lr (tessera.trainer.param_groups)."""
+    label: str  # the optimizer.param_groups entry that chose them, or "default"
+    algorithm: str  # adamw | muon
+    weight_decay: float
+    lr_scale: float  # of the scheduled lr
+    # parameter names in the whole model, as its state dict has them; None: every parameter (the
+    # one group of a run without optimizer.param_groups or Muon, decided without building the model)
+    names: tuple[str, ...] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class MuonPlan:
+    momentum: float
+    nesterov: bool
+    ns_steps: int
+    adjust_lr: str  # tessera.optim.adjusted_lr's rule
+    ns_dtype: torch.dtype
+
+
+@dataclasses.dataclass(frozen=True)
 class OptimizerPlan:
     name: str
     lr: float
@@ -134,6 +155,7 @@ class OptimizerPlan:
     eps: float
     weight_decay: float
     implementation: str  # fused | foreach | for-loop
+    state_dtype: torch.dtype | None  # AdamW's moments, when not the parameters' (tessera.optim.AdamW)
     max_norm: float  # the global gradient norm is clipped to this before each step
     # the lr schedule (tessera.trainer.lr_schedule.lr_factor's keywords) over total_steps
     total_steps: int
@@ -141,6 +163,20 @@ class OptimizerPlan:
     decay_ratio: float | None
     decay_type: str
     min_lr_factor: float
+    groups: tuple[ParamGroup, ...]  # every parameter in exactly one
+    muon: MuonPlan | None  # set when name is Muon
+
+    def describe_groups(self) -> str:
+        """The parameter groups, e.g. "norms,weight_decay=0: 17 adamw wd 0 | default: 19 muon, 3 adamw"."""
+        if len(self.groups) == 1 and self.groups[0].names is None:
+            return f"one group, weight decay {self.weight_decay:g}"
+        by_label: dict[str, list[ParamGroup]] = {}
+        for group in self.groups:
+            by_label.setdefault(group.label, []).append(group)
+        return " | ".join(
+            f"{label}: " + ", ".join(f"{len(g.names)} {g.algorithm}" for g in groups)
+            + f" wd {groups[0].weight_decay:g}" + (f" lr x{groups[0].lr_scale:g}" if groups[0].lr_scale != 1 else "")
+            for label, groups in by_label.items())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,9 +32,8 @@ from tessera.trainer.family_hooks import FamilyHooks
 from tessera.trainer.faults import (
     StopSignals, any_rank, inject_fault, stalled_collective, tighten_timeouts,
 )
-from tessera.trainer.lr_schedule import LockstepSchedulers
 from tessera.trainer.metrics import MetricLogger, StepTimer, all_reduce_mean, memory_gib, peak_tflops
-from tessera.trainer.optimizer import build_optimizer, build_scheduler
+from tessera.trainer.optimizer import build_optimizers
 from tessera.trainer.parallelize import build_parallel_model
 from tessera.trainer.plan import JobPlan, make_plan, tokenizer_source
 from tessera.trainer.step import SkippedSteps, StepResult, build_loss, make_train_step, step_functions
@@ -132,9 +131,9 @@ def _train(plan: JobPlan, info) -> list[dict]:
 
     loss_fn = build_loss(plan)
     model = build_parallel_model(plan, meshes, loss_fn)
-    optimizers = [build_optimizer(part, plan.optimizer) for part in model.parts]  # one per part, as tessera.ckpt saves them
-    scheduler = LockstepSchedulers([build_scheduler(optimizer, plan.optimizer) for optimizer in optimizers])
-    checkpointer = Checkpointer(config, plan.spec, plan.model_args, model.parts, optimizers, scheduler, loader, info.rank,
+    optimizers = build_optimizers(model.parts, plan.optimizer)
+    scheduler = optimizers.scheduler
+    checkpointer = Checkpointer(config, plan, model.parts, optimizers.per_part, scheduler, loader, info.rank,
                                 pp_group=meshes.pp.get_group() if meshes.pp is not None else None, tokenizer=tokenizer)
     with user_input():
         if config.checkpoint.create_seed_checkpoint:
@@ -145,7 +144,7 @@ def _train(plan: JobPlan, info) -> list[dict]:
     forward_backward, evaluate = step_functions(model.parts, model.pipeline, loss_fn, plan, meshes, tokenizer.bos_id)
     family = FamilyHooks(plan, model.parts, meshes)
     train_step = make_train_step(
-        model.parts, optimizers, scheduler, forward_backward, plan, (*plan.post_optimizer_hooks, family), pp_mesh=meshes.pp,
+        model.parts, optimizers.all, scheduler, forward_backward, plan, (*plan.post_optimizer_hooks, family), pp_mesh=meshes.pp,
     )
     logger = MetricLogger(
         training.steps, _tensorboard_folder(config, dump, info.rank) if config.metrics.enable_tensorboard else None,

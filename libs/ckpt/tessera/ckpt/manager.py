@@ -42,6 +42,9 @@ class CheckpointManager:
     "dataloader": RankLocalState(loader, f"dp_rank_{r}"), "rng": rng_state(rank),
     "train": <object holding the step counter>}``.
 
+    A state may list ``optional_keys``: keys of its state dict that older checkpoints lack;
+    loading such a checkpoint leaves them out of the dict its ``load_state_dict`` receives.
+
     ``extra_files`` (name -> bytes, or a path to copy) go into every checkpoint folder written,
     beside DCP's files, before it is published: e.g. a record of the model's args, so a
     conversion tool needs no flags to rebuild the model.
@@ -300,6 +303,15 @@ class CheckpointManager:
         stored = {fqn.split(".", 1)[0] for fqn in read_metadata(path).state_dict_metadata}
         return bool(stored) and stored <= set(self._model_names)
 
+    def _template(self, name: str, metadata) -> dict[str, Any]:
+        """What state `name` loads: its state dict, less the optional keys the checkpoint lacks."""
+        template = self.states[name].state_dict()
+        for key in getattr(self.states[name], "optional_keys", ()):
+            stored = f"{name}.{key}"
+            if not any(fqn == stored or fqn.startswith(f"{stored}.") for fqn in metadata.state_dict_metadata):
+                template.pop(key, None)
+        return template
+
     def load(self, step: int = -1) -> int | None:
         """Restores the states (except ``exclude_from_loading``) from ``step``, or from
         ``resume_step()`` when -1. Returns the step loaded, or None if there is none.
@@ -341,7 +353,7 @@ class CheckpointManager:
         # the first state alone first: its own check (a trainer's record of the model that wrote
         # the checkpoint) speaks before any tensor of another model is found the wrong shape
         for group in ([names[0]], names[1:]) if len(names) > 1 else [names]:
-            state_dict = {name: self.states[name].state_dict() for name in group}
+            state_dict = {name: self._template(name, metadata) for name in group}
             load_into(state_dict, path, metadata=metadata, process_group=self.process_group, optional_prefixes=optional)
             for name in group:
                 self.states[name].load_state_dict(state_dict[name])

@@ -59,15 +59,18 @@ _FLAT_OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class OptimizerState:
-    """The optimizers of all model parts, one optimizer per part.
+    """The optimizers of all model parts: per part an optimizer, or a list of them (Muon for the
+    matrices and AdamW for the rest).
 
     Flattened keys ("state.<param fqn>.exp_avg", "param_groups.<param fqn>.lr") name
     parameters rather than optimizer-internal indices, so the state reshards and merges.
     """
 
-    def __init__(self, model_parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:
+    def __init__(self, model_parts: list[nn.Module],
+                 optimizers: list[torch.optim.Optimizer | list[torch.optim.Optimizer]]) -> None:
         if len(model_parts) != len(optimizers):
-            raise ValueError(f"OptimizerState needs one optimizer per model part: {len(model_parts)} parts, {len(optimizers)} optimizers")
+            raise ValueError(f"OptimizerState needs the optimizers of each model part: {len(model_parts)} parts, "
+                             f"{len(optimizers)} optimizers")
         self.model_parts = list(model_parts)
         self.optimizers = list(optimizers)
 

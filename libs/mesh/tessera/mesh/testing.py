@@ -4,7 +4,8 @@ The ranks of a world size stay up between calls: spawning N processes and import
 the trainer into each took 4 s (one rank) to 17 s (eight) on two cores, most of a typical parity
 test's time. Each call starts from the state a fresh rank has (environment, working directory,
 default dtype, signal handlers, the default RNG seed, no compiled code); a call that fails, times
-out or loses a rank takes its ranks down, as their peers may be stuck in a collective.
+out or loses a rank takes its ranks down (the others get up to 30 s to end their call: their
+peers may be stuck in a collective).
 """
 
 from __future__ import annotations
@@ -85,14 +86,22 @@ class _Ranks:
 _LIVE: dict[int, _Ranks] = {}  # world size -> its ranks, least recently used first
 
 
-def _close(world_size: int) -> None:
+def _close(world_size: int, grace_s: float = 30.0) -> None:
+    """Stops this world size's ranks: each ends when its current call does (a failed peer's
+    partner may still finish its own work and report, as a test may expect), or is killed
+    after grace_s."""
     ranks = _LIVE.pop(world_size, None)
     if ranks is None:
         return
+    for inbox in ranks.inboxes:
+        inbox.put(None)
+    deadline = time.monotonic() + grace_s
     for p in ranks.procs:
-        p.kill()
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
     for p in ranks.procs:
-        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=30)
 
 
 def _close_all() -> None:

@@ -5,6 +5,7 @@ from tessera.models.attention import KERNELS, AttentionBatch, InnerAttention, ch
 from tessera.models.masks import CAUSAL, AttentionMask
 from tessera.models.blocks import AC_MODES, apply_activation_checkpointing, apply_compile
 from tessera.models.hf_config import CONFIG_FILE, read_hf_config
+from tessera.models.module_names import unwrapped_name
 from tessera.models.rms_norm import RMSNorm
 from tessera.models.spec import (
     ARGS_FILE,
@@ -52,4 +53,5 @@ __all__ = [
     "read_args_record",
     "read_hf_config",
     "register_model_spec",
+    "unwrapped_name",
 ]

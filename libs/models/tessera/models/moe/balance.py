@@ -8,24 +8,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tessera.models.module_names import unwrapped_name
 from tessera.models.moe.layer import MoE
 from tessera.models.spec import RunLayout, StepHooks
-
-
-# modules that activation checkpointing and torch.compile put around a block: not in a layer's name
-_WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")
-
-
-def _unwrapped(name: str) -> str:
-    for wrapper in _WRAPPERS:
-        name = name.replace(wrapper, "")
-    return name
 
 
 def moe_layers(model: nn.Module) -> dict[str, MoE]:
     """The MoE layers of ``model`` (or of a pipeline stage) by module path, wrappers left out
     (the same names, and metrics, with or without checkpointing and compile)."""
-    return {_unwrapped(name): module for name, module in model.named_modules() if isinstance(module, MoE)}
+    return {unwrapped_name(name): module for name, module in model.named_modules() if isinstance(module, MoE)}
 
 
 def expert_load(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -1,0 +1,21 @@
+"""What every optimizer step here shares: the closure contract of torch's optimizers, and the
+local shard of a DTensor (elementwise updates run on it)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def closure_loss(closure: Callable[[], torch.Tensor] | None) -> torch.Tensor | None:
+    """step(closure)'s loss: the closure re-evaluated with gradients on, as torch's optimizers do."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
