@@ -19,6 +19,7 @@ BASE = ["--training.seq_len", "32", "--training.mixed_precision_param", "float32
         "--training.steps", str(STEPS), "--lr_scheduler.warmup_steps", "1", "--training.local_batch_size", "2"]
 GROUPS = ["--optimizer.param_groups", "norms,biases,embeddings,weight_decay=0;output,lr_scale=0.5"]
 MUON = ["--optimizer.name", "Muon", "--optimizer.muon_ns_dtype", "float32", *GROUPS]
+BF16_MOMENTS = ["--optimizer.state_dtype", "bfloat16", "--optimizer.implementation", "for-loop"]
 MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--optimizer.param_groups",
        "norms,biases,embeddings,weight_decay=0;output,lr_scale=0.5;experts,router,lr_scale=0.7"]
 
@@ -30,8 +31,8 @@ LAYOUTS = {
     "muon_pp2": (2, [*MUON, "--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"], 1),
     "muon_ep2_moe": (2, [*MUON, *MOE, "--parallelism.data_parallel_shard_degree", "2", "--parallelism.expert_parallel_degree", "2"], 2),
     "adamw_groups_fsdp2": (2, [*GROUPS, "--parallelism.data_parallel_shard_degree", "2"], 2),
-    "adamw_bf16_moments_fsdp2_tp2": (4, ["--optimizer.state_dtype", "bfloat16", "--optimizer.implementation", "for-loop",
-                                         "--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"], 2),
+    "adamw_bf16_moments_fsdp2_tp2": (4, [*BF16_MOMENTS, "--parallelism.data_parallel_shard_degree", "2",
+                                         "--parallelism.tensor_parallel_degree", "2"], 2),
 }
 LAYOUT_KEYS = ("--parallelism.", "--training.local_batch_size")
 
@@ -71,9 +72,9 @@ def _resume(rank, world_size, argv):
     return [h["loss"] for h in train(load_config(argv))]
 
 
-@pytest.mark.parametrize("optimizer", ["muon", "adamw_groups"])
+@pytest.mark.parametrize("optimizer", ["muon", "adamw_groups", "adamw_bf16_moments"])
 def test_resume_across_layouts_continues_exactly(tmp_path, optimizer):
-    extra = MUON if optimizer == "muon" else GROUPS
+    extra = {"muon": MUON, "adamw_groups": GROUPS, "adamw_bf16_moments": BF16_MOMENTS}[optimizer]
     common = [*BASE, *extra, "--checkpoint.enable", "true", "--checkpoint.interval", "1", "--lr_scheduler.total_steps", "4"]
     whole = _resume(0, 1, [*common, "--training.steps", "4", "--job.dump_folder", str(tmp_path / "whole")])
     folder = ["--job.dump_folder", str(tmp_path / "moved")]

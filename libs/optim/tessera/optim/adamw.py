@@ -7,8 +7,9 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
+from torch.distributed.tensor import DTensor
 
-from tessera.optim.stepping import closure_loss, local
+from tessera.optim.stepping import closure_loss, local, local_grad
 
 
 class AdamW(torch.optim.Optimizer):
@@ -24,6 +25,7 @@ class AdamW(torch.optim.Optimizer):
             raise ValueError(f"AdamW needs lr, eps, weight_decay >= 0 and betas in [0, 1) (got {lr}, {eps}, "
                              f"{weight_decay}, {betas})")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, state_dtype=state_dtype))
+        self.register_load_state_dict_post_hook(_moments_as_stored)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -40,7 +42,7 @@ class AdamW(torch.optim.Optimizer):
                     state["exp_avg_sq"] = torch.zeros_like(p, dtype=group["state_dtype"])
                 state["step"] += 1
                 step = state["step"]  # a tensor throughout, so fake tensors (tools/estimate) trace the step
-                param, grad = local(p), local(p.grad)
+                param, grad = local(p), local_grad(p)
                 stored_avg, stored_sq = local(state["exp_avg"]), local(state["exp_avg_sq"])
                 exp_avg = stored_avg.to(param.dtype).lerp_(grad, 1 - beta1)
                 exp_avg_sq = stored_sq.to(param.dtype).mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
@@ -50,3 +52,18 @@ class AdamW(torch.optim.Optimizer):
                 denom = (exp_avg_sq.sqrt() / (1 - beta2 ** step).sqrt()).add_(eps)
                 param.sub_(exp_avg.div(denom).mul_(lr / (1 - beta1 ** step)))
         return loss
+
+
+def _moments_as_stored(optimizer: AdamW) -> None:
+    """After loading: torch's Optimizer.load_state_dict casts state to the parameter's dtype, and a
+    resharded load may leave a moment placed unlike its parameter; each moment goes back to
+    state_dtype, placed as its parameter is."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in state:
+                    value = state[key]
+                    if isinstance(p, DTensor) and isinstance(value, DTensor) and value.placements != p.placements:
+                        value = value.redistribute(p.device_mesh, p.placements)
+                    state[key] = value.to(group["state_dtype"])

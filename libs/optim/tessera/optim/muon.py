@@ -10,7 +10,7 @@ import torch
 
 from tessera.optim.newton_schulz import COEFFICIENTS, EPS, STEPS, adjusted_lr, orthogonalise
 from tessera.optim.owners import apply_whole, whole_locally
-from tessera.optim.stepping import closure_loss, local
+from tessera.optim.stepping import closure_loss, local, local_grad
 
 
 class Muon(torch.optim.Optimizer):
@@ -51,8 +51,8 @@ class Muon(torch.optim.Optimizer):
                     continue
                 state = self.state[p]
                 if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-                grad, buf = local(p.grad), local(state["momentum_buffer"])
+                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                grad, buf = local_grad(p), local(state["momentum_buffer"])
                 buf.lerp_(grad, 1 - momentum)
                 update = grad.lerp(buf, momentum) if group["nesterov"] else buf
 

@@ -13,6 +13,15 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def local_grad(p: torch.Tensor) -> torch.Tensor:
+    """p's gradient as the local tensor of p's own layout: a gradient may come placed otherwise
+    (the vocab-parallel embedding's is the whole vocabulary's, partial over the ranks)."""
+    grad = p.grad
+    if isinstance(grad, DTensor) and grad.placements != p.placements:
+        grad = grad.redistribute(p.device_mesh, p.placements)
+    return local(grad)
+
+
 def closure_loss(closure: Callable[[], torch.Tensor] | None) -> torch.Tensor | None:
     """step(closure)'s loss: the closure re-evaluated with gradients on, as torch's optimizers do."""
     if closure is None:
