@@ -38,3 +38,12 @@ def test_bfloat16_state_halves_the_moments_and_stays_close():
 def test_refusals():
     with pytest.raises(ValueError, match="AdamW needs lr, eps, weight_decay >= 0 and betas in"):
         AdamW([torch.nn.Parameter(torch.zeros(2))], betas=(0.9, 1.0))
+
+
+def test_loading_keeps_the_moments_in_their_dtype():
+    params, optimizer = _run(AdamW, state_dtype=torch.bfloat16)
+    fresh = AdamW(params, lr=0.01, state_dtype=torch.bfloat16)
+    fresh.load_state_dict(optimizer.state_dict())  # torch casts state to the parameter's dtype
+    state = fresh.state[params[0]]
+    assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16
+    assert torch.equal(state["exp_avg"], optimizer.state[params[0]]["exp_avg"])

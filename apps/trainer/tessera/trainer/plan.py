@@ -193,7 +193,7 @@ def _optimizer(config: JobConfig, spec: ModelSpec,
                         getattr(torch, opt.muon_ns_dtype))
     else:
         defaults = Optimizer()
-        for name in ("muon_exclude", "muon_momentum", "muon_nesterov", "muon_ns_steps", "muon_adjust_lr", "muon_ns_dtype"):
+        for name in (f.name for f in dataclasses.fields(Optimizer) if f.name.startswith("muon_")):
             if getattr(opt, name) != getattr(defaults, name):
                 raise ConfigError(f"optimizer.{name} applies only with optimizer.name = 'Muon' (this run: {opt.name!r})")
     if opt.state_dtype != "float32" and opt.implementation != "for-loop":

@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from tessera.optim.stepping import closure_loss, local, local_grad
 
@@ -55,15 +54,11 @@ class AdamW(torch.optim.Optimizer):
 
 
 def _moments_as_stored(optimizer: AdamW) -> None:
-    """After loading: torch's Optimizer.load_state_dict casts state to the parameter's dtype, and a
-    resharded load may leave a moment placed unlike its parameter; each moment goes back to
-    state_dtype, placed as its parameter is."""
+    """After loading: torch's Optimizer.load_state_dict casts state to the parameter's dtype;
+    the moments go back to state_dtype."""
     for group in optimizer.param_groups:
         for p in group["params"]:
             state = optimizer.state.get(p, {})
             for key in ("exp_avg", "exp_avg_sq"):
                 if key in state:
-                    value = state[key]
-                    if isinstance(p, DTensor) and isinstance(value, DTensor) and value.placements != p.placements:
-                        value = value.redistribute(p.device_mesh, p.placements)
-                    state[key] = value.to(group["state_dtype"])
+                    state[key] = state[key].to(group["state_dtype"])
