@@ -40,14 +40,12 @@ def part_optimizers(part: torch.nn.Module, plan: OptimizerPlan) -> list[torch.op
         groups[group.algorithm].append({"params": params, "lr": plan.lr * group.lr_scale,
                                         "weight_decay": group.weight_decay})
     optimizers = []
+    adamw = dict(lr=plan.lr, betas=plan.betas, eps=plan.eps, weight_decay=plan.weight_decay)
     if groups["adamw"] and plan.state_dtype is not None:
-        optimizers.append(AdamW(groups["adamw"], lr=plan.lr, betas=plan.betas, eps=plan.eps, weight_decay=plan.weight_decay,
-                                state_dtype=plan.state_dtype))
+        optimizers.append(AdamW(groups["adamw"], **adamw, state_dtype=plan.state_dtype))
     elif groups["adamw"]:
-        optimizers.append(torch.optim.AdamW(
-            groups["adamw"], lr=plan.lr, betas=plan.betas, eps=plan.eps, weight_decay=plan.weight_decay,
-            foreach=plan.implementation == "foreach", fused=plan.implementation == "fused",
-        ))
+        optimizers.append(torch.optim.AdamW(groups["adamw"], **adamw, foreach=plan.implementation == "foreach",
+                                            fused=plan.implementation == "fused"))
     if groups["muon"]:
         muon = plan.muon
         optimizers.append(Muon(groups["muon"], lr=plan.lr, weight_decay=plan.weight_decay, momentum=muon.momentum,

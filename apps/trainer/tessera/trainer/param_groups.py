@@ -101,7 +101,8 @@ def resolve_groups(opt, meta_model: Callable[[], nn.Module], spec: ModelSpec,
             raise ConfigError(f"optimizer.param_groups {entry} selects no parameter of {flavor} that an earlier entry "
                               "has not taken")
         chosen.append((",".join(entry), settings, names))
-        unclaimed = [name for name in unclaimed if name not in names]
+        taken = set(names)
+        unclaimed = [name for name in unclaimed if name not in taken]
     if unclaimed:
         chosen.append(("default", {"weight_decay": opt.weight_decay, "lr_scale": 1.0}, unclaimed))
 

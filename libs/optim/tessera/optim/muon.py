@@ -46,6 +46,11 @@ class Muon(torch.optim.Optimizer):
         sharded = 0  # the owner of the next sharded matrix, in turn
         for group in self.param_groups:
             lr, momentum = group["lr"], group["momentum"]
+
+            def ns(u, group=group):
+                return orthogonalise(u, coefficients=group["ns_coefficients"], steps=group["ns_steps"],
+                                     eps=group["eps"], dtype=group["ns_dtype"])
+
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -55,11 +60,6 @@ class Muon(torch.optim.Optimizer):
                 grad, buf = local_grad(p), local(state["momentum_buffer"])
                 buf.lerp_(grad, 1 - momentum)
                 update = grad.lerp(buf, momentum) if group["nesterov"] else buf
-
-                def ns(u, group=group):
-                    return orthogonalise(u, coefficients=group["ns_coefficients"], steps=group["ns_steps"],
-                                         eps=group["eps"], dtype=group["ns_dtype"])
-
                 if whole_locally(p):
                     update = ns(update)
                 else:
