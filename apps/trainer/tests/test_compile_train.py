@@ -1,7 +1,8 @@
 """torch.compile (per-block regional compile, and the loss) under every layout, against the same
 layout in eager mode: fp32 losses and grad norms within 1e-5 relative (inductor reorders float
-sums; 1e-4 with float8). Also compile with activation checkpointing, FSDP and float8 together, and the warm-up
-step reported apart from throughput. Eager layouts match one process in test_distributed_train."""
+sums; 1e-4 with float8). Also compile with full AC under FSDP, and selective AC, HSDP and float8
+together, and the warm-up step reported apart from throughput. Eager layouts match one process in
+test_distributed_train."""
 
 import pytest
 
@@ -15,16 +16,15 @@ BASE = ["--training.seq_len", "32", "--training.mixed_precision_param", "float32
 COMPILE = ["--compile.enable", "true"]
 LAYOUTS = {
     1: {"single": []},
-    2: {"fsdp2": ["--parallelism.data_parallel_shard_degree", "2"],
+    2: {"ac_fsdp2": ["--parallelism.data_parallel_shard_degree", "2", "--activation_checkpoint.mode", "full"],
         "tp2": ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
         "pp2": ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]},
     4: {"fsdp2_tp2": ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"],
-        # everything at once: selective AC, FSDP over 4 ranks, float8 (emulated here) with its all-gather
-        "ac_fsdp4_float8": ["--activation_checkpoint.mode", "selective", "--model.converters", "float8", "--float8.filter_fqns", "output",
-                            "--float8.enable_fsdp_float8_all_gather", "true",
-                            "--float8.precompute_float8_dynamic_scale_for_fsdp", "true"],
-        # and HSDP with full AC
-        "ac_hsdp2x2_float8": ["--activation_checkpoint.mode", "full", "--model.converters", "float8", "--float8.filter_fqns", "output",
+        # everything at once: selective AC, HSDP (replicas of 2-way FSDP shards), float8 (emulated here)
+        # with its all-gather and precomputed scales
+        "ac_hsdp2x2_float8": ["--activation_checkpoint.mode", "selective", "--model.converters", "float8",
+                              "--float8.filter_fqns", "output", "--float8.enable_fsdp_float8_all_gather", "true",
+                              "--float8.precompute_float8_dynamic_scale_for_fsdp", "true",
                               "--parallelism.data_parallel_replicate_degree", "2",
                               "--parallelism.data_parallel_shard_degree", "2"]},
 }

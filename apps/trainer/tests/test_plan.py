@@ -137,9 +137,64 @@ def test_check_prints_the_plan_and_exits_0(capsys):
     assert "dp_shard 64 x tp 8" in out and "tokens per device" in out and "per token" in out
 
 
+_LAYOUT_WORDS = {"FSDP": "dp_shard", "TP": "tp", "PP": "pp", "expert parallel": "ep"}
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.toml")), ids=lambda path: path.stem)
+def test_every_shipped_config_plans_the_layout_its_first_line_names(path):
+    """Each shipped config (every family) plans on the GPUs its first line names, with that
+    layout, on a host that has neither the GPUs nor the files it names (notes)."""
+    first = path.read_text().splitlines()[0]
+    found = re.search(r" on (\d+) GPUs \(([^)]*)\)", first)
+    if found is None:
+        assert "runs on CPU" in first, first
+        plan = make_plan(load_config(["--job.config_file", str(path)]), 1)
+        assert plan.dims.world_size == 1
+        return
+    world = int(found[1])
+    plan = make_plan(load_config(["--job.config_file", str(path)]), world, "cuda", check_only=True)
+    named = {_LAYOUT_WORDS[word]: int(n) for word, n in re.findall(r"(FSDP|TP|PP|expert parallel) (\d+)", found[2])}
+    assert named and {dim: getattr(plan.dims, dim) for dim in named} == named, first
+    assert plan.dims.world_size == world
+
+
 def test_check_world_size_needs_check(capsys):
     assert main(["--check_world_size", "4"]) == 2
     assert capsys.readouterr().err.strip() == "error: --check_world_size needs --check"
+    assert main(["--check_device", "cuda"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --check_device needs --check"
+    assert main(["--check", "--check_device", "tpu"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --check_device 'tpu' is not one of cpu, cuda"
+
+
+def test_check_plans_the_cluster_s_cuda_ranks_from_a_cpu_host(capsys):
+    """A world size names a cluster's job: its plan is for CUDA (async TP, which needs CUDA, is
+    checked from a login node); --check_device cpu plans for CPU ranks and says why it refuses."""
+    argv = ["--job.config_file", str(CONFIGS / "llama3_405b.toml"), "--check", "--check_world_size", "512",
+            "--parallelism.enable_async_tensor_parallel", "true", "--compile.enable", "true"]
+    assert main(argv) == 0
+    assert "llama3/405B on 512 cuda rank(s)" in capsys.readouterr().out
+    assert main([*argv, "--check_device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: parallelism.enable_async_tensor_parallel needs CUDA") and err.count("\n") == 1
+    assert main(["--check", "--check_device", "cuda", "--training.seq_len", "32"]) == 0
+    assert "on 1 cuda rank(s)" in capsys.readouterr().out
+
+
+def test_check_of_a_big_layout_on_one_rank_suggests_the_world_size(capsys):
+    assert main(["--job.config_file", str(CONFIGS / "llama3_70b.toml"), "--check"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: world size 1 is not divisible") and err.count("\n") == 1
+    assert "--check_world_size N plans the cluster's job" in err
+
+
+def test_check_into_a_closed_pipe_ends_quietly():
+    """`--check | head -1`: the reader is gone before the plan is printed."""
+    proc = subprocess.Popen([sys.executable, "-m", "tessera.trainer.main", "--check"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # long before the interpreter has imported torch and planned
+    _, err = proc.communicate(timeout=120)
+    assert (proc.returncode, err) == (0, "")
 
 
 def test_layout_error_under_nproc_is_one_line_before_any_worker():

@@ -133,6 +133,16 @@ def test_version_names_trainer_libraries_torch_and_commit(capsys):
     assert "\n" not in out and " git " in out
 
 
+def test_version_names_the_code_s_commit_from_any_folder(tmp_path, monkeypatch, capsys):
+    source = Path(cli_info.__file__).resolve().parent
+    described = subprocess.run(["git", "-C", str(source), "describe", "--always", "--dirty"], capture_output=True, text=True)
+    monkeypatch.chdir(tmp_path)  # not a checkout
+    monkeypatch.delenv("BUILD_WORKSPACE_DIRECTORY", raising=False)
+    assert main(["--version"]) == 0
+    expected = described.stdout.strip() if described.returncode == 0 else "unknown"
+    assert capsys.readouterr().out.strip().endswith(f"| git {expected}")
+
+
 def test_readme_key_table_is_current():
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     assert cli_info.key_table() in readme, "regenerate with: python -m tessera.trainer.cli_info"
@@ -175,10 +185,17 @@ def test_first_step_checkpoint_load_only_and_saved_lines(tmp_path, capsys):
     train(load_config([*common, "--training.steps", "3", "--checkpoint.enable_first_step_checkpoint", "true"]))
     folder = tmp_path / "checkpoint"
     assert {"step-1", "step-3"} <= {p.name for p in folder.iterdir()}
-    assert f"checkpoint: saved {folder / 'step-1'} in " in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"checkpoint: saved {folder / 'step-1'} in " in out
+    # the run's last line: steps, tokens (2 x 32 per step), the logged losses' last and lowest, its newest checkpoint
+    summary = out.strip().splitlines()[-1]
+    losses = [float(x) for x in re.findall(r"^step +\d/3 +loss +([\d.]+)", out, re.M)]
+    assert len(losses) == 3 and summary.startswith("run done: 3 steps, 192 tokens in "), out
+    assert f"final loss {losses[-1]:.4f}, best {min(losses):.4f}" in summary and summary.endswith(f"checkpoint {folder / 'step-3'}")
     before = sorted(p.name for p in folder.iterdir())
     train(load_config([*common, "--training.steps", "6", "--checkpoint.load_only", "true"]))
     assert sorted(p.name for p in folder.iterdir()) == before  # resumed from step 3, saved nothing
+    assert capsys.readouterr().out.strip().splitlines()[-1].endswith("; no checkpoint written")
 
 
 def test_each_run_gets_its_own_tensorboard_folder_and_no_colour_off_a_terminal(tmp_path):
@@ -194,6 +211,32 @@ def test_each_run_gets_its_own_tensorboard_folder_and_no_colour_off_a_terminal(t
     runs = list((tmp_path / "tb").iterdir())
     assert len(runs) == 2 or runs[0].name.count("-") == 1  # two runs in one second share a folder name
     assert json.loads((tmp_path / "saved/config.json").read_text())["training"]["steps"] == 1
+
+
+def test_tensorboard_carries_torchtitan_s_tags_beside_its_own(tmp_path):
+    """torchtitan 0.2.2's dashboards chart its own tag names: each scalar is written under both,
+    with equal values (the CUDA allocator's tags only on CUDA)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from tessera.trainer.metrics import TORCHTITAN_TAGS
+
+    history = train(load_config([*SMALL, "--job.dump_folder", str(tmp_path), "--training.steps", "2",
+                                 "--metrics.enable_tensorboard", "true", "--validation.enable", "true",
+                                 "--validation.steps", "1", "--validation.freq", "2"]))
+    events = EventAccumulator(str(next((tmp_path / "tb").iterdir())))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    cuda_only = {name for name in TORCHTITAN_TAGS if name.startswith("memory_")}
+    for name, torchtitan_name in TORCHTITAN_TAGS.items():
+        if name in cuda_only:
+            assert torchtitan_name not in tags
+            continue
+        ours, theirs = events.Scalars(name), events.Scalars(torchtitan_name)
+        assert [(e.step, e.value) for e in ours] == [(e.step, e.value) for e in theirs] != [], name
+    losses = [e.value for e in events.Scalars("loss_metrics/global_avg_loss")]
+    assert losses == pytest.approx([h["loss"] for h in history if "loss" in h])
+    assert [e.value for e in events.Scalars("ntokens_seen")] == [64, 128]  # 2 sequences x 32 tokens a step
+    assert {"grad_norm", "tflops", "lr"} <= tags
 
 
 def test_custom_import_registers_before_checks(tmp_path, monkeypatch):

@@ -1,5 +1,7 @@
+import math
 from dataclasses import replace
 
+import pytest
 import torch
 
 from tessera.models.llama import ModelArgs, Transformer, precompute_freqs_cis
@@ -46,6 +48,22 @@ def test_tied_embeddings_share_storage_after_to_empty():
     model = meta_then_init(args, 0)
     assert model.output.weight is model.tok_embeddings.weight
     assert model.output.weight.data_ptr() == model.tok_embeddings.weight.data_ptr()
-    # The tied weight is counted once and gets the output init (small, not std 1).
+    # The tied weight is counted once and gets Hugging Face's init for tied families: normal, std 0.02.
     assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in Transformer(TINY).parameters()) - TINY.vocab_size * TINY.dim
-    assert model.output.weight.abs().max().item() <= 3 * args.dim**-0.5
+    assert abs(model.output.weight.std().item() - 0.02) < 0.002
+
+
+@pytest.mark.parametrize("flavor", ["debugmodel", "debugmodel_moe"])
+def test_qwen3_debug_models_start_near_ln_vocab(flavor):
+    """The first loss on random tokens is near ln(vocab) (7.62 for 2048; the untied families start
+    near 8.1): the tied dense flavor started at 10.4 when its shared weight took the output's
+    init (each token's own logit then sqrt(dim) = 16)."""
+    from tessera.models import get_model_spec
+
+    spec = get_model_spec("qwen3")
+    args = spec.flavors[flavor]
+    torch.manual_seed(0)
+    model = spec.build(args)
+    tokens = torch.randint(args.vocab_size, (4, 64))
+    loss = torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1).float(), tokens[:, 1:].flatten())
+    assert abs(loss.item() - math.log(args.vocab_size)) < 0.6, loss.item()

@@ -89,6 +89,7 @@ class Checkpointer:
             "rng": rng_state(rank),
         }
         self.manager = None
+        self.last_saved: Path | None = None  # the newest checkpoint this run wrote (the run's summary names it)
         if self.config.enable or self.config.create_seed_checkpoint:
             self.manager = CheckpointManager(
                 self.folder, self.states, interval=self.config.interval, async_mode=self.config.async_mode,
@@ -182,6 +183,7 @@ class Checkpointer:
             self._check_finite(step)
             started = time.perf_counter()
             if self.manager.save(step):
+                self.last_saved = self.folder / f"step-{step}"
                 self._say_saved(step, time.perf_counter() - started)
             else:
                 self._say(f"{self.folder / f'step-{step}'} already holds a complete checkpoint, kept as it is "
@@ -205,7 +207,8 @@ class Checkpointer:
         if self.manager is None or not self.config.enable or self.config.load_only:
             return False
         self._check_finite(step)
-        self.manager.save(step)
+        if self.manager.save(step):
+            self.last_saved = self.folder / f"step-{step}"
         return True
 
     def _check_finite(self, step: int) -> None:

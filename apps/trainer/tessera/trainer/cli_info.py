@@ -15,10 +15,11 @@ import tomllib
 from tessera.trainer.config import ConfigError, JobConfig, get_key
 from tessera.trainer.schema import OLDER_TORCHTITAN, TESSERA, declared
 
-TRAINER_VERSION = "0.12.0"
+TRAINER_VERSION = "0.13.0"
 LIBRARIES = ("mesh", "models", "data", "fsdp", "tp", "pp", "cp", "ep", "ckpt", "float8", "optim")
 
-USAGE = """usage: trainer [--nproc N] [--check [--check_world_size N]] [--job.config_file F] [--section.key VALUE ...]
+USAGE = """usage: trainer [--nproc N] [--check [--check_world_size N] [--check_device cpu|cuda]] [--job.config_file F]
+               [--section.key VALUE ...]
        trainer --help [SECTION]    the config keys (of one section), their defaults and meanings
        trainer --version           versions of the trainer, its libraries, torch, and the git commit"""
 
@@ -84,8 +85,9 @@ def _library_version(name: str) -> str:
 
 
 def _git_commit() -> str:
-    """The commit of the checkout the trainer runs from (Bazel names it; else the cwd's)."""
-    where = os.environ.get("BUILD_WORKSPACE_DIRECTORY") or os.getcwd()
+    """The commit of the checkout the trainer's code comes from: Bazel names the workspace, else
+    this file's real folder (Bazel's runfiles link into the checkout), wherever the cwd is."""
+    where = os.environ.get("BUILD_WORKSPACE_DIRECTORY") or str(Path(__file__).resolve().parent)
     try:
         out = subprocess.run(["git", "-C", where, "describe", "--always", "--dirty"], capture_output=True, text=True,
                              timeout=10)

@@ -1,11 +1,14 @@
-"""Command line: `trainer [--nproc N] [--check [--check_world_size N]] [--job.config_file F] [--section.key value ...]`,
-`trainer --help [SECTION]`, `trainer --version`.
+"""Command line: `trainer [--nproc N] [--check [--check_world_size N] [--check_device D]] [--job.config_file F]
+[--section.key value ...]`, `trainer --help [SECTION]`, `trainer --version`.
 
 Bad input ends with one line on stderr naming the culprit and exit status 2; a bug keeps its
 traceback. `--nproc N` starts N local worker processes through torch's own launcher (torchrun's
 engine) once the job plan has checked the config for N ranks; under `torchrun` or `srun torchrun`
 leave it out. `--check` prints the job plan for `--check_world_size` (else `--nproc`, else
-torchrun's WORLD_SIZE, else 1) ranks and exits 0 without building the model.
+torchrun's WORLD_SIZE, else 1) ranks on `--check_device` (cpu or cuda; cuda when
+`--check_world_size` is given, since that plans a cluster's job, else this host's device) and
+exits 0 without building the model. Output cut short by a closed pipe (`--check | head -1`) ends
+quietly.
 """
 
 from __future__ import annotations
@@ -118,8 +121,12 @@ def main(argv: list[str] | None = None) -> int:
         check, argv = _take_option(argv, "--check", takes_value=False)
         check_world_size, argv = _take_option(argv, "--check_world_size")
         check_world_size = _positive_int("--check_world_size", check_world_size)
-        if check_world_size is not None and check is None:
-            raise ConfigError("--check_world_size needs --check")
+        check_device, argv = _take_option(argv, "--check_device")
+        for flag, value in (("--check_world_size", check_world_size), ("--check_device", check_device)):
+            if value is not None and check is None:
+                raise ConfigError(f"{flag} needs --check")
+        if check_device not in (None, "cpu", "cuda"):
+            raise ConfigError(f"--check_device {check_device!r} is not one of cpu, cuda")
         config = load_config(argv)
         from tessera.trainer.plan import make_plan
 
@@ -127,7 +134,14 @@ def main(argv: list[str] | None = None) -> int:
             from tessera.trainer.check import describe
 
             world_size = check_world_size or nproc or int(os.environ.get("WORLD_SIZE", "1"))
-            print(describe(make_plan(config, world_size, check_only=True)), flush=True)
+            device = check_device or ("cuda" if check_world_size else None)
+            try:
+                plan = make_plan(config, world_size, device, check_only=True)
+            except ConfigError as e:
+                if check_world_size or nproc or "WORLD_SIZE" in os.environ or "world size" not in str(e):
+                    raise
+                raise ConfigError(f"{e} (planned for 1 rank: --check_world_size N plans the cluster's job)") from None
+            print(describe(plan), flush=True)
             return 0
         if nproc is not None:
             make_plan(config, nproc)  # every config error once, before any worker starts
@@ -139,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
         if note and os.environ.get("RANK", "0") == "0":
             print(note, file=sys.stderr, flush=True)
         train(config)
+    except BrokenPipeError:  # stdout's reader left (`--check | head -1`): nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor at exit's flush
+        return 0
     except (ConfigError, OSError) as e:  # OSError: unwritable dump folder, full disk, unreadable files
         return _error(f"error: {e}", 2)
     except TrainingError as e:  # diverged: the numbers, not the input, are at fault

@@ -81,13 +81,43 @@ def memory_gib(device: str) -> tuple[float, float]:
     return rss_kib / 2**20, peak_kib / 2**20
 
 
-def all_reduce_mean(value: torch.Tensor, mesh: DeviceMesh | None) -> float:
-    """The mean of a per-rank scalar over `mesh` (None: this rank's value)."""
+def cuda_memory_stats() -> dict[str, float]:
+    """What torchtitan's dashboards chart beside the allocated peak (CUDA only): the caching
+    allocator's reserved peak, both peaks as % of the device, its retries and OOMs."""
+    stats, total = torch.cuda.memory_stats(), torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    active, reserved = stats.get("active_bytes.all.peak", 0), stats.get("reserved_bytes.all.peak", 0)
+    return {"memory_active_peak_gib": active / 2**30, "memory_active_peak_pct": 100 * active / total,
+            "memory_reserved_peak_gib": reserved / 2**30, "memory_reserved_peak_pct": 100 * reserved / total,
+            "memory_alloc_retries": stats.get("num_alloc_retries", 0), "memory_ooms": stats.get("num_ooms", 0)}
+
+
+def all_reduce_scalar(value: torch.Tensor, mesh: DeviceMesh | None, op=dist.ReduceOp.AVG) -> float:
+    """A per-rank scalar reduced over `mesh` by `op` (None: this rank's value)."""
     if mesh is None:
         return value.item()
     value = value.detach().clone()
-    dist.all_reduce(value, op=dist.ReduceOp.AVG, group=mesh.get_group())
+    dist.all_reduce(value, op=op, group=mesh.get_group())
     return value.item()
+
+
+# Each scalar also under torchtitan 0.2.2's TensorBoard tag, so its dashboards read Tessera's runs
+# (the README's metric table). torchtitan's data-loading times have no counterpart: batches are
+# prefetched off the step.
+TORCHTITAN_TAGS = {
+    "loss": "loss_metrics/global_avg_loss",
+    "loss_max": "loss_metrics/global_max_loss",
+    "tokens_seen": "ntokens_seen",
+    "tps": "throughput(tps)",
+    "mfu_pct": "mfu(%)",
+    "seconds_per_step": "time_metrics/end_to_end(s)",
+    "memory_active_peak_gib": "memory/max_active(GiB)",
+    "memory_active_peak_pct": "memory/max_active(%)",
+    "memory_reserved_peak_gib": "memory/max_reserved(GiB)",
+    "memory_reserved_peak_pct": "memory/max_reserved(%)",
+    "memory_alloc_retries": "memory/num_alloc_retries",
+    "memory_ooms": "memory/num_ooms",
+    "validation_loss": "validation_metrics/loss",
+}  # grad_norm, tflops and lr have the same names in both
 
 
 class StepTimer:
@@ -171,9 +201,12 @@ class MetricLogger:
         self.scalars(step, values)
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
+        """Each value under its own name and, where torchtitan names it otherwise, under that too."""
         if self.writer is not None:
             for name, value in values.items():
                 self.writer.add_scalar(name, value, step)
+                if name in TORCHTITAN_TAGS:
+                    self.writer.add_scalar(TORCHTITAN_TAGS[name], value, step)
 
     def close(self) -> None:
         if self.writer is not None:

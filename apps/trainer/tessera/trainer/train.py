@@ -32,10 +32,11 @@ from tessera.trainer.family_hooks import FamilyHooks
 from tessera.trainer.faults import (
     StopSignals, any_rank, inject_fault, stalled_collective, tighten_timeouts,
 )
-from tessera.trainer.metrics import MetricLogger, StepTimer, all_reduce_mean, memory_gib, peak_tflops
+from tessera.trainer.metrics import MetricLogger, StepTimer, all_reduce_scalar, cuda_memory_stats, memory_gib, peak_tflops
 from tessera.trainer.optimizer import build_optimizers
 from tessera.trainer.parallelize import build_parallel_model
 from tessera.trainer.plan import JobPlan, make_plan, tokenizer_source
+from tessera.trainer.run_summary import run_summary
 from tessera.trainer.step import SkippedSteps, StepResult, build_loss, make_train_step, step_functions
 from tessera.trainer.validation import validation_runner
 
@@ -158,8 +159,11 @@ def _train(plan: JobPlan, info) -> list[dict]:
 
     def log(step: int, result: StepResult) -> dict:
         memory, memory_peak = memory_gib(device)
-        values = {"loss": all_reduce_mean(result.loss, meshes.loss), "grad_norm": result.grad_norm.item(),
-                  "lr": result.lr, **timer.rates(), "memory_gib": memory, "memory_peak_gib": memory_peak}
+        values = {"loss": all_reduce_scalar(result.loss, meshes.loss),
+                  "loss_max": all_reduce_scalar(result.loss, meshes.loss, dist.ReduceOp.MAX),
+                  "grad_norm": result.grad_norm.item(), "lr": result.lr, "tokens_seen": step * plan.batch.global_size * plan.batch.seq_len, **timer.rates(),
+                  "seconds_per_step": timer.seconds_per_step, "memory_gib": memory, "memory_peak_gib": memory_peak,
+                  **(cuda_memory_stats() if device == "cuda" else {})}
         values.update(family.metrics())
         warmup = timer.take_warmup()
         if warmup is not None:
@@ -179,6 +183,7 @@ def _train(plan: JobPlan, info) -> list[dict]:
     batches = user_batches(loader)
     stop = StopSignals(config.job.stop_grace_seconds)
     gc.disable()  # collected every gc_freq steps instead, at the same point on every rank
+    started = time.perf_counter()
     try:
         with profiling.profiler(config, dump, info.rank, device, start_step) as profiler:
             timer.restart()
@@ -229,4 +234,7 @@ def _train(plan: JobPlan, info) -> list[dict]:
         stop.close()
         logger.close()
         checkpointer.close()
+    if info.rank == 0:
+        print(run_summary(history, step - start_step, plan.batch.global_size * plan.batch.seq_len,
+                          time.perf_counter() - started, checkpointer.last_saved), flush=True)
     return history

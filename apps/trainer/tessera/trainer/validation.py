@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from tessera.data import Prefetcher, build_dataloader, distributed_peers
 from tessera.trainer.config import user_input
-from tessera.trainer.metrics import all_reduce_mean
+from tessera.trainer.metrics import all_reduce_scalar
 from tessera.trainer.parallelize import ParallelModel
 from tessera.trainer.plan import JobPlan, validation_shape
 
@@ -39,7 +39,7 @@ def validate(model: ParallelModel, loss, dataset, plan: JobPlan, tokenizer, dp_r
         loader.close()
     if count == 0:
         raise ValueError(f"validation dataset {dataset.source} is too small for one batch")
-    return all_reduce_mean(total / count, loss_mesh)
+    return all_reduce_scalar(total / count, loss_mesh)
 
 
 def validation_runner(model: ParallelModel, loss, dataset, plan: JobPlan, tokenizer, dp_rank: int, loss_mesh, peers,

@@ -103,8 +103,11 @@ class Decoder(nn.Module):
         """Recompute the RoPE table and reset the blocks' buffers (on ``buffer_device``, default:
         where the table is) and initialise every parameter this module (or stage) still holds.
 
-        Embedding: normal, std 1. Output: std dim**-0.5 cut at 3 std (with tied embeddings the
-        shared weight gets this init). Norms: ones. Blocks: their own ``init_weights``.
+        Embedding: normal, std 1. Output: std dim**-0.5 cut at 3 std. Tied embeddings: the
+        shared weight normal, std 0.02 (Qwen3's ``initializer_range``, as Hugging Face inits
+        it); the output's init would give each token's own logit sqrt(dim) (a token's normed
+        embedding times itself) and a first loss far above ln(vocab). Norms: ones. Blocks:
+        their own ``init_weights``.
         """
         buffer_device = buffer_device or self.rope.device
         with torch.device(buffer_device):
@@ -117,7 +120,9 @@ class Decoder(nn.Module):
             inner.init_weights()
         if self.norm is not None:
             self.norm.reset_parameters()
-        if self.output is not None:
+        if self.output is not None and self.tie_embeddings:
+            nn.init.normal_(self.output.weight, std=BASE_INIT_STD)
+        elif self.output is not None:
             std = self.args.dim**-0.5
             nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
