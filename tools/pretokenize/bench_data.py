@@ -5,7 +5,8 @@
    consumes on the debug model, and their ratio (goal: >= 20x);
 3. resident memory while streaming a dataset 10x the embedded corpus, sampled along the way,
    and time to first batch for 1x vs 10x;
-4. open time of a synthetic 2 GB token shard (and its first batch).
+4. open time of a synthetic 2 GB token shard (and its first batch);
+5. tokens/s each source serves, tokenising as it goes (text, Parquet) or not (shards), shuffled.
 
   bazel run //tools/pretokenize:bench_data -- [--workdir /tmp/bench_data] [--train-steps 8]
 """
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tessera.data import build_dataloader, load_tokenizer, open_shards, pretokenize
+from tessera.data import build_dataloader, load_dataset, load_tokenizer, open_shards, pretokenize
 from tessera.data.shards import ShardWriter
 from tessera.trainer.config import load_config
 from tessera.trainer.train import train
@@ -132,6 +133,26 @@ def bench_2gb_shard(work: Path) -> None:
           f"open + first shuffled batch {first * 1e3:.1f} ms")
 
 
+def bench_sources(shards: Path, work: Path) -> None:
+    """The embedded corpus as each source kind: its JSON lines, Parquet files of 64-row groups
+    (pyarrow, when installed) and its token shards."""
+    tok = load_tokenizer()
+    sources = {"text (.jsonl.gz)": load_dataset(), "token shards": open_shards(shards)}
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        (work / "parquet").mkdir()
+        pq.write_table(pa.table({"text": list(sources["text (.jsonl.gz)"])}), work / "parquet" / "corpus.parquet",
+                       row_group_size=64)
+        sources["Parquet"] = load_dataset(work / "parquet")
+    except ImportError:
+        print("   (Parquet skipped: pyarrow is not installed)")
+    print("5. tokens/s served by each source (shuffled, tokenising where the source is text):")
+    for name, data in sources.items():
+        print(f"   {name:18} {loader_tokens_per_s(data, tok, 200):12,.0f} tokens/s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", default=None, help="scratch folder (default: the system's temporary one)")
@@ -143,6 +164,7 @@ def main() -> None:
         bench_loader_vs_trainer(shards, args.train_steps, work)
         bench_memory(shards, work)
         bench_2gb_shard(work)
+        bench_sources(shards, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -1,13 +1,15 @@
 """The data order survives a change of data-parallel degree: a checkpoint written with dp 1
 resumes with dp 2 and one written with dp 2 resumes with dp 1 (same global batch), and the
 losses after the resume equal the uninterrupted run's. Shuffling and prefetching are on (the
-defaults), so their state is what travels."""
+defaults), so their state is what travels. For the embedded text corpus and for the same
+documents as a folder of Parquet files (read a row group at a time, shuffled group-wise)."""
 
 import shutil
 
 import pytest
 import torch
 
+from tessera.data import load_dataset
 from tessera.mesh.testing import run_on_ranks
 from tessera.trainer.config import load_config
 from tessera.trainer.train import train
@@ -37,16 +39,30 @@ def _resume_from(source, dump):
     return ["--job.dump_folder", str(dump)]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def _parquet_corpus(folder):
+    """The embedded corpus's documents as two Parquet files of 64-row groups."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    documents = list(load_dataset())
+    folder.mkdir()
+    half = len(documents) // 2
+    for i, part in enumerate((documents[:half], documents[half:])):
+        pq.write_table(pa.table({"text": part}), folder / f"train-{i}.parquet", row_group_size=64)
+    return ["--training.dataset_path", str(folder)]
+
+
+@pytest.fixture(scope="module", params=["embedded_text", "parquet"])
+def runs(tmp_path_factory, request):
     tmp = tmp_path_factory.mktemp("data_resume")
-    one = train(load_config([*BASE, "--job.dump_folder", str(tmp / "dp1")]))
+    base = [*BASE, *(_parquet_corpus(tmp / "corpus") if request.param == "parquet" else [])]
+    one = train(load_config([*base, "--job.dump_folder", str(tmp / "dp1")]))
     # Both 2-rank runs in one spawn: starting the processes costs more than the runs.
     one_to_two, two = run_on_ranks(_train_on_ranks, 2, [
-        [*BASE, *DP2, *_resume_from(tmp / "dp1", tmp / "dp1_to_dp2")],
-        [*BASE, *DP2, "--job.dump_folder", str(tmp / "dp2")],
+        [*base, *DP2, *_resume_from(tmp / "dp1", tmp / "dp1_to_dp2")],
+        [*base, *DP2, "--job.dump_folder", str(tmp / "dp2")],
     ])[0]
-    two_to_one = train(load_config([*BASE, *_resume_from(tmp / "dp2", tmp / "dp2_to_dp1")]))
+    two_to_one = train(load_config([*base, *_resume_from(tmp / "dp2", tmp / "dp2_to_dp1")]))
     return one, one_to_two, two, two_to_one
 
 

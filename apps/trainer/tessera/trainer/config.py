@@ -144,9 +144,10 @@ class DataLoader:
 class Training:
     dataset: str = key("default", "default (the embedded corpus), c4_test / c4_validation (./tests/assets/<name>), or a path")
     dataset_path: str = key(
-        "", "a text or JSON-lines (.jsonl/.json[.gz]) file, a folder of them, or a folder of token shards (tools/pretokenize)",
-        path=True)
-    dataset_text_field: str = key("text", "the field of each JSON record holding its text", origin=TESSERA)
+        "", "a text, JSON-lines (.jsonl/.json[.gz]) or Parquet file, a folder of them, or a folder of token shards "
+        "(tools/pretokenize)", path=True)
+    dataset_text_field: str = key("text", "the field of each JSON record, or the Parquet column, holding its text",
+                                  origin=TESSERA)
     # mixed in proportions seeded by debug.seed; the paths resolve as dataset_path
     dataset_mixture: list[str] = key(
         [], "[\"path=weight\", ...]: datasets mixed in these proportions, replacing dataset and dataset_path",

@@ -6,6 +6,7 @@ from tessera.data.held_out import HELD_OUT_FRACTION, split_held_out
 from tessera.data.hf_tokenizer import hf_tokenizer_files, write_hf_tokenizer
 from tessera.data.loader import PackedLoader, build_dataloader
 from tessera.data.mixture import parse_mixture
+from tessera.data.parquet import ParquetDataset
 from tessera.data.peers import Peers, distributed_peers
 from tessera.data.prefetch import Prefetcher
 from tessera.data.pretokenize import pretokenize
@@ -24,6 +25,7 @@ __all__ = [
     "LLAMA3_SPECIAL_TOKENS",
     "LLAMA3_SPLIT_PATTERN",
     "PackedLoader",
+    "ParquetDataset",
     "Peers",
     "Prefetcher",
     "ShardDataset",

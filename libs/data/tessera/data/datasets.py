@@ -9,6 +9,9 @@ Sources accepted by `load_dataset`:
 - a `.jsonl`, `.jsonl.gz`, `.json` or `.json.gz` file: one JSON object per line, the document in
   `text_field` (`.json` as Hugging Face's `datasets` reads it, e.g. torchtitan's
   `tests/assets/c4_test/data.json`; `.json.gz` as c4's shards).
+- a `.parquet` file, or a folder holding `.parquet` files (every one below it, sorted by
+  relative path, its other files ignored): one document per row, its text in the `text_field`
+  column, read a row group at a time (`tessera.data.parquet`; needs pyarrow).
 - a folder of token shards written by `tools/pretokenize` (see `tessera.data.shards`).
 """
 
@@ -23,6 +26,7 @@ from importlib import resources
 from pathlib import Path
 from typing import IO, Iterator
 
+from tessera.data.parquet import PARQUET_SUFFIX, ParquetDataset, iter_parquet
 from tessera.data.shards import ShardDataset, is_shard_folder, open_shards
 
 _TEXT_SUFFIXES = (".txt", ".md")
@@ -47,15 +51,23 @@ class TextDataset:
 
 def load_dataset(
     source: str | os.PathLike | None = None, text_field: str = "text"
-) -> TextDataset | ShardDataset:
-    """Documents from `source` (see the module docstring); `text_field` names the JSON field.
+) -> TextDataset | ShardDataset | ParquetDataset:
+    """Documents from `source` (see the module docstring); `text_field` names the JSON field or
+    Parquet column.
 
     A folder written by `tools/pretokenize` (it holds `index.json`) opens as a memory-mapped
-    `ShardDataset` instead: nothing is read or tokenised up front.
+    `ShardDataset` instead, and Parquet as a `ParquetDataset`: nothing is read or tokenised up
+    front.
     """
     if source not in _DEFAULT_NAMES and is_shard_folder(source):
         return open_shards(source)
     name = "default" if source in _DEFAULT_NAMES else str(Path(source))
+    files = source_files(source)
+    if files and _is_parquet(files[0]):
+        dataset = ParquetDataset(name, files, text_field)
+        if not len(dataset):
+            raise ValueError(f"dataset {name} has no documents")
+        return dataset
     return _non_empty(TextDataset(name, tuple(iter_documents(source, text_field))))
 
 
@@ -68,11 +80,12 @@ def source_files(source: str | os.PathLike | None) -> list[Path]:
         raise FileNotFoundError(f"dataset path not found: {path}")
     if path.is_dir():
         files = sorted((p for p in path.rglob("*") if p.is_file()), key=lambda p: p.relative_to(path).as_posix())
+        parquet = [p for p in files if _is_parquet(p)]
         json_lines = [p for p in files if _is_json_lines(p)]
-        return json_lines or [p for p in files if p.suffix in _TEXT_SUFFIXES]
-    if not _is_json_lines(path) and path.suffix not in _TEXT_SUFFIXES:
+        return parquet or json_lines or [p for p in files if p.suffix in _TEXT_SUFFIXES]
+    if not _is_json_lines(path) and not _is_parquet(path) and path.suffix not in _TEXT_SUFFIXES:
         raise ValueError(
-            f"unsupported dataset file {path}: expected .txt, .md, .jsonl, .jsonl.gz, .json, .json.gz or a folder"
+            f"unsupported dataset file {path}: expected .txt, .md, .jsonl, .jsonl.gz, .json, .json.gz, .parquet or a folder"
         )
     return [path]
 
@@ -81,7 +94,9 @@ def iter_documents(source: str | os.PathLike | None, text_field: str = "text") -
     """The documents of `source` one at a time (blank ones skipped), without holding them all."""
     folder = source not in _DEFAULT_NAMES and Path(source).is_dir()
     for path in source_files(source):
-        if _is_json_lines(path):
+        if _is_parquet(path):
+            yield from iter_parquet(path, text_field)
+        elif _is_json_lines(path):
             field = "text" if source in _DEFAULT_NAMES else text_field
             with open(path, "rb") as f:
                 yield from _read_jsonl(f, str(path), path.name.endswith(".gz"), field)
@@ -91,6 +106,10 @@ def iter_documents(source: str | os.PathLike | None, text_field: str = "text") -
                 yield text
         else:
             yield from _split_blocks(_read_text(path))
+
+
+def _is_parquet(path: Path) -> bool:
+    return path.suffix == PARQUET_SUFFIX
 
 
 def _is_json_lines(path: Path) -> bool:

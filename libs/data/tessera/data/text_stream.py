@@ -2,7 +2,8 @@
 
 Each document is encoded as BOS + text + EOS and the documents are laid end to end, in file
 order or, with a shuffle seed, in a fresh seeded permutation per epoch (the dataset is in memory
-anyway, so the whole order is shuffled); the stream runs on across epochs. `take` moves one
+anyway, so the whole order is shuffled; a dataset read in chunks, Parquet, orders its own epochs);
+the stream runs on across epochs. `take` moves one
 window of seq_len + 1 tokens along it.
 
 Every rank walks the whole stream, and documents are long (many windows each, needed by many
@@ -115,7 +116,10 @@ class TextStream:
         if self._shuffle_seed is None:
             return self._dataset[position]
         if self._order is None or self._order[0] != self._epoch:
-            self._order = (self._epoch, epoch_order(self._shuffle_seed, self._epoch, len(self._dataset)))
+            # a dataset read in chunks (Parquet's row groups) orders its epochs itself
+            own = getattr(self._dataset, "epoch_order", None)
+            order = own(self._shuffle_seed, self._epoch) if own else epoch_order(self._shuffle_seed, self._epoch, len(self._dataset))
+            self._order = (self._epoch, order)
         return self._dataset[int(self._order[1][position])]
 
     def _doc(self, position: int) -> array:
