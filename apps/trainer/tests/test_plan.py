@@ -137,6 +137,19 @@ def test_check_prints_the_plan_and_exits_0(capsys):
     assert "dp_shard 64 x tp 8" in out and "tokens per device" in out and "per token" in out
 
 
+def test_plans_of_one_model_share_its_meta_model():
+    """The planner makes hundreds of plans of one model: it is built on the meta device once
+    (plans only read it), whatever the layout."""
+    from tessera.trainer import plan as plan_module
+
+    plan_module._shared_meta_model.cache_clear()
+    config = ["--job.config_file", str(CONFIGS / "llama3_70b.toml"), "--parallelism.pipeline_parallel_degree", "2",
+              "--training.local_batch_size", "8"]
+    for schedule in ("1F1B", "Interleaved1F1B", "ZBVZeroBubble"):
+        make_plan(load_config([*config, "--parallelism.pipeline_parallel_schedule", schedule]), 128, "cuda", check_only=True)
+    assert plan_module._shared_meta_model.cache_info().misses == 1 and plan_module._shared_meta_model.cache_info().hits >= 2
+
+
 _LAYOUT_WORDS = {"FSDP": "dp_shard", "TP": "tp", "PP": "pp", "expert parallel": "ep"}
 
 

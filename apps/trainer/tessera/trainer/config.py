@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import importlib
 import math
 import os
@@ -445,9 +446,11 @@ def _section_fields(section: str) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(sections[section].default_factory)}
 
 
+@functools.lru_cache(maxsize=None)
 def _field_type(section: str, key: str) -> typing.Any:
     """The declared type of section.key, where key may name a nested table's key
-    ("dataloader.num_workers", "linear.float8.recipe_name")."""
+    ("dataloader.num_workers", "linear.float8.recipe_name"); remembered, since the planner
+    loads hundreds of configs."""
     fields, owner, path = _section_fields(section), type(getattr(JobConfig(), section)), section
     *groups, leaf = key.split(".")
     for group in groups:
