@@ -105,16 +105,23 @@ def _error(message: str, code: int) -> int:
     return code
 
 
+def _print_for_a_reader(text: str) -> None:
+    """Prints what --check, --help and --version show; a reader that left early (`--check |
+    head -1`) ends it quietly, as for any filter (a training run's closed stdout stays an error)."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more at exit's flush either
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         if argv and argv[0] in ("--help", "-h", "--version"):
             from tessera.trainer import cli_info
 
-            if argv[0] == "--version":
-                print(cli_info.version_text())
-            else:
-                print(cli_info.help_text(argv[1] if len(argv) > 1 else None))
+            _print_for_a_reader(cli_info.version_text() if argv[0] == "--version"
+                                else cli_info.help_text(argv[1] if len(argv) > 1 else None))
             return 0
         nproc, argv = _take_option(argv, "--nproc")
         nproc = _positive_int("--nproc", nproc)
@@ -141,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                 if check_world_size or nproc or "WORLD_SIZE" in os.environ or "world size" not in str(e):
                     raise
                 raise ConfigError(f"{e} (planned for 1 rank: --check_world_size N plans the cluster's job)") from None
-            print(describe(plan), flush=True)
+            _print_for_a_reader(describe(plan))
             return 0
         if nproc is not None:
             make_plan(config, nproc)  # every config error once, before any worker starts
@@ -153,9 +160,6 @@ def main(argv: list[str] | None = None) -> int:
         if note and os.environ.get("RANK", "0") == "0":
             print(note, file=sys.stderr, flush=True)
         train(config)
-    except BrokenPipeError:  # stdout's reader left (`--check | head -1`): nothing more to say
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor at exit's flush
-        return 0
     except (ConfigError, OSError) as e:  # OSError: unwritable dump folder, full disk, unreadable files
         return _error(f"error: {e}", 2)
     except TrainingError as e:  # diverged: the numbers, not the input, are at fault

@@ -161,7 +161,8 @@ def _train(plan: JobPlan, info) -> list[dict]:
         memory, memory_peak = memory_gib(device)
         values = {"loss": all_reduce_scalar(result.loss, meshes.loss),
                   "loss_max": all_reduce_scalar(result.loss, meshes.loss, dist.ReduceOp.MAX),
-                  "grad_norm": result.grad_norm.item(), "lr": result.lr, "tokens_seen": step * plan.batch.global_size * plan.batch.seq_len, **timer.rates(),
+                  "grad_norm": result.grad_norm.item(), "lr": result.lr,
+                  "tokens_seen": step * plan.batch.global_size * plan.batch.seq_len, **timer.rates(),
                   "seconds_per_step": timer.seconds_per_step, "memory_gib": memory, "memory_peak_gib": memory_peak,
                   **(cuda_memory_stats() if device == "cuda" else {})}
         values.update(family.metrics())
