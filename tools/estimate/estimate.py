@@ -55,7 +55,7 @@ def estimate(plan: JobPlan, trace: bool = True) -> dict:
             role["traced"] = measured
             role["traced_activations"] = t.traced_activations
         roles.append(role)
-    tokens = plan.batch.global_size * plan.batch.seq_len
+    tokens = plan.batch.global_tokens
     return {
         "model": f"{plan.spec.name}/{plan.config.model.flavor}", "world_size": plan.world_size,
         "degrees": {k: v for k, v in plan.dims.degrees().items() if v > 1},

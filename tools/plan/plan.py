@@ -452,7 +452,7 @@ def describe(c: Candidate, gpu: GPU, rank: int) -> str:
     degrees = " x ".join(f"{k} {v}" for k, v in d.degrees().items() if v > 1) or "single"
     degrees += f" (ep {d.ep} of them)" if d.ep > 1 else ""
     pipeline = f", {lay.schedule} with {lay.stages_per_rank} stage(s) per rank" if lay.schedule else ""
-    tokens = c.plan.batch.global_size * c.plan.batch.seq_len
+    tokens = c.plan.batch.global_tokens
     return "\n".join([
         f"#{rank}: {degrees}{pipeline}, {'float8' if lay.float8 else 'bf16'}, "
         f"{('compiled + async TP' if c.plan.tensor_parallel.async_tp else 'compiled') if c.plan.compile.blocks else 'eager'}, "

@@ -27,6 +27,11 @@ class BatchPlan:
         return self.local * self.dp * self.accumulation
 
     @property
+    def global_tokens(self) -> int:
+        """Tokens per optimizer step, all ranks together."""
+        return self.global_size * self.seq_len
+
+    @property
     def tokens_per_device(self) -> float:
         """Tokens per optimizer step per device, as torchtitan reports throughput."""
         return self.local * self.seq_len * self.accumulation / self.devices_per_batch

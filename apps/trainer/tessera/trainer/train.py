@@ -162,7 +162,7 @@ def _train(plan: JobPlan, info) -> list[dict]:
         values = {"loss": all_reduce_scalar(result.loss, meshes.loss),
                   "loss_max": all_reduce_scalar(result.loss, meshes.loss, dist.ReduceOp.MAX),
                   "grad_norm": result.grad_norm.item(), "lr": result.lr,
-                  "tokens_seen": step * plan.batch.global_size * plan.batch.seq_len, **timer.rates(),
+                  "tokens_seen": step * plan.batch.global_tokens, **timer.rates(),
                   "seconds_per_step": timer.seconds_per_step, "memory_gib": memory, "memory_peak_gib": memory_peak,
                   **(cuda_memory_stats() if device == "cuda" else {})}
         values.update(family.metrics())
@@ -236,6 +236,6 @@ def _train(plan: JobPlan, info) -> list[dict]:
         logger.close()
         checkpointer.close()
     if info.rank == 0:
-        print(run_summary(history, step - start_step, plan.batch.global_size * plan.batch.seq_len,
-                          time.perf_counter() - started, checkpointer.last_saved), flush=True)
+        print(run_summary(history, step - start_step, plan.batch.global_tokens, time.perf_counter() - started,
+                          checkpointer.last_saved), flush=True)
     return history
