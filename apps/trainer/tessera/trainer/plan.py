@@ -284,10 +284,11 @@ def _meta_model(spec: ModelSpec, args) -> torch.nn.Module:
     so plans of the same model share one (tools/plan makes hundreds: building Llama 3 70B took
     0.12 s each, 78 % of a search); a family whose args cannot be hashed gets its own each time."""
     try:
-        return _shared_meta_model(spec.build, args)
-    except TypeError:  # unhashable args (a TypeError of the build itself is raised again below)
+        hash(args)
+    except TypeError:
         with torch.device("meta"):
             return spec.build(args)
+    return _shared_meta_model(spec.build, args)
 
 
 @functools.lru_cache(maxsize=4)
