@@ -68,7 +68,7 @@ def load_dataset(
         if not len(dataset):
             raise ValueError(f"dataset {name} has no documents")
         return dataset
-    return _non_empty(TextDataset(name, tuple(iter_documents(source, text_field))))
+    return _non_empty(TextDataset(name, tuple(_documents(source, files, text_field))))
 
 
 def source_files(source: str | os.PathLike | None) -> list[Path]:
@@ -92,8 +92,13 @@ def source_files(source: str | os.PathLike | None) -> list[Path]:
 
 def iter_documents(source: str | os.PathLike | None, text_field: str = "text") -> Iterator[str]:
     """The documents of `source` one at a time (blank ones skipped), without holding them all."""
+    yield from _documents(source, source_files(source), text_field)
+
+
+def _documents(source: str | os.PathLike | None, files: list[Path], text_field: str) -> Iterator[str]:
+    """The documents of `files`, `source_files(source)` (listed once by the caller)."""
     folder = source not in _DEFAULT_NAMES and Path(source).is_dir()
-    for path in source_files(source):
+    for path in files:
         if _is_parquet(path):
             yield from iter_parquet(path, text_field)
         elif _is_json_lines(path):
