@@ -13,12 +13,11 @@ import argparse
 import dataclasses
 import json
 import resource
-import subprocess
-import sys
 import time
 
 import torch
 import torch.nn.functional as F
+from fresh_process import run_in_fresh_process
 
 
 def _dense_document_attention(q, k, v, batch=None):
@@ -82,14 +81,9 @@ def main(argv: list[str] | None = None) -> None:
     for seq in (int(s) for s in args.seqs.split(",")):
         rows = {}
         for path in ("dense", "blocked"):
-            child = subprocess.run([sys.executable, __file__, "--case", f"{path},{seq}", "--steps", str(args.steps),
-                                    "--layers", str(args.layers), "--doc_len", str(args.doc_len)],
-                                   capture_output=True, text=True)
-            if child.returncode:
-                rows[path] = None
-                print(f"{seq}: {path} failed: {child.stderr.strip().splitlines()[-1] if child.stderr.strip() else child.returncode}")
-                continue
-            rows[path] = json.loads(child.stdout.strip().splitlines()[-1])
+            rows[path] = run_in_fresh_process(__file__, ["--case", f"{path},{seq}", "--steps", str(args.steps),
+                                                         "--layers", str(args.layers), "--doc_len", str(args.doc_len)],
+                                              f"{seq}: {path}")
         dense, blocked = rows["dense"], rows["blocked"]
         if dense is None or blocked is None:
             continue

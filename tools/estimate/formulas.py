@@ -154,7 +154,11 @@ def estimate_rank(plan: JobPlan, pp_rank: int = 0) -> FormulaEstimate:
     # or the optimizer step (gradients, + foreach AdamW's parameter-sized temporaries, fused: in
     # place; + Muon's whole matrix on its owner)
     last_block = _recompute_bytes(plan) + (3 * plan.precision.param.itemsize * tp_local_block if _regathers(plan, fsdp) else 0)
-    if "output" in modules:
+    if "output" in modules and plan.loss.chunk_size:
+        # the chunked loss's gradient of the gathered hidden states, still in its reduce-scatter
+        # (an async collective waited on in the norm's backward) while the last block rebuilds
+        last_block += 2 * _gathered_hidden(plan)
+    elif "output" in modules:
         last_block -= _head_activations(plan)
     temporaries = (params if plan.optimizer.implementation == "foreach" else 0) + muon_temporaries
     peak = params + optimizer + buffers + max(act + held + max(_logits_grad(plan, modules, fp8), last_block), grads + temporaries)
@@ -267,6 +271,9 @@ def block_activations(plan: JobPlan, mode: str) -> float:
     small = tokens * F32 * 2 / t + tokens * a.n_heads // t * F32  # RMSNorm rstd x2, attention logsumexp
     norms = tokens * 2 * norm_kept(plan) * h / t
     gathered_inputs = 2 * h * (t - 1) / t  # under sequence parallel the linears keep the gathered norm outputs
+    if mode == "memory_budget":  # compile's partitioner, read as between recomputing all (full) and nothing
+        budget = plan.checkpointing.memory_budget
+        return budget * block_activations(plan, "none") + (1 - budget) * block_activations(plan, "full")
     if mode == "full":
         return tokens * e * h / t
     if mode == "selective":  # the matmul and attention outputs (option "op"); blocks' input
@@ -295,7 +302,10 @@ def _head_activations(plan: JobPlan) -> float:
     is computed) and their fp32 log-softmax; the fp32 upcast between them is freed."""
     a, t, e = plan.model_args, plan.dims.tp, _compute_bytes(plan)
     tokens = _microbatch_tokens(plan)
-    return tokens * (e * a.dim / t + norm_kept(plan) * a.dim / t + e * a.dim * (t - 1) / t) + tokens * a.vocab_size / t * (F32 + e)
+    hidden = tokens * (e * a.dim / t + norm_kept(plan) * a.dim / t + e * a.dim * (t - 1) / t)
+    if plan.loss.chunk_size:  # the chunked loss keeps the (gathered) hidden states only
+        return hidden
+    return hidden + tokens * a.vocab_size / t * (F32 + e)
 
 
 def _logits_grad(plan: JobPlan, modules: list[str], fp8: frozenset[str]) -> float:
@@ -306,12 +316,33 @@ def _logits_grad(plan: JobPlan, modules: list[str], fp8: frozenset[str]) -> floa
     column-major, for the input- and weight-gradient matmuls): traced, to the byte."""
     if "output" not in modules:
         return 0
+    if plan.loss.chunk_size:
+        return _chunk_grad(plan)
     a, e, tokens = plan.model_args, _compute_bytes(plan), _microbatch_tokens(plan)
     cast = e if e != F32 and not plan.loss.parallel else 0
     grad = tokens * a.vocab_size / plan.dims.tp * (F32 + cast)
     if "output" in fp8:
         grad += tokens * a.dim * e + (2 * tokens * a.vocab_size / plan.dims.tp if plan.loss.parallel else 0)
     return grad
+
+
+def _gathered_hidden(plan: JobPlan) -> float:
+    """Bytes of one micro-batch's final hidden states, whole (gathered over the tp ranks)."""
+    return _microbatch_tokens(plan) * plan.model_args.dim * _compute_bytes(plan)
+
+
+def _chunk_grad(plan: JobPlan) -> float:
+    """The chunked loss's tallest moment in backward (fitted to whole traces of Llama 3 8B and 70B,
+    tools/estimate README): one chunk's recomputed logits in fp32 and their gradient (and its cast to
+    the compute dtype without loss parallel), the output
+    weight's gradient twice (the chunk's and the sum so far, gathered, in the parameter dtype),
+    and the hidden states' gradient (with tensor parallel: the chunks', their concatenation and
+    the reduce-scatter's Partial input and output)."""
+    a, t, e = plan.model_args, plan.dims.tp, _compute_bytes(plan)
+    chunk = min(plan.loss.chunk_size, _microbatch_tokens(plan))
+    cast = e if e != F32 and not plan.loss.parallel else 0
+    weight = 0 if a.tie_embeddings else 2 * a.vocab_size * a.dim / t * plan.precision.param.itemsize
+    return chunk * a.vocab_size / t * (2 * F32 + cast) + weight + (4 if t > 1 else 1) * _gathered_hidden(plan)
 
 
 def _microbatch_activations(plan: JobPlan, modules: list[str]) -> float:

@@ -12,7 +12,7 @@ from tessera.mesh import Meshes, build_meshes
 from tessera.trainer.config import load_config
 from tessera.trainer.parallelize import build_parallel_model
 from tessera.trainer.plan import make_plan
-from tessera.trainer.step import cross_entropy, make_train_step, step_functions
+from tessera.trainer.step import build_loss, make_train_step, step_functions
 from tessera.trainer.optimizer import build_optimizers
 
 from live_bytes import LiveBytes
@@ -32,9 +32,10 @@ def measure_rank(rank: int, world_size: int, argv: list[str]) -> dict[str, int]:
     torch.manual_seed(0)
     with LiveBytes() as live:
         meshes = build_meshes(plan.dims, "cpu") if dist.is_initialized() else Meshes.single()
-        model = build_parallel_model(plan, meshes, cross_entropy)
+        loss_fn = build_loss(plan)
+        model = build_parallel_model(plan, meshes, loss_fn)
         optimizers = build_optimizers(model.parts, plan.optimizer)
-        forward_backward = step_functions(model.parts, model.pipeline, cross_entropy, plan, meshes, bos_id=NO_BOS)[0]
+        forward_backward = step_functions(model.parts, model.pipeline, loss_fn, plan, meshes, bos_id=NO_BOS)[0]
         step = make_train_step(model.parts, optimizers.all, optimizers.scheduler, forward_backward, plan, pp_mesh=meshes.pp)
         vocab, batch = plan.model_args.vocab_size, plan.batch
 

@@ -48,6 +48,9 @@ LAYOUTS = {  # name: (world size, degrees)
     # and under TP, where the vocab-parallel embedding's held gradient is the whole vocabulary's
     "fsdp2_tp2_accum2": (4, ["--parallelism.tensor_parallel_degree", "2", "--training.global_batch_size", "16"]),
     "cp2": (2, ["--parallelism.context_parallel_degree", "2"]),  # torch's ring (allgather), FSDP over the cp ranks
+    # the chunked loss (training.loss_chunk_size) under loss parallel: no whole logits, the hidden states gathered
+    "tp2_chunked_loss": (2, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
+                             "--training.loss_chunk_size", "128"]),
     # Muon: one momentum per matrix it steps, AdamW's two moments for the rest; the owner's whole matrices
     "muon_fsdp2": (2, ["--optimizer.name", "Muon"]),
     "qwen3_fsdp2": (2, ["--model.name", "qwen3", "--model.flavor", "debugmodel"]),  # traced only: no closed form
@@ -155,6 +158,9 @@ def _cut_depths(monkeypatch) -> list[int]:
     # FSDP's buffers in a block's backward dominate, which the formula follows less closely (README), and
     # more closely the deeper the model (16 blocks: -6.6 %): all 126
     ("llama3_405b.toml", 512, ["--parallelism.tensor_parallel_degree", "4", "--training.local_batch_size", "2"], None, 0.03),
+    # the chunked loss under FSDP 4 x TP 2: its moments are fitted (formulas._chunk_grad), within 4 % at 8B and 70B
+    ("llama3_8b.toml", 8, ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "2",
+                           "--training.loss_chunk_size", "4096"], 8, 0.04),
 ])
 def test_formula_against_whole_trace_at_scale(config, world, argv, depth, tolerance, monkeypatch):
     """The shipped configs at their real widths and layouts ("cuda" plans, bf16, the flavor's 128K

@@ -29,7 +29,8 @@ from tessera import fsdp, pp
 from tessera.mesh import Meshes, build_meshes
 from tessera.trainer.parallelize import convert, parallelize
 from tessera.trainer.plan import JobPlan, traced_on_cpu
-from tessera.trainer.step import cross_entropy, gradient_sync, step_functions
+from tessera.trainer.chunked_loss import ChunkedCrossEntropy
+from tessera.trainer.step import build_loss, gradient_sync, step_functions
 from tessera.trainer.optimizer import build_optimizers
 
 from collectives import Collectives, group_dims, group_ranks
@@ -157,8 +158,12 @@ def _step(plan: JobPlan, parts, optimizers, meshes: Meshes, comm: Collectives,
     part = parts[0]
     forward_end = {}
 
+    mean_loss = build_loss(plan)  # the whole logits' or the chunked loss, as the plan says
+    if isinstance(mean_loss, ChunkedCrossEntropy):
+        mean_loss.bind(parts)
+
     def loss_fn(logits, labels):
-        loss = cross_entropy(logits, labels)
+        loss = mean_loss(logits, labels)
         forward_end.clear()
         forward_end.update(live.sizes)
         return loss

@@ -107,11 +107,6 @@ def test_a_refused_key_names_itself_and_why(key):
     assert message.startswith(f"config key {key} = ") and KEYS[key].refused in message and "\n" not in message
 
 
-def test_memory_budget_mode_is_refused_with_the_reason():
-    with pytest.raises(ConfigError, match="activation_checkpoint.mode = 'memory_budget': mode memory_budget"):
-        load_config(["--activation_checkpoint.mode", "memory_budget"])
-
-
 def test_help_lists_every_key_with_default_and_meaning(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out

@@ -120,6 +120,8 @@ def _two_ranks(rank, world_size):
     for policy in ("default", "always", "never"):
         model = apply_fsdp(_model(), mesh, reshard_after_forward=policy)
         out[f"resharded_{policy}"] = _registered_resharded(model)
+    out["resharded_always_output_kept"] = _registered_resharded(
+        apply_fsdp(_model(), mesh, reshard_after_forward="always", keep_output_gathered=True))
     tied = apply_fsdp(_model(tied=True), mesh)
     out["tied_groups"] = [isinstance(m, FSDPModule) for m in (tied.tok_embeddings, tied.output)]
     return out
@@ -184,6 +186,9 @@ def test_reshard_policies(two_rank_runs):
     }
     assert set(two_rank_runs[0]["resharded_always"].values()) == {True}
     assert set(two_rank_runs[0]["resharded_never"].values()) == {False}
+    # a loss that reads the output projection after the forward (chunk by chunk) keeps it gathered
+    kept = two_rank_runs[0]["resharded_always_output_kept"]
+    assert kept.pop("output") is False and set(kept.values()) == {True}
 
 
 def test_hsdp_2x2_matches_single_process(reference):

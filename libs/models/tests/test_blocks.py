@@ -140,7 +140,9 @@ def test_none_leaves_the_model_alone():
     blocks = list(model.layers.values())
     apply_activation_checkpointing(model, "none", "op")
     assert list(model.layers.values()) == blocks
-    assert AC_MODES == ("none", "full", "selective")
+    apply_activation_checkpointing(model, "memory_budget")  # compile's partitioner chooses (apply_compile)
+    assert list(model.layers.values()) == blocks
+    assert AC_MODES == ("none", "full", "selective", "memory_budget")
 
 
 @pytest.mark.parametrize(

@@ -42,7 +42,6 @@ _NO_EP = "not yet: expert-parallel options beyond expert_parallel_degree are bei
 _NO_FT = ("torchft is not part of Tessera; it restarts from checkpoints instead "
           "(torchrun --max-restarts, SLURM requeue: see the trainer README)")
 _ESTIMATE = "the trainer trains; for a dry run use `bazel run //tools/estimate -- --job.config_file ...`"
-_MEMORY_BUDGET = "mode memory_budget (compile's min-cut partitioner) is not supported"
 
 
 @dataclasses.dataclass
@@ -164,6 +163,9 @@ class Training:
         -1, "sequences per optimizer step over all ranks; -1: local_batch_size * data-parallel degree")
     seq_len: int = key(256, "tokens per sequence", bound=">= 1")
     max_norm: float = key(1.0, "clip the global gradient norm to this", bound="> 0")
+    loss_chunk_size: int = key(
+        0, "tokens per chunk of a loss that projects to the vocabulary and takes the cross-entropy chunk by chunk, "
+        "never holding a micro-batch's whole logits; 0: off", bound=">= 0", origin=TESSERA)
     steps: int = key(100, "optimizer steps to train", bound=">= 1")
     # float32 by default: without AVX-512 BF16 (e.g. AVX2-only CPUs) CPU bf16 matmuls are
     # emulated, measured 20x slower here. GPU configs set "bfloat16".
@@ -253,7 +255,8 @@ class Checkpoint:
 @dataclasses.dataclass
 class ActivationCheckpoint:
     mode: str = key(
-        "none", "none, selective or full: recompute activations in backward instead of storing them", choices=AC_MODES)
+        "none", "none, selective, full or memory_budget (compile's partitioner chooses, within memory_budget): "
+        "recompute activations in backward instead of storing them", choices=AC_MODES)
     selective_ac_option: str = key(  # checked in validate(): "op" or an int
         "op", "op (keep matmul outputs, recompute the rest) or N (checkpoint every N-th block)")
     preserve_rng_state: bool = key(True, "recompute with the forward's RNG state (dropout-exact)")
@@ -262,10 +265,11 @@ class ActivationCheckpoint:
         "default", "default (compare recomputed tensor metadata) or none", choices=("default", "none"))
     debug: bool = key(False, "record the recomputed ops for debugging a mismatch")
     memory_budget: float = key(
-        0.5, "with mode memory_budget: the fraction of activation memory kept",
-        refused=f"{_MEMORY_BUDGET}; use selective or full")
+        0.5, "with mode memory_budget: the compiled blocks' activation memory kept, from 0 (recompute all the "
+        "partitioner may) to 1 (its default choice)", bound="within [0, 1]")
     visualize_memory_budget_pareto: bool = key(
-        False, "with mode memory_budget: plot the memory/recompute Pareto front", refused=_MEMORY_BUDGET)
+        False, "with mode memory_budget: plot each graph's memory/recompute Pareto front (SVG) under "
+        "dump_folder/memory_budget_pareto")
     per_op_sac_force_recompute_mm_shapes_by_fqns: list[str] = key(
         ["moe.router.gate"], "op-level AC recomputes matmuls of these modules (MoE router)", refused=_NO_EP)
 
@@ -668,9 +672,6 @@ def note(message: str) -> None:
 
 def validate(config: JobConfig, accepted: frozenset[str] = frozenset()) -> None:
     """What each key declares (schema.check_declared), then the rules between keys."""
-    if config.activation_checkpoint.mode == "memory_budget":
-        reason = declared(JobConfig)["activation_checkpoint.memory_budget"].refused
-        raise ConfigError(f"config key activation_checkpoint.mode = 'memory_budget': {reason}")
     check_declared(config, accepted)
     option = config.activation_checkpoint.selective_ac_option
     if option != "op" and not (option.isdigit() and int(option) >= 1):

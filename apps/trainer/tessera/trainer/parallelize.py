@@ -3,7 +3,7 @@ because each stage wraps what the previous one produced:
 
 1. build: the spec's model, whole on CPU, on the meta device on GPU;
 2. convert: the plan's model converters swap modules (float8 linears) while the module tree is
-   still plain;
+   still plain, and a chunked loss defers the output projection to itself;
 3. parallelise: under pipeline parallel the model is first cut into the stages this rank runs
    (tessera.pp), then each part gets tensor parallel (with the converters' styles), activation
    checkpointing and per-block compile, then FSDP/HSDP or DDP outermost;
@@ -26,6 +26,7 @@ from torch.distributed.tensor import Shard
 from tessera import cp, ep, fsdp, pp, tp
 from tessera.mesh import Meshes
 from tessera.models import apply_activation_checkpointing, apply_compile, inner_attentions
+from tessera.trainer.chunked_loss import ChunkedCrossEntropy, defer_output
 from tessera.trainer.plan import JobPlan
 from tessera.trainer.step import LossFn, micro_batch_loss
 
@@ -47,6 +48,8 @@ def build_model(plan: JobPlan) -> nn.Module:
 def convert(model: nn.Module, plan: JobPlan) -> None:
     for converter in plan.converters:
         converter.convert(model)
+    if plan.loss.chunk_size:  # the loss projects the hidden states (tessera.trainer.chunked_loss)
+        defer_output(model)
     if plan.print_converted and (not dist.is_initialized() or dist.get_rank() == 0):
         print(model, flush=True)
 
@@ -79,13 +82,14 @@ def parallelize(model: nn.Module, plan: JobPlan, meshes: Meshes | None) -> nn.Mo
     if plan.compile.blocks:
         if plan.tensor_parallel.async_tp:  # the plan checked CUDA, TP and compile
             tp.enable_async_tp(meshes.tp, plan.device, compile_enabled=True)
-        apply_compile(model, backend=plan.compile.backend)
+        apply_compile(model, backend=plan.compile.backend, memory_budget=ac.memory_budget, pareto_dir=ac.pareto_dir)
         if dims.tp_enabled:
             _copy_first_block_input(model)
     if dims.fsdp_enabled:
         fsdp.apply_fsdp(
             model, meshes.fsdp, param_dtype=plan.precision.param, reduce_dtype=plan.precision.reduce,
             reshard_after_forward=plan.fsdp.reshard_after_forward, cpu_offload=plan.fsdp.cpu_offload,
+            keep_output_gathered=bool(plan.loss.chunk_size),
             own_meshes=[(module, meshes.expert_fsdp, _expert_placement(module, meshes)) for module in experts],
         )
     elif dims.dp_replicate > 1:
@@ -160,4 +164,6 @@ def build_parallel_model(plan: JobPlan, meshes: Meshes | None, loss_fn: LossFn) 
         torch.manual_seed(seed)
     for part in parts:
         materialise(part, plan)
+    if isinstance(loss_fn, ChunkedCrossEntropy):
+        loss_fn.bind(parts)
     return ParallelModel(parts, pipeline)

@@ -21,7 +21,8 @@ from tessera.data import load_tokenizer, parse_mixture
 from tessera.fsdp import MIXED_PRECISION_DTYPES
 from tessera.mesh import MeshLayout, ParallelDims, device_type, mesh_layout, resolve_parallel_dims
 from tessera.models import ModelSpec, RunLayout, choose_kernel, get_model_spec, plain_causal
-from tessera.trainer.config import ConfigError, JobConfig, Optimizer, user_directory, user_input
+from tessera.trainer.chunked_loss import hidden_output_style
+from tessera.trainer.config import ActivationCheckpoint, ConfigError, JobConfig, Optimizer, user_directory, user_input
 from tessera.trainer.converters import ModelConverter, build_converters
 from tessera.trainer.hf_assets import check_hf_weights, flavor_args, initial_load_folder
 from tessera.trainer.param_groups import resolve_groups
@@ -129,7 +130,9 @@ def make_plan(config: JobConfig, world_size: int, device: str | None = None, *, 
     converters = build_converters(config, dims)
     # expert_tensor_parallel_degree 1: the ep group holds the tp ranks and takes the experts whole
     experts = {"experts": lambda layouts: None} if dims.ep_spans_tp else {}
-    styles = tp.styles_with({**experts, **{role: f for c in converters for role, f in c.tp_styles.items()}})
+    # the chunked loss projects the hidden states itself: under TP they come out gathered
+    chunked = {"vocab_output": hidden_output_style} if training.loss_chunk_size else {}
+    styles = tp.styles_with({**experts, **chunked, **{role: f for c in converters for role, f in c.tp_styles.items()}})
     meta_model = functools.cache(lambda: _meta_model(spec, args))
     _check_tensor_parallel(config, spec, args, dims, styles)
     _check_family(config, spec, args, dims, device)
@@ -145,6 +148,7 @@ def make_plan(config: JobConfig, world_size: int, device: str | None = None, *, 
     loss_parallel = dims.tp_enabled and not par.disable_loss_parallel
     optimizer, warnings = _optimizer(config, spec, meta_model)
     warnings += _check_converters(config, spec, converters, meta_model)
+    _check_chunked_loss(config, converters, meta_model)
     return JobPlan(
         config=config, world_size=world_size, device=device, dims=dims, meshes=mesh_layout(dims), spec=spec,
         model_args=args, batch=batch, precision=_precision(config, dims), converters=converters,
@@ -158,7 +162,7 @@ def make_plan(config: JobConfig, world_size: int, device: str | None = None, *, 
         # a compiled cross-entropy of vocab-sharded logits bypasses loss parallel (torch 2.13: the
         # local shard's loss, 2.6 instead of 8.2 on the debug model), so it stays eager there
         loss=LossPlan(loss_parallel, _compiles(config, "loss") and not loss_parallel,
-                      1 / batch.accumulation),
+                      1 / batch.accumulation, training.loss_chunk_size),
         flops_per_token=_flops_per_token(config, spec, args), seed=config.debug.seed,
         dataset=dataset, validation_dataset=validation, notes=tuple(notes), warnings=tuple(warnings),
     )
@@ -177,9 +181,22 @@ def _precision(config: JobConfig, dims: ParallelDims) -> Precision:
 
 
 def _checkpointing(config: JobConfig) -> CheckpointingPlan:
+    """Mode memory_budget hands the choice to compile's min-cut partitioner (tessera.models.apply_compile):
+    it needs the blocks compiled, and its two keys mean nothing under another mode."""
     ac = config.activation_checkpoint
+    if ac.mode != "memory_budget":
+        for name in ("memory_budget", "visualize_memory_budget_pareto"):
+            if getattr(ac, name) != getattr(ActivationCheckpoint(), name):
+                raise ConfigError(f"activation_checkpoint.{name} applies only with activation_checkpoint.mode "
+                                  f"memory_budget (this run: {ac.mode!r})")
+        return CheckpointingPlan(ac.mode, ac.selective_ac_option, ac.preserve_rng_state, ac.early_stop,
+                                 ac.determinism_check, ac.debug)
+    if not _compiles(config, "model"):
+        raise ConfigError("activation_checkpoint.mode memory_budget lets compile's partitioner choose what to recompute: "
+                          "set compile.enable true with 'model' in compile.components, or use mode selective or full")
+    pareto = str(Path(config.job.dump_folder) / "memory_budget_pareto") if ac.visualize_memory_budget_pareto else None
     return CheckpointingPlan(ac.mode, ac.selective_ac_option, ac.preserve_rng_state, ac.early_stop, ac.determinism_check,
-                             ac.debug)
+                             ac.debug, ac.memory_budget, pareto)
 
 
 def _optimizer(config: JobConfig, spec: ModelSpec,
@@ -317,6 +334,19 @@ def _check_converters(config: JobConfig, spec: ModelSpec, converters, meta_model
         warnings += [f"{key}: {pattern!r} matches no module of {flavor}" for pattern in patterns
                      if not any(pattern in fqn for fqn, _ in model.named_modules())]
     return warnings
+
+
+def _check_chunked_loss(config: JobConfig, converters, meta_model: Callable[[], torch.nn.Module]) -> None:
+    """The chunked loss runs the output projection itself, in high precision: a converter that
+    would swap it (float8 with "output" left out of its filter) cannot serve it."""
+    if not config.training.loss_chunk_size:
+        return
+    for converter in converters:
+        if converter.selects is not None and converter.selects("output", meta_model().output):
+            key, patterns = converter.patterns
+            raise ConfigError(f"training.loss_chunk_size runs the output projection in high precision, but "
+                              f"model.converters {converter.name} would convert 'output' ({key} {list(patterns)}); "
+                              "keep it unconverted or set loss_chunk_size 0")
 
 
 def _pipeline(config: JobConfig, spec: ModelSpec, meta_model: Callable[[], torch.nn.Module], dims: ParallelDims,
@@ -467,7 +497,7 @@ def traced_on_cpu(plan: JobPlan) -> JobPlan:
     (FlexAttention, CUDA's choice for masked layers, has no CPU backward), compile-free."""
     return dataclasses.replace(
         plan, device="cpu", attention=attention_plan(plan.config, plan.spec, plan.model_args, plan.dims, "cpu"),
-        compile=dataclasses.replace(plan.compile, blocks=False),
+        compile=dataclasses.replace(plan.compile, blocks=False), loss=dataclasses.replace(plan.loss, compiled=False),
         tensor_parallel=dataclasses.replace(plan.tensor_parallel, async_tp=False))
 
 

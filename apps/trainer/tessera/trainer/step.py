@@ -24,6 +24,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from tessera import cp, fsdp, pp, tp
+from tessera.trainer.chunked_loss import ChunkedCrossEntropy
 from tessera.trainer.faults import TrainingError
 from tessera.trainer.plan import JobPlan
 
@@ -41,8 +42,13 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def build_loss(plan: JobPlan) -> LossFn:
-    """cross_entropy, compiled where the plan says (never under loss parallel, see LossPlan)."""
-    return torch.compile(cross_entropy, backend=plan.compile.backend) if plan.loss.compiled else cross_entropy
+    """cross_entropy, compiled where the plan says (never under loss parallel, see LossPlan); or,
+    with training.loss_chunk_size, the chunked loss of the final hidden states, which the model
+    built for this plan returns (bound to its output projection by build_parallel_model)."""
+    backend = plan.compile.backend if plan.loss.compiled else None
+    if plan.loss.chunk_size:
+        return ChunkedCrossEntropy(plan.loss.chunk_size, gather_logits=not plan.loss.parallel, compile_backend=backend)
+    return torch.compile(cross_entropy, backend=backend) if backend else cross_entropy
 
 
 def plain_value(loss: torch.Tensor) -> torch.Tensor:

@@ -117,12 +117,14 @@ class AttentionPlan:
 class CheckpointingPlan:
     """Activation checkpointing, as tessera.models.apply_activation_checkpointing takes it."""
 
-    mode: str  # none | selective | full
+    mode: str  # none | selective | full | memory_budget
     selective_option: str  # "op" or every N-th block
     preserve_rng_state: bool
     early_stop: bool
     determinism_check: str
     debug: bool
+    memory_budget: float | None = None  # mode memory_budget: what compile's partitioner keeps (0-1)
+    pareto_dir: str | None = None  # where the partitioner plots its memory/recompute Pareto fronts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,3 +191,4 @@ class LossPlan:
     parallel: bool  # logits stay split on vocab over the tp ranks (tensor parallel's loss parallel)
     compiled: bool  # never under loss parallel: a compiled loss would see only its vocabulary shard
     scale: float  # each micro-batch's share of the step's mean loss: 1 / accumulation
+    chunk_size: int = 0  # tokens per chunk of the chunked loss (tessera.trainer.chunked_loss); 0: whole logits

@@ -56,6 +56,7 @@ def apply_fsdp(
     reshard_after_forward: str = "default",
     cpu_offload: bool = False,
     own_meshes: Sequence[tuple[nn.Module, DeviceMesh, Callable | None]] = (),
+    keep_output_gathered: bool = False,
 ) -> nn.Module:
     """Shards ``model`` in place with FSDP2 over ``dp_mesh`` and returns it.
 
@@ -69,6 +70,10 @@ def apply_fsdp(
     the root), saving those all-gathers; "always" frees every group (least memory); "never"
     keeps every group gathered from forward to backward (no backward all-gathers, ZeRO-2-like
     memory).
+
+    ``keep_output_gathered``: the output projection's group is never freed after its forward,
+    whatever the policy: for a loss that reads its weights after the model's forward (one that
+    projects the hidden states chunk by chunk).
 
     ``own_meshes``: (submodule, mesh, shard_placement_fn or None) for parameters sharded over
     another mesh than ``dp_mesh`` — expert-parallel experts over the ranks left beside ep. Each
@@ -100,7 +105,7 @@ def apply_fsdp(
         # the blocks' backward instead of waiting for the root's at the end. Backward needs it
         # first, so "default" keeps it gathered.
         if output is not None:
-            fully_shard(output, reshard_after_forward=reshard(True), **policy)
+            fully_shard(output, reshard_after_forward=reshard(True) and not keep_output_gathered, **policy)
     names = list(blocks)
     for name in names:
         last = name == names[-1]

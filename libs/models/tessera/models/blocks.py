@@ -9,11 +9,12 @@ import functools
 from collections import defaultdict
 
 import torch
+import torch._functorch.config
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
-AC_MODES = ("none", "full", "selective")
+AC_MODES = ("none", "full", "selective", "memory_budget")
 _CHECKPOINT_DEFAULTS = {"early_stop": True, "determinism_check": "default", "debug": False}
 
 # Outputs kept by selective AC: recomputing matmuls dominates backward cost, the rest is cheap.
@@ -73,7 +74,8 @@ def apply_activation_checkpointing(
     """Wrap blocks of ``model.layers`` so backward recomputes their activations instead of
     keeping them, trading compute for memory.
 
-    mode (one of ``AC_MODES``): "none" leaves the model as it is; "full" recomputes every block;
+    mode (one of ``AC_MODES``): "none" leaves the model as it is, and so does "memory_budget"
+    (compile's partitioner chooses what to recompute: ``apply_compile(memory_budget=...)``); "full" recomputes every block;
     "selective" with option "op" wraps every block but keeps the outputs of matmuls and attention
     (the costly ops) and recomputes only the cheap ones (norms, activations, elementwise), and
     with an integer option N (2 or "2") fully checkpoints every N-th block (as torchtitan: the
@@ -89,7 +91,7 @@ def apply_activation_checkpointing(
     """
     if mode not in AC_MODES:
         raise ValueError(f"activation checkpointing mode {mode!r} is not one of {AC_MODES}")
-    if mode == "none":
+    if mode in ("none", "memory_budget"):
         return
     # A context_fn only for selective-op: torch.compile (2.13) fails on a checkpoint given any
     # context_fn it cannot trace, the default noop one passed explicitly included.
@@ -111,9 +113,34 @@ def apply_activation_checkpointing(
             model.layers.register_module(name, wrapped)
 
 
-def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
+def apply_compile(model: nn.Module, backend: str = "inductor", *, memory_budget: float | None = None,
+                  pareto_dir: str | None = None) -> None:
     """Compile each block of ``model.layers`` on its own (``fullgraph=True``): the blocks are
     identical, so one graph is compiled and reused for all, and hooks that FSDP puts around each
-    block (all-gather before, reshard after) stay outside the compiled regions."""
+    block (all-gather before, reshard after) stay outside the compiled regions.
+
+    ``memory_budget`` (0 to 1): the blocks' activation memory kept, as a fraction between
+    recomputing everything the partitioner may (0) and its default choice (1): the min-cut
+    partitioner picks what backward recomputes (``torch._functorch.config.activation_memory_budget``,
+    torchtitan's activation_checkpoint.mode "memory_budget"). ``pareto_dir``: where it also plots
+    the memory/recompute Pareto front of each graph (an SVG per rank and graph). Both hold for
+    these blocks' compilation only, not for the process."""
+    if memory_budget is not None:
+        backend = _with_budget(backend, memory_budget, pareto_dir)
     for name, block in model.layers.named_children():
         model.layers.register_module(name, torch.compile(block, fullgraph=True, backend=backend))
+
+
+def _with_budget(backend: str, memory_budget: float, pareto_dir: str | None):
+    """The backend, compiling under the partitioner's memory budget: the forward/backward split is
+    made when dynamo hands the backend its graph, so the setting is patched around that call."""
+    compiler = torch._dynamo.lookup_backend(backend)
+    settings = {"activation_memory_budget": memory_budget}
+    if pareto_dir is not None:
+        settings |= {"visualize_memory_budget_pareto": True, "memory_budget_pareto_dir": pareto_dir}
+
+    def compile_under_budget(graph, example_inputs):
+        with torch._functorch.config.patch(**settings):
+            return compiler(graph, example_inputs)
+
+    return compile_under_budget
