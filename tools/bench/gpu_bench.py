@@ -1,5 +1,6 @@
 """GPU throughput check (one GPU): a Llama-3-shaped ~1B model (the 1B flavor: dim 2048, 16 layers,
-GQA 32/8) trained ~30 steps in bf16, bf16 + compile, bf16 + compile + float8, then the 8B flavor
+GQA 32/8) trained ~30 steps in bf16, bf16 + compile, bf16 + compile + float8, bf16 + compile with
+activation offload (its peak against compile's alone is offload's saving), then the 8B flavor
 with FSDP-style memory settings (full AC) when it fits. Prints tokens/s, TFLOP/s, MFU and peak
 memory per variant, next to tools/estimate's closed-form peak, and writes them to
 gpu-<date>-<gpu>.md in --out (default benchmarks/).
@@ -34,6 +35,7 @@ VARIANTS = {
     "1B bf16": ONE_B,
     "1B bf16 + compile": [*ONE_B, *COMPILE],
     "1B bf16 + compile + float8": [*ONE_B, *COMPILE, *FLOAT8],
+    "1B bf16 + compile + activation offload": [*ONE_B, *COMPILE, "--activation_checkpoint.mode", "offload"],
     "8B bf16 + full AC + compile": [*EIGHT_B, *COMPILE],
 }
 

@@ -121,6 +121,7 @@ class FormulaEstimate:
     peak: int
     flops_per_step: float  # this rank's, model FLOPs (spec formula), recompute excluded
     comm: dict[tuple[str, str], int]
+    host: int = 0  # host memory the blocks' activations are offloaded to (activation_checkpoint.mode offload)
 
 
 def estimate_rank(plan: JobPlan, pp_rank: int = 0) -> FormulaEstimate:
@@ -163,7 +164,16 @@ def estimate_rank(plan: JobPlan, pp_rank: int = 0) -> FormulaEstimate:
     temporaries = (params if plan.optimizer.implementation == "foreach" else 0) + muon_temporaries
     peak = params + optimizer + buffers + max(act + held + max(_logits_grad(plan, modules, fp8), last_block), grads + temporaries)
     return FormulaEstimate(params, grads, optimizer, buffers, act, peak, rank_flops(plan, pp_rank),
-                           comm_bytes(plan, elements, _kept_gathered(plan, modules, frozenset()) if fsdp > 1 else 0, blocks, modules, pp_rank))
+                           comm_bytes(plan, elements, _kept_gathered(plan, modules, frozenset()) if fsdp > 1 else 0, blocks, modules, pp_rank),
+                           _offloaded(plan, pp_rank))
+
+
+def _offloaded(plan: JobPlan, pp_rank: int) -> int:
+    """What mode offload moves to host memory: what mode none would keep beyond what it keeps."""
+    if plan.checkpointing.mode != "offload":
+        return 0
+    kept_all = dataclasses.replace(plan, checkpointing=dataclasses.replace(plan.checkpointing, mode="none"))
+    return activations(kept_all, pp_rank) - activations(plan, pp_rank)
 
 
 def rank_flops(plan: JobPlan, pp_rank: int) -> float:
@@ -271,6 +281,8 @@ def block_activations(plan: JobPlan, mode: str) -> float:
     small = tokens * F32 * 2 / t + tokens * a.n_heads // t * F32  # RMSNorm rstd x2, attention logsumexp
     norms = tokens * 2 * norm_kept(plan) * h / t
     gathered_inputs = 2 * h * (t - 1) / t  # under sequence parallel the linears keep the gathered norm outputs
+    if mode == "offload":  # everything saved goes to host; backward brings back one block at a time
+        return 0.0
     if mode == "memory_budget":  # compile's partitioner, read as between recomputing all (full) and nothing
         budget = plan.checkpointing.memory_budget
         return budget * block_activations(plan, "none") + (1 - budget) * block_activations(plan, "full")
@@ -280,11 +292,18 @@ def block_activations(plan: JobPlan, mode: str) -> float:
         return tokens * e * (h / t + (2 * q + 2 * kv + 2 * f) / t + 2 * h) + tokens * a.n_heads // t * F32
     # context parallel: attention keeps the K and V (heads repeated) it gathered from the other cp ranks
     gathered_kv = 2 * q / t * (cp - 1)
-    return tokens * e * ((h + 5 * q + 4 * f) / t + gathered_inputs + gathered_kv) + norms + small
+    return linear_activations(a, tokens, t, e) + tokens * e * (gathered_inputs + gathered_kv) + norms + small
+
+
+def linear_activations(a, tokens: float, tp: int, itemsize: int) -> float:
+    """The bulk of what a block keeps without AC, for `tokens` tokens of model args `a`: the
+    linears' and attention's inputs and outputs, (dim + 5 q + 4 ffn) / tp elements a token."""
+    return tokens * itemsize * (a.dim + 5 * a.n_heads * a.head_dim + 4 * a.ffn_hidden_dim) / tp
 
 
 def _recompute_bytes(plan: JobPlan) -> float:
-    """Backward of a checkpointed block rebuilds its activations: one block's worth on top."""
+    """Backward of a checkpointed block rebuilds its activations (an offloaded one copies them
+    back): one block's worth on top."""
     mode = plan.checkpointing.mode
     if mode == "none":
         return 0
@@ -445,10 +464,11 @@ def tp_bytes(hidden: float, blocks: float, ends: float, ac_mode: str) -> tuple[f
     gathers its two inputs (attention, feed-forward) and reduce-scatters its two outputs in
     forward, the reverse in backward; recompute regathers both inputs and, under full AC, stops
     before the block's last reduce-scatter (selective AC saves no collective: both rerun); the
-    embedding and the head one each. `hidden`: the bytes of the step's hidden states on this rank
+    embedding and the head one each; offload recomputes nothing, nor does compile's memory budget
+    rerun a collective (the partitioner recomputes local ops). `hidden`: the bytes of the step's hidden states on this rank
     (tokens x dim x element size)."""
     per_block = 2 * hidden
-    regather, rescatter = {"none": (0, 0), "full": (1, 0.5)}.get(ac_mode, (1, 1))
+    regather, rescatter = {"none": (0, 0), "offload": (0, 0), "memory_budget": (0, 0), "full": (1, 0.5)}.get(ac_mode, (1, 1))
     return per_block * blocks * (2 + regather) + hidden * ends, per_block * blocks * (2 + rescatter) + hidden * ends
 
 

@@ -7,6 +7,7 @@ re-allocates its gathered weights by resizing storages, which the dispatcher doe
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -28,6 +29,7 @@ class LiveBytes(TorchDispatchMode):
         self.current = 0
         self.peak = 0
         self.peak_sizes: dict[int, int] = {}  # the storages live at the peak and their sizes then
+        self._paused = 0
 
     def __enter__(self):
         self._resize = torch.UntypedStorage.resize_
@@ -59,6 +61,15 @@ class LiveBytes(TorchDispatchMode):
         for t in tensors:
             self._track(t)
 
+    @contextlib.contextmanager
+    def uncounted(self):
+        """Storages created inside are not counted: host memory (offloaded activations)."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
     def reset_peak(self) -> None:
         self.peak, self.peak_sizes = self.current, dict(self.sizes)
 
@@ -87,7 +98,7 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
+        for t in tree_leaves(out) if not self._paused else ():
             if isinstance(t, torch.Tensor):
                 self._track(t)
         return out

@@ -14,6 +14,7 @@ micro-batches in flight.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 
@@ -27,6 +28,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from tessera import fsdp, pp
 from tessera.mesh import Meshes, build_meshes
+from tessera.models import offload
 from tessera.trainer.parallelize import convert, parallelize
 from tessera.trainer.plan import JobPlan, traced_on_cpu
 from tessera.trainer.chunked_loss import ChunkedCrossEntropy
@@ -88,7 +90,7 @@ def trace_rank(plan: JobPlan, rank: int) -> RankMemory:
             for part in parts:
                 fused_rms_norms(part)
         with balanced_routing(), FakeTensorMode(allow_non_fake_inputs=True), LiveBytes() as live, \
-                Collectives(group_dims(meshes), live.key) as comm:
+                Collectives(group_dims(meshes), live.key) as comm, _offload_to_host(live):
             for part in parts:
                 part.to_empty(device="cpu")
             optimizers = build_optimizers(parts, plan.optimizer).all
@@ -145,6 +147,29 @@ def _owners(live: LiveBytes, sizes: dict[int, int], params, grads, states, buffe
     owned["comm_buffers"] = sum(left.pop(k) for k in comm_keys & left.keys())
     owned["activations"] = sum(left.values())
     return owned
+
+
+@contextlib.contextmanager
+def _offload_to_host(live: LiveBytes):
+    """Activation offload (mode offload) under the trace: on a CPU its host copies would be
+    counted like the accelerator's memory, and the copies back would be the copies themselves.
+    Here the copies out are left uncounted and each copy back is a new, counted tensor."""
+    to_host, back = offload.copy_to_host, offload.copy_back
+
+    def copy_to_host(t):
+        with live.uncounted():
+            return to_host(t)
+
+    def copy_back(packed):
+        host = packed[1]
+        uncounted = all(live.key(s) is None for s in get_untyped_storages(host))  # a copy, not a parameter
+        return host.clone() if uncounted else back(packed)
+
+    offload.copy_to_host, offload.copy_back = copy_to_host, copy_back
+    try:
+        yield
+    finally:
+        offload.copy_to_host, offload.copy_back = to_host, back
 
 
 def _step(plan: JobPlan, parts, optimizers, meshes: Meshes, comm: Collectives,

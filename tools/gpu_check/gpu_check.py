@@ -130,7 +130,7 @@ def _init_row(result: dict) -> tuple[str, str]:
 
 
 RUNS = ("seed", "ref", "cpu_ref", "fsdp2", "tp2", "bf16", "offload", "async", "resume", "snapshot", "float8", "async_tp", "init",
-        "ring_kernel", "cp2_ring", "moe_bf16", "moe_float8", "moe_op")
+        "ring_kernel", "cp2_ring", "moe_bf16", "moe_float8", "moe_op", "act_offload")
 # torch's ring through one flash call: bf16 rounding of q, k, v and the kernel's bf16 output
 # against fp64 (~2^-8 relative); fp32 on CPU measures ~1e-7.
 RING_KERNEL_BOUND = 2e-2
@@ -150,7 +150,8 @@ def _groups(d: dict[str, Path], cuda: bool, ranks: int) -> list[tuple[list[dict]
     layout = fsdp2 if ranks == 2 else []
     resume = [*layout, "--training.steps", "4", "--checkpoint.enable", "true", "--checkpoint.interval", "2"]
     single = [("seed", "train", a("seed", "--checkpoint.create_seed_checkpoint", "true")),
-              ("ref", "train", a("ref", *seed, *save))]
+              ("ref", "train", a("ref", *seed, *save)),
+              ("act_offload", "train", a("act_offload", *seed, *save, "--activation_checkpoint.mode", "offload"))]
     if cuda:
         single += [("snapshot", "train", a("snapshot", *seed, "--profiling.enable_memory_snapshot", "true",
                                            "--profiling.profile_freq", "2")),
@@ -193,6 +194,8 @@ def _rows(results: dict, d: dict[str, Path], cuda: bool, ranks: int) -> list[tup
     title = "1 GPU vs CPU, fp32, same seed"
     rows.append((title, *_compare(results["cpu_ref"], ref, FP32, (d["cpu_ref"], d["ref"], d["seed"]))) if cuda
                 else (title, "SKIP", "needs CUDA"))
+    title = f"activation offload ({'pinned host copies, side stream' if cuda else 'host copies on CPU'}) vs 1 device, fp32"
+    rows.append((title, *_compare(results["act_offload"], ref, FP32, (d["act_offload"], d["ref"], d["seed"]))))
     for name, title, bounds in (("fsdp2", "FSDP 2 vs 1 device, fp32", FP32), ("tp2", "TP 2 vs 1 device, fp32", FP32),
                                 ("bf16", "FSDP 2 bf16 vs fp32 1 device", BF16),
                                 ("offload", "FSDP 2 + CPU offload (pinned on CUDA), fp32", FP32),

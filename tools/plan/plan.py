@@ -30,7 +30,9 @@ import step_time
 import traced
 from schedules import SCHEDULES, layers_per_stage
 
-AC_MODES = ("none", "selective", "full")
+AC_MODES = ("none", "selective", "full", "offload", "memory_budget")
+MEMORY_BUDGET = 0.5  # the budget mode memory_budget is planned at (compile's partitioner keeps half)
+LOSS_CHUNK = 1024  # tokens a chunk of the chunked loss (training.loss_chunk_size) projects at a time
 LONG_CONTEXT = 32768  # context parallel is tried from this seq_len on
 
 
@@ -51,6 +53,7 @@ class Layout:
     async_tp: bool = False  # torch's async TP (an inductor pass: where the plan compiles)
     reduce_every: bool = False  # FSDP reduce-scatters every accumulation micro-batch, not once after the last
     ep: int = 1  # expert parallel (MoE models): all cp x tp ranks and part of dp_shard
+    loss_chunk: int = 0  # training.loss_chunk_size: 0 the whole logits
 
     def accumulation(self, global_batch: int) -> int:
         """Micro-batches of `local` sequences a step takes to reach `global_batch` (with a
@@ -73,8 +76,12 @@ class Layout:
                  f"{par}data_parallel_replicate_degree={self.dp_replicate}", f"{par}data_parallel_shard_degree={self.dp_shard}",
                  f"{par}tensor_parallel_degree={self.tp}", f"{par}context_parallel_degree={self.cp}",
                  f"{par}pipeline_parallel_degree={self.pp}", f"--activation_checkpoint.mode={ac}"]
+        if ac == "memory_budget":
+            flags.append(f"--activation_checkpoint.memory_budget={MEMORY_BUDGET}")
         if self.ep > 1:
             flags.append(f"{par}expert_parallel_degree={self.ep}")
+        if self.loss_chunk:
+            flags.append(f"--training.loss_chunk_size={self.loss_chunk}")
         if compiled:
             flags.append("--compile.enable=true")
         if self.reduce_every:
@@ -87,6 +94,8 @@ class Layout:
             flags.append(f"{par}pipeline_parallel_layers_per_stage={self.layers_per_stage}")
         if self.float8:
             flags.append("--model.converters=float8")
+            if self.loss_chunk:  # the chunked loss projects in high precision
+                flags.append("--float8.filter_fqns=output")
             if self.dp_shard * self.cp > 1:  # FSDP gathers the float8 linears' weights in float8
                 flags += ["--float8.enable_fsdp_float8_all_gather=true", "--float8.precompute_float8_dynamic_scale_for_fsdp=true"]
         return flags
@@ -131,8 +140,11 @@ def layouts(args, gpu: GPU):
     the step-time model, so the synchronous variant is not tried); local batch: 1-16 sequences
     without a pipeline, else the whole data-parallel share in one pass of micro-batches of one
     sequence (more micro-batches only shrink a bubble while the held activations stay capped,
-    GPipe's aside). Models without the closed form (`traced`): no pipeline, no float8, synchronous
-    TP; for MoE models every expert-parallel degree the trainer takes (a multiple of cp x tp whose
+    GPipe's aside); the whole logits' loss or the chunked one (it costs one more forward of the
+    output projection, so it wins only where it lets a faster layout fit). Models without the
+    closed form (`traced`): no pipeline, no float8, synchronous TP, the whole logits, no memory
+    budget (the trace runs uncompiled), no offload (the host link is priced by the closed form's
+    block activations); for MoE models every expert-parallel degree the trainer takes (a multiple of cp x tp whose
     quotient divides dp_shard, dividing the experts)."""
     spec = get_model_spec(args.model)
     a = spec.flavors[args.flavor]
@@ -155,13 +167,17 @@ def layouts(args, gpu: GPU):
                             accumulates = pp == 1 and shard * cp > 1 and args.global_batch > local * dp
                             eps = [e for e in (1, 2, 4, 8, 16, 32, 64, 128, 256) if e == 1 or experts and experts % e == 0
                                    and e % (cp * tp) == 0 and shard % (e // (cp * tp)) == 0]
-                            for float8, every, ep in itertools.product(
+                            for float8, every, ep, chunk in itertools.product(
                                     (False, True) if gpu.has_float8 and not traced_model else (False,),
-                                    (False, True) if accumulates else (False,), eps):
+                                    (False, True) if accumulates else (False,), eps,
+                                    (0,) if traced_model else (0, LOSS_CHUNK)):
                                 layout = Layout(replicate, shard, cp, tp, pp, schedule, v, per_stage, float8, local,
-                                                async_tp=tp > 1 and not traced_model, reduce_every=every, ep=ep)
+                                                async_tp=tp > 1 and not traced_model, reduce_every=every, ep=ep,
+                                                loss_chunk=chunk)
                                 for ac in AC_MODES:
-                                    yield layout, ac
+                                    # a trace runs uncompiled, and prices no host transfer
+                                    if not (traced_model and ac in ("memory_budget", "offload")):
+                                        yield layout, ac
 
 
 def lower_bound(layout: Layout, ac: str, args, gpu: GPU, a, fp8: frozenset[str]) -> float:
@@ -169,8 +185,8 @@ def lower_bound(layout: Layout, ac: str, args, gpu: GPU, a, fp8: frozenset[str])
     the step-time model's total for the layout (the busiest rank computes at least the average, TP
     is linear in a rank's modules, other communication only adds), so the search can skip layouts
     whose bound exceeds the times already found; compiled, as compile is never slower in the
-    model. Models without the closed form: compute and expert parallel's all-to-alls
-    (_all_to_all_floor)."""
+    model; offload's copies back to the device. Models without the closed form: compute and
+    expert parallel's all-to-alls (_all_to_all_floor)."""
     blocks = a.n_layers / layout.pp
     accumulation = layout.accumulation(args.global_batch)
     micro = (layout.local if layout.pp > 1 else 1) * accumulation
@@ -179,13 +195,18 @@ def lower_bound(layout: Layout, ac: str, args, gpu: GPU, a, fp8: frozenset[str])
     efficiency = step_time.run_efficiency(args.efficiency, True)
     if args.model not in formulas.LLAMA_SHAPED:
         w = step_time.spec_work(get_model_spec(args.model), a, args.seq_len, tokens, accumulation, layout.tp, layout.cp,
-                                step_time.recompute_share(ac, a.n_layers), "bfloat16", gpu, efficiency)
+                                step_time.recompute_share(ac, a.n_layers, memory_budget=MEMORY_BUDGET), "bfloat16", gpu,
+                                efficiency)
         return w.total + _all_to_all_floor(layout, a, tokens / layout.cp / layout.tp, gpu)
     w = step_time.work(a, args.seq_len, tokens, micro, blocks, 1 / layout.pp, layout.tp, layout.cp,
-                       step_time.recompute_share(ac, blocks), fp8, "bfloat16", gpu, efficiency)
+                       step_time.recompute_share(ac, blocks, memory_budget=MEMORY_BUDGET), fp8, "bfloat16", gpu, efficiency,
+                       bool(layout.loss_chunk))
     tp = micro * step_time.tp_seconds(a, tokens / layout.cp / micro, 2, blocks, 1 / layout.pp, 1 / layout.pp, ac, layout.tp,
                                       fp8, bool(fp8), layout.async_tp, step_time.peaks(gpu, "bfloat16", efficiency), gpu)
-    return w.total + step_time.bubble(layout.schedule, layout.pp, layout.stages_per_rank, w) + tp
+    # offload: the activations' copies back, exposed whole (step_time.offload_seconds), their bulk at least
+    offload = (ac == "offload") * blocks * formulas.linear_activations(a, tokens / layout.cp, layout.tp, 2) / \
+        (gpu.host_gbps * 1e9)
+    return w.total + step_time.bubble(layout.schedule, layout.pp, layout.stages_per_rank, w) + tp + offload
 
 
 def _all_to_all_floor(layout: Layout, a, rows: float, gpu: GPU) -> float:
@@ -214,8 +235,9 @@ def search(args, gpu: GPU, traces: dict | None = None) -> tuple[list[Candidate],
     fp8 = formulas.float8_linears(options, a)
     counts = _parameter_counts(args) if traced_model else None
     tried = list(layouts(args, gpu))
+    fits = {layout: _state_fits(layout, args, gpu, a, counts) for layout in dict.fromkeys(layout for layout, _ in tried)}
     queue = [(lower_bound(layout, ac, args, gpu, a, fp8), i, layout, ac) for i, (layout, ac) in enumerate(tried)
-             if _state_fits(layout, args, gpu, a, counts)]
+             if fits[layout]]
     if traced_model:  # the likeliest first, so that a capped search finds them: FSDP's traffic guessed on top
         queue = [(bound + _fsdp_guess(layout, args, a, counts, gpu, bound) + _tp_guess(layout, ac, args, a, gpu), i, layout,
                   ac, bound) for bound, i, layout, ac in queue]
@@ -250,7 +272,7 @@ def search(args, gpu: GPU, traces: dict | None = None) -> tuple[list[Candidate],
         evaluated += 1
         if (layout, ac) in traces:  # what a sequence keeps (with held gradients): to guess the others' memory
             kept[_kept_key(layout, ac, args)] = traces[layout, ac].activations / layout.local
-        if candidate is None and plans[layout, ac] is not None:
+        if candidate is None and plans[layout, ac] is not None and ac != "offload":  # (offload's may be host memory's)
             too_big.setdefault(family, []).append((layout, ac))
         if candidate and (layout.key not in best or candidate.step_s < best[layout.key].step_s):
             best[layout.key] = candidate
@@ -285,7 +307,8 @@ def _family(layout: Layout, args) -> tuple[Layout, bool]:
     return dataclasses.replace(layout, dp_replicate=0, dp_shard=0, local=0), _holds_gradients(layout, args)
 
 
-_AC_KEEPS = {"none": 2, "selective": 1, "full": 0}  # more kept for backward, more memory
+# more kept for backward, more memory (compile's budget of a half keeps less than selective "op")
+_AC_KEEPS = {"none": 2, "selective": 1, "memory_budget": 0.5, "full": 0, "offload": -1}
 
 
 def _needs_more(layout: Layout, ac: str, over: Layout, over_ac: str) -> bool:
@@ -441,7 +464,8 @@ def _evaluate(layout: Layout, ac: str, args, gpu: GPU, plans: dict, traces: dict
         return Candidate(layout, ac, flags, plan, est.peak, parts["total"], parts)
     estimates = [formulas.estimate_rank(plan, r) for r in range(layout.pp)]
     peak = max(e.peak for e in estimates)
-    if peak > args.memory_fraction * gpu.memory_gib * GIB:
+    host = max(e.host for e in estimates)  # activation offload's
+    if peak > args.memory_fraction * gpu.memory_gib * GIB or host > args.memory_fraction * gpu.host_gib * GIB:
         return None
     parts = step_time.step_time(plan, gpu, args.efficiency, estimates)
     return Candidate(layout, ac, flags, plan, peak, parts["total"], parts)
@@ -456,12 +480,13 @@ def describe(c: Candidate, gpu: GPU, rank: int) -> str:
     return "\n".join([
         f"#{rank}: {degrees}{pipeline}, {'float8' if lay.float8 else 'bf16'}, "
         f"{('compiled + async TP' if c.plan.tensor_parallel.async_tp else 'compiled') if c.plan.compile.blocks else 'eager'}, "
-        f"AC {c.ac}, local batch {c.plan.batch.local} "
+        f"AC {c.ac}{f' {MEMORY_BUDGET}' if c.ac == 'memory_budget' else ''}"
+        f"{f', loss in chunks of {lay.loss_chunk}' if lay.loss_chunk else ''}, local batch {c.plan.batch.local} "
         f"x {c.plan.batch.accumulation} step(s){' (FSDP reduces each)' if lay.reduce_every else ''}: {c.step_s:.2f} s/step, {tokens / c.step_s / d.world_size:,.0f} tokens/s/GPU; "
         f"peak {c.peak / GIB:.1f} of {gpu.memory_gib} GiB",
         "    why: " + ", ".join(f"{name} {p[key]:.2f} s" for key, name in (
             ("compute", "compute"), ("bubble", "pipeline bubble"), ("tp", "TP collectives"), ("cp", "CP K/V gathers"),
-            ("fsdp", "exposed FSDP/HSDP"), ("ep", "EP all-to-all"), ("pp", "pipeline transfers"),
+            ("fsdp", "exposed FSDP/HSDP"), ("ep", "EP all-to-all"), ("pp", "pipeline transfers"), ("offload", "host transfers"),
             ("other", "other collectives")) if p.get(key) or key == "compute"),
         f"    flags: {' '.join(c.flags)}",
     ])

@@ -99,13 +99,14 @@ def peaks(gpu: GPU, dtype: str, efficiency: float) -> dict[bool, float]:
 
 
 def work(a, seq_len: int, tokens: float, microbatches: int, blocks: float, head: float, tp: int, cp: int,
-         recompute: float, fp8: frozenset[str], dtype: str, gpu: GPU, efficiency: float) -> Work:
+         recompute: float, fp8: frozenset[str], dtype: str, gpu: GPU, efficiency: float, loss_chunked: bool = False) -> Work:
     """Compute of a rank holding `blocks` blocks and `head` output projections (fractions allowed:
     the planner's bound uses the average rank) for `tokens` tokens of its data-parallel rank per
     step in `microbatches` micro-batches; `recompute`: share of the blocks whose forward AC
     reruns. FLOPs as the model spec counts them (6 per weight per token: 2 forward, 2 input
     gradient, 2 weight gradient), except attention, whose causal mask halves the spec's
-    12·heads·head_dim·seq (a third of it forward, two thirds input gradient)."""
+    12·heads·head_dim·seq (a third of it forward, two thirds input gradient). `loss_chunked`: the
+    chunked loss reruns the output projection's forward in backward."""
     peak = peaks(gpu, dtype, efficiency)
     rank_tokens = tokens / cp / tp
     blocks_linear = sum(6 * o * i * rank_tokens * blocks / peak[n in fp8] for n, (o, i, _) in formulas.block_linears(a).items())
@@ -121,16 +122,21 @@ def work(a, seq_len: int, tokens: float, microbatches: int, blocks: float, head:
         operands += head * (rows * a.dim + a.dim * a.vocab_size / tp + rows * a.vocab_size / tp)
     casts = FLOAT8_CAST_BYTES * operands * microbatches / (gpu.hbm_tbps * 1e12)
     recomputed = recompute * (blocks_linear + attention) / 3  # the blocks' forward, again
+    recomputed += loss_chunked * 2 * a.vocab_size * a.dim * rank_tokens * head / peak[False]  # the head's, in high precision
     return Work(forward=(linear + attention) / 3, backward=linear / 3 + 2 * attention / 3 + recomputed,
                 weights=linear / 3, casts=casts, microbatches=microbatches)
 
 
-def recompute_share(mode: str, blocks: float, selective_option: str = "op") -> float:
-    """Share of a rank's blocks whose forward AC (mode, selective_option: a CheckpointingPlan's)
-    reruns: all (full), none (none; selective "op" keeps every matmul and attention output, so it
-    reruns only cheap elementwise ops), every N-th (selective N)."""
+def recompute_share(mode: str, blocks: float, selective_option: str = "op", memory_budget: float | None = None) -> float:
+    """Share of a rank's blocks' forward AC (mode, selective_option, memory_budget: a
+    CheckpointingPlan's) reruns: all (full), none (none, offload; selective "op" keeps every matmul
+    and attention output, so it reruns only cheap elementwise ops), every N-th block (selective N),
+    and for compile's memory budget b, 1 - b: read like its memory, between none's and full's
+    (tools/bench ac_bench, compiled, CPU: 0.43 of full's recompute at 0.5, 1.0 at 0)."""
     if mode == "full":
         return 1.0
+    if mode == "memory_budget":
+        return 1 - memory_budget
     if mode == "selective" and selective_option != "op":  # the N-th, 2N-th, ... block (as formulas)
         return (blocks // int(selective_option)) / max(blocks, 1)
     return 0.0
@@ -147,9 +153,11 @@ def rank_work(plan: JobPlan, pp_rank: int, gpu: GPU, efficiency: float) -> Work:
     batch, micro = plan.batch, plan.pipeline.microbatches if plan.pipeline else 1
     return work(plan.model_args, batch.seq_len, batch.local * batch.seq_len * batch.accumulation, micro * batch.accumulation,
                 blocks, "output" in modules, plan.dims.tp, plan.dims.cp,
-                recompute_share(plan.checkpointing.mode, blocks, plan.checkpointing.selective_option),
+                recompute_share(plan.checkpointing.mode, blocks, plan.checkpointing.selective_option,
+                                plan.checkpointing.memory_budget),
                 formulas.float8_linears(formulas.float8_of(plan), plan.model_args),
-                str(plan.precision.param).removeprefix("torch."), gpu, run_efficiency(efficiency, plan.compile.blocks))
+                str(plan.precision.param).removeprefix("torch."), gpu, run_efficiency(efficiency, plan.compile.blocks),
+                bool(plan.loss.chunk_size))
 
 
 def bubble(schedule: str | None, pp: int, v: int, w: Work) -> float:
@@ -184,7 +192,8 @@ def tp_seconds(a, rows: float, itemsize: int, blocks: float, embedding: float, h
     if tp <= 1:
         return 0.0
     nodes, one = group_nodes(tp, 1, gpu), rows * a.dim * itemsize
-    events = [(kind, names, blocks * passes[ac_mode], float8_gather and kind == "all_gather")
+    recomputes = ac_mode if ac_mode in ("full", "selective") else "none"  # offload and compile's budget rerun no collective
+    events = [(kind, names, blocks * passes[recomputes], float8_gather and kind == "all_gather")
               for kind, names, passes in TP_FUSIONS]
     events += [(kind, names, count, False) for kind in ("all_gather", "reduce_scatter")
                for names, count in (((), embedding), (("output",), head))]
@@ -225,8 +234,22 @@ def _rank_step(plan: JobPlan, pp_rank: int, est, gpu: GPU, efficiency: float) ->
     out["cp"] = sum(est.comm.get((kind, "cp"), 0) for kind in ("all_gather", "reduce_scatter")) / kv * (lat + bw)
     out["fsdp"] = _fsdp_exposed(plan, pp_rank, est, w, formulas.fsdp_float8(options, fp8), gpu)
     out["pp"] = _pipeline_exposed(plan, one / dims.tp, gpu)
+    out["offload"] = offload_seconds(plan, sum(m.startswith("layers.") for m in modules), w, gpu)
     out["total"] = sum(out.values())
     return out
+
+
+def offload_seconds(plan: JobPlan, blocks: int, w: Work, gpu: GPU) -> float:
+    """Activation offload's exposed host transfers (mode offload; tessera.models.offload): each
+    block's saved tensors (its AC-none activations) go out on a side stream behind the next
+    block's forward, each block's own exposed beyond that compute; they come back on the compute
+    stream when backward unpacks them, exposed whole (no prefetch)."""
+    if plan.checkpointing.mode != "offload":
+        return 0.0
+    micro = plan.pipeline.microbatches if plan.pipeline else 1
+    one = formulas.block_activations(plan, "none") / (gpu.host_gbps * 1e9)  # a block's per micro-batch, one way
+    units = blocks * micro * plan.batch.accumulation
+    return exposed_behind_units(one * units, one * units, w.forward, units) + one * units
 
 
 def _fsdp_exposed(plan: JobPlan, pp_rank: int, est, w: Work, fp8_gathered: frozenset[str], gpu: GPU) -> float:
@@ -309,18 +332,19 @@ def exposed_behind_units(seconds: float, bandwidth: float, compute: float, units
 
 
 def spec_work(spec, a, seq_len: int, tokens: float, microbatches: int, tp: int, cp: int, recompute: float, dtype: str,
-              gpu: GPU, efficiency: float) -> Work:
+              gpu: GPU, efficiency: float, loss_chunked: bool = False) -> Work:
     """Compute of a rank for `tokens` tokens of its data-parallel rank per step, from the spec's
     FLOPs per token: 6 per active weight (a token's routed experts only) plus attention's
     12·layers·heads·head_dim·seq, halved for the causal mask as `work` does; split forward /
     input gradient / weight gradient as `work` does; AC reruns the blocks' forward
-    (`recompute`: recompute_share) — all but the output projection's."""
+    (`recompute`: recompute_share) — all but the output projection's, which the chunked loss
+    (`loss_chunked`) reruns."""
     peak = gpu.tflops[dtype] * 1e12 * efficiency
     rank_tokens = tokens / cp / tp
     linear = spec.flops_per_token(a, 0) * rank_tokens
     attention = (spec.flops_per_token(a, seq_len) - spec.flops_per_token(a, 0)) / 2 * rank_tokens
     blocks = linear - 6 * a.vocab_size * a.dim * rank_tokens
-    recomputed = recompute * (blocks + attention) / 3
+    recomputed = recompute * (blocks + attention) / 3 + loss_chunked * 2 * a.vocab_size * a.dim * rank_tokens
     return Work(forward=(linear + attention) / 3 / peak, backward=(linear / 3 + 2 * attention / 3 + recomputed) / peak,
                 weights=linear / 3 / peak, casts=0.0, microbatches=microbatches)
 
@@ -328,8 +352,9 @@ def spec_work(spec, a, seq_len: int, tokens: float, microbatches: int, tp: int, 
 def plan_spec_work(plan: JobPlan, gpu: GPU, efficiency: float) -> Work:
     b, dims, a, ac = plan.batch, plan.dims, plan.model_args, plan.checkpointing
     return spec_work(plan.spec, a, b.seq_len, b.local * b.seq_len * b.accumulation, b.accumulation, dims.tp, dims.cp,
-                     recompute_share(ac.mode, a.n_layers, ac.selective_option), str(plan.precision.param).removeprefix("torch."),
-                     gpu, run_efficiency(efficiency, plan.compile.blocks))
+                     recompute_share(ac.mode, a.n_layers, ac.selective_option, ac.memory_budget),
+                     str(plan.precision.param).removeprefix("torch."),
+                     gpu, run_efficiency(efficiency, plan.compile.blocks), bool(plan.loss.chunk_size))
 
 
 def traced_step_time(plan: JobPlan, est, gpu: GPU, efficiency: float) -> dict[str, float]:

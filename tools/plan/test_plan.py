@@ -16,7 +16,7 @@ import formulas
 import plan
 import step_time
 import traced
-from tessera.trainer.gpus import PLANNED as GPUS
+from tessera.trainer.gpus import GIB, PLANNED as GPUS
 from schedules import SCHEDULES, layers_per_stage
 
 H100 = GPUS["h100"]
@@ -73,12 +73,13 @@ def test_70b_on_256_gpus_recipe_rank_is_stated(capsys):
 
 def test_405b_on_512_gpus_recipe_rank_is_stated(capsys):
     """torchtitan's 405B recipe, FSDP 8 x TP 8 x PP 8 (global batch 256, its own), over every TP
-    degree: 4th, behind three FSDP x TP layouts without a pipeline, within 5.5 % of the best;
-    README says why the model prefers no pipeline at 512 GPUs."""
+    degree: 5th, behind three FSDP x TP layouts without a pipeline and a 16-stage pipeline that
+    offloads its activations instead of recomputing them, within 5.5 % of the best; README says
+    why the model prefers no pipeline at 512 GPUs."""
     found, rank = _recipe_rank("405B FSDP 8 x TP 8 x PP 8", (8, 1, 8, 8, 1), "--flavor", "405B", "--gpus", "512",
-                               "--global_batch", "256", "--top", "4")
-    assert found[rank - 1].step_s < 1.055 * found[0].step_s
-    assert all(c.layout.pp == 1 for c in found[:rank - 1])
+                               "--global_batch", "256", "--top", "5")
+    assert rank == 5 and found[rank - 1].step_s < 1.055 * found[0].step_s
+    assert all(c.layout.pp == 1 for c in found[:3]) and found[3].ac == "offload" and found[3].layout.pp > 1
 
 
 def test_state_floor_is_below_every_peak():
@@ -185,6 +186,64 @@ def test_compile_and_async_tp_are_what_the_trainer_plans():
     cp = plan.Layout(1, 4, 4, 1, 1, None, 1, None, True, 1)
     with pytest.raises(ConfigError, match="compile.enable with context_parallel_degree"):
         make_plan(load_config(cp.flags(args, "full")), 16, "cuda", check_only=True)
+
+
+def test_chunked_loss_is_offered_where_it_lets_a_faster_layout_fit():
+    """8B on FSDP 8 within 44 GiB: selective AC fits only with the chunked loss (the whole logits'
+    fp32 upcast is the difference) and beats full AC's recompute, which the whole logits need; its
+    flags keep the output projection out of float8, as the job plan requires."""
+    args = plan.parse(["--flavor", "8B", "--gpus", "8", "--tp", "1", "--memory_fraction", "0.55"])
+    best = plan.search(args, H100)[0][0]
+    assert (best.layout.key, best.ac, best.layout.loss_chunk, best.plan.loss.chunk_size) == ((8, 1, 1, 1, 1), "selective", 1024, 1024)
+    assert "--training.loss_chunk_size=1024" in best.flags and "--float8.filter_fqns=output" in best.flags
+    whole = dataclasses.replace(best.layout, loss_chunk=0)
+    assert plan._evaluate(whole, "selective", args, H100, {}, {}) is None  # over memory with the whole logits
+    full = plan._evaluate(whole, "full", args, H100, {}, {})
+    assert full is not None and full.step_s > best.step_s * 1.2
+    # the chunk costs one more forward of the head in the step-time model: where both fit, the whole logits win
+    roomy = plan.parse(["--flavor", "8B", "--gpus", "8", "--tp", "1"])
+    fits = {chunk: plan._evaluate(dataclasses.replace(whole, loss_chunk=chunk), "selective", roomy, H100, {}, {})
+            for chunk in (0, 1024)}
+    assert fits[0].step_s < fits[1024].step_s < fits[0].step_s * 1.05
+
+
+def test_memory_budget_is_offered_between_selective_and_full():
+    """Within 40 GiB, 8B on FSDP 8 fits selective AC neither with the whole logits nor with the
+    chunked loss; compile's memory budget of a half fits beside the chunked loss and, rerunning
+    half of what full AC reruns (in the step-time model), beats full AC."""
+    args = plan.parse(["--flavor", "8B", "--gpus", "8", "--tp", "1", "--memory_fraction", "0.5"])
+    best = plan.search(args, H100)[0][0]
+    assert (best.layout.key, best.ac, best.plan.checkpointing.mode, best.plan.checkpointing.memory_budget) == \
+        ((8, 1, 1, 1, 1), "memory_budget", "memory_budget", 0.5)
+    assert "--activation_checkpoint.memory_budget=0.5" in best.flags and best.plan.compile.blocks
+    assert plan._evaluate(best.layout, "selective", args, H100, {}, {}) is None
+    full = plan._evaluate(best.layout, "full", args, H100, {}, {})
+    assert full.peak < best.peak and full.step_s > best.step_s
+    compute = {ac: plan._evaluate(best.layout, ac, plan.parse(["--flavor", "8B", "--gpus", "8"]), H100, {}, {}).parts["compute"]
+               for ac in ("none", "memory_budget", "full")}
+    assert compute["memory_budget"] - compute["none"] == pytest.approx((compute["full"] - compute["none"]) / 2, rel=1e-6)
+
+
+def test_activation_offload_pays_its_host_transfers_and_fits_host_memory():
+    """Mode offload recomputes nothing (compute below full AC's by the blocks' forward) and pays
+    the host link: each block's AC-none activations back over PCIe in backward, exposed, plus what
+    the forward copies do not hide. 405B on FSDP 256 x TP 4 with one sequence offloads ~160 GB
+    a GPU, within a DGX node's 256 GiB a GPU; with two sequences on TP 2 it would need twice
+    as much per GPU as there is, and the layout is refused though the device holds it."""
+    args = plan.parse(["--flavor", "405B", "--gpus", "1024", "--global_batch", "256"])
+    layout = _fsdp(256, tp=4, async_tp=True)
+    offload, full = (plan._evaluate(layout, ac, args, H100, {}, {}) for ac in ("offload", "full"))
+    back = formulas.block_activations(offload.plan, "none") * offload.plan.model_args.n_layers / (H100.host_gbps * 1e9)
+    assert back <= offload.parts["offload"] <= 1.1 * back and full.parts.get("offload", 0) == 0
+    assert offload.parts["compute"] < 0.8 * full.parts["compute"]
+    host = formulas.estimate_rank(offload.plan).host
+    assert 0 < host <= 0.9 * H100.host_gib * GIB and offload.peak < full.peak
+    tight = plan.parse(["--flavor", "405B", "--gpus", "512", "--global_batch", "512"])
+    two = _fsdp(256, tp=2, local=2, async_tp=True)
+    planned = plan._job_plan(two, "offload", tight, {})[0]
+    assert formulas.estimate_rank(planned).host > H100.host_gib * GIB
+    assert formulas.estimate_rank(planned).peak < 0.9 * H100.memory_gib * GIB
+    assert plan._evaluate(two, "offload", tight, H100, {}, {}) is None
 
 
 def test_reduce_every_microbatch_is_tried_where_fsdp_accumulates():

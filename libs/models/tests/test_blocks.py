@@ -141,8 +141,9 @@ def test_none_leaves_the_model_alone():
     apply_activation_checkpointing(model, "none", "op")
     assert list(model.layers.values()) == blocks
     apply_activation_checkpointing(model, "memory_budget")  # compile's partitioner chooses (apply_compile)
+    apply_activation_checkpointing(model, "offload")  # hooks, not wrappers (offload_activations)
     assert list(model.layers.values()) == blocks
-    assert AC_MODES == ("none", "full", "selective", "memory_budget")
+    assert AC_MODES == ("none", "full", "selective", "memory_budget", "offload")
 
 
 @pytest.mark.parametrize(

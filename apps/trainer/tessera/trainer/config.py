@@ -256,7 +256,8 @@ class Checkpoint:
 class ActivationCheckpoint:
     mode: str = key(
         "none", "none, selective, full or memory_budget (compile's partitioner chooses, within memory_budget): "
-        "recompute activations in backward instead of storing them", choices=AC_MODES)
+        "recompute activations in backward instead of storing them; or offload (Tessera: keep them in host memory, "
+        "copied back for backward)", choices=AC_MODES)
     selective_ac_option: str = key(  # checked in validate(): "op" or an int
         "op", "op (keep matmul outputs, recompute the rest) or N (checkpoint every N-th block)")
     preserve_rng_state: bool = key(True, "recompute with the forward's RNG state (dropout-exact)")

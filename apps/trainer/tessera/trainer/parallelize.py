@@ -25,7 +25,7 @@ from torch.distributed.tensor import Shard
 
 from tessera import cp, ep, fsdp, pp, tp
 from tessera.mesh import Meshes
-from tessera.models import apply_activation_checkpointing, apply_compile, inner_attentions
+from tessera.models import apply_activation_checkpointing, apply_compile, inner_attentions, offload_activations
 from tessera.trainer.chunked_loss import ChunkedCrossEntropy, defer_output
 from tessera.trainer.plan import JobPlan
 from tessera.trainer.step import LossFn, micro_batch_loss
@@ -85,6 +85,8 @@ def parallelize(model: nn.Module, plan: JobPlan, meshes: Meshes | None) -> nn.Mo
         apply_compile(model, backend=plan.compile.backend, memory_budget=ac.memory_budget, pareto_dir=ac.pareto_dir)
         if dims.tp_enabled:
             _copy_first_block_input(model)
+    if ac.mode == "offload":  # hooks around the blocks, compiled or not
+        offload_activations(model)
     if dims.fsdp_enabled:
         fsdp.apply_fsdp(
             model, meshes.fsdp, param_dtype=plan.precision.param, reduce_dtype=plan.precision.reduce,

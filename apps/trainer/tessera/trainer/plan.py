@@ -149,6 +149,9 @@ def make_plan(config: JobConfig, world_size: int, device: str | None = None, *, 
     optimizer, warnings = _optimizer(config, spec, meta_model)
     warnings += _check_converters(config, spec, converters, meta_model)
     _check_chunked_loss(config, converters, meta_model)
+    if config.activation_checkpoint.mode == "offload" and device == "cpu":
+        warnings.append("activation_checkpoint.mode offload on a CPU copies the activations within host memory: "
+                        "it saves nothing here")
     return JobPlan(
         config=config, world_size=world_size, device=device, dims=dims, meshes=mesh_layout(dims), spec=spec,
         model_args=args, batch=batch, precision=_precision(config, dims), converters=converters,

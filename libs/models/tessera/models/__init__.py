@@ -4,6 +4,7 @@
 from tessera.models.attention import KERNELS, AttentionBatch, InnerAttention, choose_kernel, inner_attentions, plain_causal
 from tessera.models.masks import CAUSAL, AttentionMask
 from tessera.models.blocks import AC_MODES, apply_activation_checkpointing, apply_compile
+from tessera.models.offload import offload_activations
 from tessera.models.hf_config import CONFIG_FILE, read_hf_config
 from tessera.models.module_names import unwrapped_name
 from tessera.models.rms_norm import RMSNorm
@@ -49,6 +50,7 @@ __all__ = [
     "get_model_spec",
     "list_model_specs",
     "num_params",
+    "offload_activations",
     "plain_causal",
     "read_args_record",
     "read_hf_config",

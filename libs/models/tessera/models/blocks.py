@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
-AC_MODES = ("none", "full", "selective", "memory_budget")
+AC_MODES = ("none", "full", "selective", "memory_budget", "offload")
 _CHECKPOINT_DEFAULTS = {"early_stop": True, "determinism_check": "default", "debug": False}
 
 # Outputs kept by selective AC: recomputing matmuls dominates backward cost, the rest is cheap.
@@ -74,8 +74,9 @@ def apply_activation_checkpointing(
     """Wrap blocks of ``model.layers`` so backward recomputes their activations instead of
     keeping them, trading compute for memory.
 
-    mode (one of ``AC_MODES``): "none" leaves the model as it is, and so does "memory_budget"
-    (compile's partitioner chooses what to recompute: ``apply_compile(memory_budget=...)``); "full" recomputes every block;
+    mode (one of ``AC_MODES``): "none" leaves the model as it is, and so do "memory_budget"
+    (compile's partitioner chooses what to recompute: ``apply_compile(memory_budget=...)``) and
+    "offload" (nothing recomputed, the saved tensors moved to host: ``offload_activations``); "full" recomputes every block;
     "selective" with option "op" wraps every block but keeps the outputs of matmuls and attention
     (the costly ops) and recomputes only the cheap ones (norms, activations, elementwise), and
     with an integer option N (2 or "2") fully checkpoints every N-th block (as torchtitan: the
@@ -91,7 +92,7 @@ def apply_activation_checkpointing(
     """
     if mode not in AC_MODES:
         raise ValueError(f"activation checkpointing mode {mode!r} is not one of {AC_MODES}")
-    if mode in ("none", "memory_budget"):
+    if mode in ("none", "memory_budget", "offload"):
         return
     # A context_fn only for selective-op: torch.compile (2.13) fails on a checkpoint given any
     # context_fn it cannot trace, the default noop one passed explicitly included.
