@@ -43,6 +43,8 @@ def estimate(plan: JobPlan, trace: bool = True) -> dict:
         if formulas.covers(plan):
             formula = formulas.estimate_rank(plan, pp_rank)
             role.update(formula={k: getattr(formula, k) for k in MEMORY}, comm_bytes=_comm(formula.comm))
+            if formula.host:
+                role["host_offloaded"] = formula.host
         if trace:
             t = traced.trace_rank(plan, rank)
             measured = {k: getattr(t, k) for k in MEMORY}
@@ -80,6 +82,9 @@ def table(report: dict) -> str:
         for source in ("traced", "formula"):
             if source in role:
                 lines.append(f"{span:>12} {source:>8} " + " ".join(f"{role[source][k] / GIB:12.3f}" for k in MEMORY))
+        if "host_offloaded" in role:
+            lines.append(f"{'':>12} {'':>8} (activation offload: {role['host_offloaded'] / GIB:.3f} GiB of activations "
+                         "in host memory, formula)")
         if role.get("traced_activations") is False:
             lines.append(f"{'':>12} {'':>8} (pipeline stage: activations from the formula)")
         lines.append(f"{'':>12} {'':>8} FLOPs {role['flops_per_step']:.3e} per rank per step; collectives per step: "

@@ -465,10 +465,11 @@ def tp_bytes(hidden: float, blocks: float, ends: float, ac_mode: str) -> tuple[f
     forward, the reverse in backward; recompute regathers both inputs and, under full AC, stops
     before the block's last reduce-scatter (selective AC saves no collective: both rerun); the
     embedding and the head one each; offload recomputes nothing, nor does compile's memory budget
-    rerun a collective (the partitioner recomputes local ops). `hidden`: the bytes of the step's hidden states on this rank
-    (tokens x dim x element size)."""
+    rerun a collective (torch's partitioner saves them: partitioners.force_save_collectives).
+    `hidden`: the bytes of the step's hidden states on this rank (tokens x dim x element size)."""
     per_block = 2 * hidden
-    regather, rescatter = {"none": (0, 0), "offload": (0, 0), "memory_budget": (0, 0), "full": (1, 0.5)}.get(ac_mode, (1, 1))
+    no_rerun = (0, 0)
+    regather, rescatter = {"none": no_rerun, "offload": no_rerun, "memory_budget": no_rerun, "full": (1, 0.5)}.get(ac_mode, (1, 1))
     return per_block * blocks * (2 + regather) + hidden * ends, per_block * blocks * (2 + rescatter) + hidden * ends
 
 

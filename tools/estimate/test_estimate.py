@@ -379,3 +379,11 @@ def test_cli_table_and_json(capsys):
     assert estimate.main(["--training.seq_len", "32", "--world_size", "8", "--parallelism.tensor_parallel_degree", "8",
                           "--formula", "--json"]) == 0
     assert '"all_gather/tp"' in capsys.readouterr().out
+    # activation offload: what goes to host memory, the activations mode none keeps beyond it
+    argv = ["--training.seq_len", "32", "--world_size", "1", "--formula"]
+    plain, offload = (estimate.estimate(make_plan(load_config([*argv[:2], "--activation_checkpoint.mode", mode]), 1, "cuda",
+                                                  check_only=True), trace=False)["roles"][0] for mode in ("none", "offload"))
+    assert offload["host_offloaded"] == plain["formula"]["activations"] - offload["formula"]["activations"] > 0
+    assert "host_offloaded" not in plain
+    assert estimate.main([*argv, "--activation_checkpoint.mode", "offload"]) == 0
+    assert "GiB of activations in host memory" in capsys.readouterr().out

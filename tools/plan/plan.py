@@ -249,6 +249,7 @@ def search(args, gpu: GPU, traces: dict | None = None) -> tuple[list[Candidate],
     traces: dict[tuple[Layout, str], traced.RankMemory] = {} if traces is None else traces  # a caller's, to reuse
     too_big: dict[tuple[Layout, bool], list[tuple[Layout, str]]] = {}  # layouts over memory, by _family
     kept: dict[tuple, float] = {}  # activation bytes per sequence seen, by _kept_key
+    fitted: set[tuple[Layout, str]] = set()
     evaluated, stopped_at = 0, None
     while queue:
         priority, i, layout, ac, bound = heapq.heappop(queue)
@@ -260,7 +261,7 @@ def search(args, gpu: GPU, traces: dict | None = None) -> tuple[list[Candidate],
         if layout.key in best and bound >= best[layout.key].step_s:  # cannot improve its layout
             continue
         family = _family(layout, args)
-        if any(_needs_more(layout, ac, *over) for over in too_big.get(family, ())):
+        if any(_needs_more(layout, ac, *over) for over in too_big.get(family, ())) or _outrun(layout, ac, fitted):
             continue
         if traced_model and priority < _LAST and _likely_over(layout, ac, args, gpu, counts, kept):
             heapq.heappush(queue, (priority + _LAST, i, layout, ac, bound))  # try it once the likelier fits are
@@ -274,10 +275,20 @@ def search(args, gpu: GPU, traces: dict | None = None) -> tuple[list[Candidate],
             kept[_kept_key(layout, ac, args)] = traces[layout, ac].activations / layout.local
         if candidate is None and plans[layout, ac] is not None and ac != "offload":  # (offload's may be host memory's)
             too_big.setdefault(family, []).append((layout, ac))
+        if candidate:
+            fitted.add((layout, ac))
         if candidate and (layout.key not in best or candidate.step_s < best[layout.key].step_s):
             best[layout.key] = candidate
     found = sorted(best.values(), key=lambda c: (c.step_s, c.peak))[:args.top]
     return found, len(tried), evaluated, stopped_at
+
+
+def _outrun(layout: Layout, ac: str, fitted: set[tuple[Layout, str]]) -> bool:
+    """Whether a twin that fits is faster in the step-time model: the whole logits' loss beside
+    the chunked one, AC none beside offload (each saves memory by only adding time). A twin's bound
+    is lower, so it was tried first."""
+    return bool(layout.loss_chunk) and (dataclasses.replace(layout, loss_chunk=0), ac) in fitted or \
+        ac == "offload" and (layout, "none") in fitted
 
 
 def _fsdp_guess(layout: Layout, args, a, counts: tuple[int, int], gpu: GPU, compute: float) -> float:

@@ -192,7 +192,8 @@ def tp_seconds(a, rows: float, itemsize: int, blocks: float, embedding: float, h
     if tp <= 1:
         return 0.0
     nodes, one = group_nodes(tp, 1, gpu), rows * a.dim * itemsize
-    recomputes = ac_mode if ac_mode in ("full", "selective") else "none"  # offload and compile's budget rerun no collective
+    # offload reruns nothing; compile's partitioner never reruns a collective (force_save_collectives)
+    recomputes = ac_mode if ac_mode in ("full", "selective") else "none"
     events = [(kind, names, blocks * passes[recomputes], float8_gather and kind == "all_gather")
               for kind, names, passes in TP_FUSIONS]
     events += [(kind, names, count, False) for kind in ("all_gather", "reduce_scatter")
