@@ -144,8 +144,8 @@ def layouts(args, gpu: GPU):
     output projection, so it wins only where it lets a faster layout fit). Models without the
     closed form (`traced`): no pipeline, no float8, synchronous TP, the whole logits, no memory
     budget (the trace runs uncompiled), no offload (the host link is priced by the closed form's
-    block activations); for MoE models every expert-parallel degree the trainer takes (a multiple of cp x tp whose
-    quotient divides dp_shard, dividing the experts)."""
+    block activations); for MoE models every expert-parallel degree the trainer takes (a
+    multiple of cp x tp whose quotient divides dp_shard, dividing the experts)."""
     spec = get_model_spec(args.model)
     a = spec.flavors[args.flavor]
     layers, experts, traced_model = a.n_layers, spec.n_experts(a), args.model not in formulas.LLAMA_SHAPED

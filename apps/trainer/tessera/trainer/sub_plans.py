@@ -117,7 +117,7 @@ class AttentionPlan:
 class CheckpointingPlan:
     """Activation checkpointing, as tessera.models.apply_activation_checkpointing takes it."""
 
-    mode: str  # none | selective | full | memory_budget
+    mode: str  # none | selective | full | memory_budget | offload
     selective_option: str  # "op" or every N-th block
     preserve_rng_state: bool
     early_stop: bool
