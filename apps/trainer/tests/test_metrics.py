@@ -55,7 +55,7 @@ def test_unknown_gpu_warns_once_and_uses_the_measured_peak(gpu, capsys):
     assert err.count("\n") == 1 and "no data-sheet peak for GPU 'NVIDIA RTX 9090'" in err
 
 
-@pytest.mark.parametrize("flops_per_s, largest", [(1e9, 512), (1e12, 2048)])
+@pytest.mark.parametrize("flops_per_s, largest", [(1e9, 256), (1e12, 2048)])
 def test_measured_peak_stops_growing_once_a_product_takes_long(monkeypatch, flops_per_s, largest):
     """A slow rate (bf16 without native support: ~1 GFLOP/s) is measured on small matrices, in
     well under a second of (simulated) time; a fast one on the largest CPU size."""

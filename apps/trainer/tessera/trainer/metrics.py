@@ -22,12 +22,14 @@ def datasheet_peak_tflops(gpu_name: str) -> float | None:
 
 
 @functools.lru_cache(maxsize=None)
-def measured_peak_tflops(device: str, dtype: torch.dtype, repeats: int = 5, long_s: float = 0.05) -> float:
+def measured_peak_tflops(device: str, dtype: torch.dtype, repeats: int = 5, long_s: float = 0.01) -> float:
     """Best matmul rate reached here: the MFU denominator where no data sheet applies (CPU,
     where AVX-512 BF16 makes bf16 several times faster than fp32; an unknown GPU; fp32 with
     TF32 off). It honours the current TF32 setting and thread count. The matrices grow from 256
     until one product takes `long_s` (or reaches 2048 on CPU, 8192 on CUDA): a CPU without
-    native bf16 multiplies bf16 some 50x slower than fp32, where a fixed 2048 costs minutes."""
+    native bf16 multiplies bf16 some 50x slower than fp32, where a fixed 2048 costs minutes. Every
+    trainer process measures once, so it must be quick: 10 ms products (one core: 1024, 0.15 s in
+    all) reach the rate of 2048's 170 ms ones within a few per cent."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def seconds(a, b):
