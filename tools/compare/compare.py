@@ -4,7 +4,8 @@
 
 A RUN is a run's job.dump_folder, its TensorBoard folder, or one TensorBoard run folder; a
 folder holding several TensorBoard runs (one per start, `tb/<time stamp>`) reads the newest, and
-says so. Scalars are read by their tag, Tessera's or torchtitan's (`loss` or
+says so. Where a RUN holds no TensorBoard events, its W&B runs (`wandb/offline-run-…` or
+`run-…`, metrics.enable_wandb's) are read alike. Scalars are read by their tag, Tessera's or torchtitan's (`loss` or
 `loss_metrics/global_avg_loss`, tools' README), so torchtitan's runs compare with Tessera's. The
 PNG draws each scalar against the step and, where the runs log tokens seen, against tokens; the
 table prints each run's last and lowest value and, against the first run at the steps both
@@ -18,6 +19,7 @@ import sys
 from pathlib import Path
 
 from tessera.trainer.metrics import TORCHTITAN_TAGS
+from tessera.trainer.wandb_logger import read_run
 
 TOKENS = "tokens_seen"
 
@@ -26,17 +28,30 @@ class CompareError(Exception):
     """Bad input: one line naming the culprit."""
 
 
-def event_folder(run: Path) -> Path:
-    """The TensorBoard run folder of `run` (see the module docstring); prints which, when it chose."""
+def run_scalars(run: Path) -> dict[str, dict[int, float]]:
+    """The scalars of `run` (see the module docstring): its newest TensorBoard run's or, where it has
+    none, its newest W&B run's."""
     if not run.exists():
         raise CompareError(f"{run}: no such run folder")
-    events = sorted(run.rglob("events.out.tfevents.*"))
-    if not events:
-        raise CompareError(f"{run}: no TensorBoard event files below it (was metrics.enable_tensorboard on?)")
-    folders = sorted({path.parent for path in events}, key=lambda folder: max(p.stat().st_mtime for p in folder.iterdir()))
-    if len(folders) > 1:
-        print(f"{run}: {len(folders)} TensorBoard runs below it; reading the newest, {folders[-1]}")
-    return folders[-1]
+    events = {path.parent for path in run.rglob("events.out.tfevents.*")}
+    if events:
+        return read_scalars(_newest(run, events, "TensorBoard"))
+    logs = {path.parent for path in run.rglob("run-*.wandb")}
+    if not logs:
+        raise CompareError(f"{run}: no TensorBoard event files or W&B runs below it "
+                           "(was metrics.enable_tensorboard or metrics.enable_wandb on?)")
+    try:
+        return read_run(_newest(run, logs, "W&B"))
+    except ValueError as e:  # a damaged log
+        raise CompareError(str(e)) from None
+
+
+def _newest(run: Path, folders: set[Path], kind: str) -> Path:
+    """The last written of `folders` below `run`; prints which, when it chose."""
+    ordered = sorted(folders, key=lambda folder: max(p.stat().st_mtime for p in folder.iterdir()))
+    if len(ordered) > 1:
+        print(f"{run}: {len(ordered)} {kind} runs below it; reading the newest, {ordered[-1]}")
+    return ordered[-1]
 
 
 def read_scalars(folder: Path) -> dict[str, dict[int, float]]:
@@ -97,7 +112,7 @@ def plot(names: list[str], runs: list[dict], scalars: list[str], out: Path) -> N
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="compare", description=__doc__.split("\n\n")[0])
-    parser.add_argument("runs", nargs="+", type=Path, help="runs' dump or TensorBoard folders")
+    parser.add_argument("runs", nargs="+", type=Path, help="runs' dump, TensorBoard or W&B run folders")
     parser.add_argument("--scalar", action="append", help="a logged scalar to compare (repeatable; default: loss)")
     parser.add_argument("--out", type=Path, default=Path("compare.png"), help="the PNG to write")
     parser.add_argument("--names", help="comma-separated names of the runs in the legend (default: the folders' names)")
@@ -111,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         names = args.names.split(",") if args.names else [run.name or str(run) for run in args.runs]
         if len(names) != len(args.runs):
             raise CompareError(f"--names gives {len(names)} names for {len(args.runs)} runs")
-        runs = [read_scalars(event_folder(run)) for run in args.runs]
+        runs = [run_scalars(run) for run in args.runs]
         for run, scalars_of_run in zip(args.runs, runs):
             for scalar in scalars:
                 if not series(scalars_of_run, scalar):

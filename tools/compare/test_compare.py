@@ -1,6 +1,7 @@
-"""compare against runs written by TensorBoard's own writer: the table's differences are the
-values' (computed here from what was logged), the PNG is written, torchtitan's tag names are
-read as Tessera's, and bad input is one line with exit 2."""
+"""compare against runs written by TensorBoard's and wandb's own writers: the table's differences
+are the values' (computed here from what was logged), the PNG is written, torchtitan's tag names
+are read as Tessera's, a W&B offline run reads as a TensorBoard one, and bad input is one line with
+exit 2."""
 
 import math
 
@@ -39,6 +40,30 @@ def test_table_and_png_of_two_runs_one_in_torchtitan_s_tags(tmp_path, capsys):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
 
 
+def test_a_wandb_offline_run_reads_as_what_was_logged(tmp_path, monkeypatch, capsys):
+    """Long enough for records to span the log's 32 KiB blocks; compared with a TensorBoard run."""
+    import wandb
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(name, str(tmp_path / "wandb_home" / name))
+    losses = [8.0 - step / 1000 for step in range(1, 801)]
+    run = wandb.init(project="compare-test", dir=tmp_path / "wandb_run" / "tb" / "20261204-000000")
+    for step, loss in enumerate(losses, start=1):
+        run.log({"loss_metrics/global_avg_loss": loss, "ntokens_seen": 64 * step, "note": "text"}, step=step)
+    run.finish()
+    wandb.teardown()
+    (log,) = (tmp_path / "wandb_run").rglob("run-*.wandb")
+    assert log.stat().st_size > 3 * 32 * 1024
+    scalars = compare.run_scalars(tmp_path / "wandb_run")
+    assert scalars == {"loss_metrics/global_avg_loss": dict(enumerate(losses, start=1)),
+                       "ntokens_seen": {step: 64.0 * step for step in range(1, 801)}}
+    tensorboard = _run(tmp_path / "tensorboard", losses[:4])
+    assert compare.main([str(tensorboard), str(log.parent), "--names", "tb,wandb", "--out", str(tmp_path / "x.png")]) == 0
+    rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines() if line.startswith("  ")}
+    assert rows["wandb"][:3] == ["800", "7.2", "7.2"] and float(rows["wandb"][3]) < 1e-6  # float32 in TensorBoard
+
+
 def test_the_newest_of_several_runs_is_read_and_named(tmp_path, capsys):
     _run(tmp_path / "dump", [9.0, 9.0])
     newest = SummaryWriter(log_dir=str(tmp_path / "dump" / "tb" / "20261204-000100"))
@@ -52,7 +77,8 @@ def test_the_newest_of_several_runs_is_read_and_named(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["{tmp}/missing"], "missing: no such run folder"),
-    (["{tmp}"], "no TensorBoard event files below it (was metrics.enable_tensorboard on?)"),
+    (["{tmp}"], "no TensorBoard event files or W&B runs below it (was metrics.enable_tensorboard or "
+                "metrics.enable_wandb on?)"),
     (["{run}", "--scalar", "los"], "no scalar 'los' (it logs grad_norm, loss, tokens_seen)"),
     (["{run}", "{run}", "--names", "one"], "--names gives 1 names for 2 runs"),
 ])

@@ -6,7 +6,8 @@
 3. resident memory while streaming a dataset 10x the embedded corpus, sampled along the way,
    and time to first batch for 1x vs 10x;
 4. open time of a synthetic 2 GB token shard (and its first batch);
-5. tokens/s each source serves, tokenising as it goes (text, Parquet) or not (shards), shuffled.
+5. tokens/s each source serves, tokenising as it goes (text, Parquet, datasets folder) or not
+   (shards), shuffled.
 
   bazel run //tools/pretokenize:bench_data -- [--workdir /tmp/bench_data] [--train-steps 8]
 """
@@ -135,7 +136,8 @@ def bench_2gb_shard(work: Path) -> None:
 
 def bench_sources(shards: Path, work: Path) -> None:
     """The embedded corpus as each source kind: its JSON lines, Parquet files of 64-row groups
-    (pyarrow, when installed) and its token shards."""
+    (pyarrow, when installed), a `datasets` save_to_disk folder (datasets, when installed) and
+    its token shards."""
     tok = load_tokenizer()
     sources = {"text (.jsonl.gz)": load_dataset(), "token shards": open_shards(shards)}
     try:
@@ -148,6 +150,13 @@ def bench_sources(shards: Path, work: Path) -> None:
         sources["Parquet"] = load_dataset(work / "parquet")
     except ImportError:
         print("   (Parquet skipped: pyarrow is not installed)")
+    try:
+        import datasets
+
+        datasets.Dataset.from_dict({"text": list(sources["text (.jsonl.gz)"])}).save_to_disk(str(work / "saved"))
+        sources["datasets folder"] = load_dataset(work / "saved")
+    except ImportError:
+        print("   (datasets folder skipped: datasets is not installed)")
     print("5. tokens/s served by each source (shuffled, tokenising where the source is text):")
     for name, data in sources.items():
         print(f"   {name:18} {loader_tokens_per_s(data, tok, 200):12,.0f} tokens/s")

@@ -2,7 +2,8 @@
 
     bazel run //tools/pretokenize -- corpus.jsonl.gz more_text/ --out data/shards --workers 8
 
-Sources are read as `load_dataset` reads them (.txt/.md files, folders, .jsonl[.gz], .parquet, "default").
+Sources are read as `load_dataset` reads them (.txt/.md files, folders, .jsonl[.gz], .parquet,
+`datasets` save_to_disk folders, "default").
 Re-running on unchanged inputs is a no-op. Bad input ends as one `error:` line and exit 2.
 """
 

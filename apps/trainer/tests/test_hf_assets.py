@@ -1,15 +1,19 @@
 """A Hugging Face model folder (model.hf_assets_path) through the trainer in one process: the
 architecture from its config.json (model.flavor = "from_hf_config"), the weights from its
 safetensors with no checkpoint.initial_load_path, the export's config.json and tokenizer files
-(a tokenizer.json copied, tiktoken's formats written as one), the args record beside DCP
-checkpoints, and the plan's one-line refusals."""
+(a tokenizer.json or SentencePiece tokenizer.model copied, tiktoken's formats written as a
+tokenizer.json), a folder holding only a SentencePiece tokenizer as the run's tokenizer, the args
+record beside DCP checkpoints, and the plan's one-line refusals."""
 
+import io
 import json
 import shutil
 from importlib import resources
 from pathlib import Path
 
 import pytest
+import sentencepiece
+import tokenizers
 import torch
 
 from tessera.ckpt import load_hf, read_dcp, save_hf
@@ -28,6 +32,24 @@ SMALL = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--trai
          "--metrics.log_freq", "1", "--metrics.disable_color_printing", "true"]
 # The bundled tokenizer named as a file: the tiny folder has no tokenizer of its own.
 TOKENIZER = Path(str(resources.files("tessera.data").joinpath("assets", "tokenizer.model")))
+
+
+def sentencepiece_folder(folder: Path, kind: str) -> Path:
+    """`folder` holding only a SentencePiece tokenizer trained here on a few KB: a tokenizer.model
+    (BPE with byte fallback, as Llama 2's) or a Metaspace tokenizer.json (as the tokenizers library
+    trains one)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = [line for line in load_dataset()[0][:6000].splitlines() if line.strip()]
+    if kind == "tokenizer.model":
+        model = io.BytesIO()
+        sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=model, vocab_size=600,
+                                                 model_type="bpe", byte_fallback=True, minloglevel=2)
+        (folder / "tokenizer.model").write_bytes(model.getvalue())
+    else:
+        tok = tokenizers.SentencePieceBPETokenizer()
+        tok.train_from_iterator(lines, vocab_size=500, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
+        tok.save(str(folder / "tokenizer.json"))
+    return folder
 
 
 def tiny_hf_folder(folder: Path, **change) -> tuple[dict, dict]:
@@ -86,18 +108,26 @@ def test_architecture_and_weights_come_from_the_folder_and_the_export_describes_
 
 
 @pytest.mark.parametrize("given", ["default", "tokenizer.model", "folder with tokenizer.model", "tokenizer.json",
-                                   "folder with tokenizer.json"])
-def test_the_export_holds_the_runs_tokenizer_as_tokenizer_json(tmp_path, given):
+                                   "folder with tokenizer.json", "SentencePiece tokenizer.model",
+                                   "folder with SentencePiece tokenizer.json"])
+def test_the_export_holds_the_runs_tokenizer_in_a_format_transformers_reads(tmp_path, given):
     hf = tmp_path / "tok"
     hf.mkdir()
-    if "tokenizer.json" in given:  # a GPT-2-like layout, unlike the default's
+    if given == "SentencePiece tokenizer.model":  # beside a tokenizer.json the run does not read
+        write_hf_tokenizer(load_tokenizer(), sentencepiece_folder(hf, "tokenizer.model"))
+        (hf / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    elif "SentencePiece" in given:
+        sentencepiece_folder(hf, "tokenizer.json")
+    elif "tokenizer.json" in given:  # a GPT-2-like layout, unlike the default's
         ranks = load_tokenizer().ranks
         write_hf_tokenizer(Tokenizer(ranks, special_tokens={"<|endoftext|>": len(ranks)}, bos_id=len(ranks),
                                      eos_id=len(ranks)), hf)
-        (hf / "special_tokens_map.json").write_text("{}")
     else:
         shutil.copyfile(TOKENIZER, hf / "tokenizer.model")
-    source = {"default": None, "tokenizer.model": hf / "tokenizer.model", "tokenizer.json": hf / "tokenizer.json"}
+    if "tokenizer.json" in given:
+        (hf / "special_tokens_map.json").write_text("{}")
+    source = {"default": None, "tokenizer.model": hf / "tokenizer.model", "tokenizer.json": hf / "tokenizer.json",
+              "SentencePiece tokenizer.model": hf / "tokenizer.model"}
     source = source.get(given, hf)
     config = load_config(["--checkpoint.last_save_in_hf", "true", *(["--model.tokenizer_path", str(source)] if source else [])])
     run_tokenizer = load_tokenizer(tokenizer_source(config))
@@ -109,14 +139,28 @@ def test_the_export_holds_the_runs_tokenizer_as_tokenizer_json(tmp_path, given):
 
     copied = {name: path for name, path in files.items() if isinstance(path, Path)}
     names = ["config.json", "tokenizer.json", "tokenizer_config.json"]
-    if "tokenizer.json" in given:  # the HF files as they are
-        assert copied == {name: hf / name for name in (*names[1:], "special_tokens_map.json")}
+    kept = {"SentencePiece tokenizer.model": ["tokenizer.model", "tokenizer_config.json"],  # not the unread json
+            "folder with SentencePiece tokenizer.json": ["tokenizer.json", "special_tokens_map.json"]}
+    kept = kept.get(given, [*names[1:], "special_tokens_map.json"] if "tokenizer.json" in given else None)
+    if kept:  # the HF files as they are
+        assert copied == {name: hf / name for name in kept}
     else:  # written from the run's tokenizer, no tokenizer.model
         assert not copied and sorted(export.iterdir()) == [export / name for name in names]
     exported = load_tokenizer(export)
     text = load_dataset()[0][:2000] + " <|endoftext|> café 世界"
     assert exported.fingerprint == run_tokenizer.fingerprint
     assert exported.encode(text, True, True) == run_tokenizer.encode(text, True, True)
+
+
+def test_a_folder_holding_only_a_sentencepiece_tokenizer_trains(tmp_path):
+    """model.hf_assets_path as the tokenizer: Llama 2's debug model on a SentencePiece
+    tokenizer.model, its vocabulary (600) and BOS/EOS from the file."""
+    hf = sentencepiece_folder(tmp_path / "hf", "tokenizer.model")
+    history = train(load_config([*SMALL, "--job.dump_folder", str(tmp_path / "run"), "--model.name", "llama2",
+                                 "--model.hf_assets_path", str(hf), "--training.steps", "2"]))
+    assert [h["step"] for h in history] == [1, 2] and 5 < history[0]["loss"] < 8  # ln 600 = 6.4 at the start
+    tokenizer = load_tokenizer(hf)
+    assert (tokenizer.vocab_size, tokenizer.bos_id, tokenizer.eos_id) == (600, 1, 2)
 
 
 def test_named_flavor_loads_a_folder_of_its_shape(tmp_path):

@@ -1,5 +1,6 @@
 import base64
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,7 @@ SAMPLES = [
     "numbers 1234567890 3.14159 1e-10 0xFF",
     "contractions I'm you're we've they'll she'd it's DON'T",
     "   leading and trailing spaces   \n\n\n  ",
-    "<|begin_of_text|> literal special-token text <|eot_id|>",
+    "<|begin_of_text|> special-token text <|eot_id|>, <|eot_id |> <|reserved_special_token_250|><|eot_id|>",
     bytes(range(256)).decode("utf-8", errors="replace"),
 ]
 
@@ -61,7 +62,9 @@ def test_llama3_special_tokens_order():
 @pytest.mark.parametrize("text", SAMPLES)
 def test_round_trip(tok, text):
     ids = tok.encode(text, bos=False, eos=False)
-    assert all(0 <= i < tok.bos_id for i in ids)  # special-token text is plain text
+    # special-token text becomes those tokens (transformers' default), the rest stays in the ranks
+    found = re.findall("|".join(map(re.escape, LLAMA3_SPECIAL_TOKENS)), text)
+    assert [i for i in ids if i >= tok.bos_id] == [tok.special_tokens[t] for t in found]
     assert tok.decode(ids) == text
 
 
@@ -96,14 +99,15 @@ def test_llama3_format_file_matches_tiktoken(tok, tmp_path):
     path = tmp_path / "tokenizer.model"
     write_ranks(ranks, path)
     mine = load_tokenizer(path)
+    specials = {t: 400 + i for i, t in enumerate(LLAMA3_SPECIAL_TOKENS)}
     reference = tiktoken.Encoding(
-        "reference", pat_str=LLAMA3_SPLIT_PATTERN, mergeable_ranks=ranks, special_tokens={}
+        "reference", pat_str=LLAMA3_SPLIT_PATTERN, mergeable_ranks=ranks, special_tokens=specials
     )
     assert mine.vocab_size == 400 + 256
     assert (mine.bos_id, mine.eos_id) == (400, 401)
-    for text in SAMPLES:
-        assert mine.encode(text, bos=False, eos=False) == reference.encode_ordinary(text)
-        assert mine.encode(text, bos=True, eos=True) == [400, *reference.encode_ordinary(text), 401]
+    for text in SAMPLES:  # tiktoken's own special-token matching as the reference
+        assert mine.encode(text, bos=False, eos=False) == reference.encode(text, allowed_special="all")
+        assert mine.encode(text, bos=True, eos=True) == [400, *reference.encode(text, allowed_special="all"), 401]
 
 
 def _write_lines(tmp_path, lines):
@@ -143,4 +147,5 @@ def test_non_ascii_file(tmp_path):
     path = tmp_path / "bad.model"
     path.write_bytes(b"QQ== 0\n\xff\xfe 1\n")
     with pytest.raises(ValueError, match=r"bad.model:2: not a tokenizer.model file"):
-        load_tokenizer(path)
+        read_ranks(path)
+    # load_tokenizer takes non-ASCII bytes for a SentencePiece model (tests/test_sentencepiece_tokenizer.py)

@@ -15,7 +15,7 @@ import tomllib
 from tessera.trainer.config import ConfigError, JobConfig, get_key
 from tessera.trainer.schema import OLDER_TORCHTITAN, TESSERA, declared
 
-TRAINER_VERSION = "0.15.0"
+TRAINER_VERSION = "0.16.0"
 LIBRARIES = ("mesh", "models", "data", "fsdp", "tp", "pp", "cp", "ep", "ckpt", "float8", "optim")
 
 USAGE = """usage: trainer [--nproc N] [--check [--check_world_size N] [--check_device cpu|cuda]] [--job.config_file F]

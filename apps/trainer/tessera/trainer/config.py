@@ -144,9 +144,9 @@ class DataLoader:
 class Training:
     dataset: str = key("default", "default (the embedded corpus), c4_test / c4_validation (./tests/assets/<name>), or a path")
     dataset_path: str = key(
-        "", "a text, JSON-lines (.jsonl/.json[.gz]) or Parquet file, a folder of them, or a folder of token shards "
-        "(tools/pretokenize)", path=True)
-    dataset_text_field: str = key("text", "the field of each JSON record, or the Parquet column, holding its text",
+        "", "a text, JSON-lines (.jsonl/.json[.gz]) or Parquet file, a folder of them, a Hugging Face datasets folder "
+        "(save_to_disk), or a folder of token shards (tools/pretokenize)", path=True)
+    dataset_text_field: str = key("text", "the field of each JSON record, or the Parquet or Arrow column, holding its text",
                                   origin=TESSERA)
     # mixed in proportions seeded by debug.seed; the paths resolve as dataset_path
     dataset_mixture: list[str] = key(
@@ -287,14 +287,14 @@ class Metrics:
     log_freq: int = key(10, "log loss, grad norm, throughput and memory every this many steps", bound=">= 1")
     enable_tensorboard: bool = key(
         False, "write TensorBoard events under dump_folder/save_tb_folder/<run start time>")
-    save_tb_folder: str = key("tb", "under job.dump_folder")
+    save_tb_folder: str = key("tb", "under job.dump_folder; the W&B run's files too")
     disable_color_printing: bool = key(
         False, "no colour in the console log (colour is used only on a terminal, never with NO_COLOR)")
     rank_0_only: bool = key(True, "torchtitan 0.1's key: false = save_for_all_ranks", origin=OLDER_TORCHTITAN)
-    save_for_all_ranks: bool = key(False, "every rank logs and writes its own TensorBoard events, not rank 0 alone")
+    save_for_all_ranks: bool = key(False, "every rank logs and writes its own TensorBoard events and W&B run, not rank 0 alone")
     enable_wandb: bool = key(
-        False, "log to Weights & Biases",
-        refused="Weights & Biases is not installed with Tessera; use metrics.enable_tensorboard")
+        False, "log the same scalars to Weights & Biases, offline unless WANDB_MODE or a W&B login says "
+        "otherwise (pip install wandb)")
     # A causal mask leaves half the score matrix to compute (flash kernels skip it); false is PaLM's
     # and torchtitan's convention (mask ignored), so MFU figures compare with theirs.
     causal_attention_flops: bool = key(

@@ -12,13 +12,13 @@ import json
 from pathlib import Path
 
 from tessera.ckpt.hf import INDEX_FILE, SINGLE_FILE
-from tessera.data import hf_tokenizer_files
+from tessera.data import hf_tokenizer_files, tokenizer_file
 from tessera.models import ARGS_FILE, CONFIG_FILE, ModelSpec, args_record, read_hf_config
 from tessera.trainer.config import ConfigError, JobConfig, user_input
 
 # The flavor name that takes the architecture from <model.hf_assets_path>/config.json.
 FROM_HF_CONFIG = "from_hf_config"
-# A Hugging Face tokenizer's files, copied beside an export when the run's tokenizer is a tokenizer.json.
+# A Hugging Face tokenizer's files, copied beside an export when the run's tokenizer is in HF's formats.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 
 
@@ -86,16 +86,19 @@ def _token_ids(config: JobConfig, tokenizer) -> dict:
 
 
 def _tokenizer_files(source: str | None, tokenizer, context: int) -> dict[str, Path | bytes]:
-    """The run's tokenizer for an export. A Hugging Face tokenizer.json (the file given, or the one
-    a folder holds, which load_tokenizer prefers) is copied as tokenizer.json with the HF files
-    beside it; the embedded default and tokenizer.model files, tiktoken's format that transformers
-    cannot read, are written as tokenizer.json + tokenizer_config.json giving the same ids."""
-    path = Path(source) if source else None
-    json_file = path / "tokenizer.json" if path is not None and path.is_dir() else path
-    if json_file is None or json_file.suffix != ".json" or not json_file.is_file():
+    """The run's tokenizer for an export. Hugging Face's formats (the tokenizer.json or SentencePiece
+    tokenizer.model that load_tokenizer reads for the file or folder given) are copied under their
+    standard names with the HF files beside them, but for a tokenizer.model a tokenizer.json the run
+    did not read (transformers would prefer it); the embedded default and Llama 3 tokenizer.model
+    files, tiktoken's format that transformers cannot read, are written as tokenizer.json +
+    tokenizer_config.json giving the same ids."""
+    file, kind = tokenizer_file(source) if source else (None, "tiktoken")
+    if kind == "tiktoken":
         return hf_tokenizer_files(tokenizer, model_max_length=context)
-    beside = {name: json_file.parent / name for name in TOKENIZER_FILES if (json_file.parent / name).is_file()}
-    return {**beside, "tokenizer.json": json_file}
+    file = Path(file)
+    name = "tokenizer.json" if kind == "tokenizer.json" else "tokenizer.model"
+    beside = [n for n in TOKENIZER_FILES if (file.parent / n).is_file() and (n != "tokenizer.json" or name == n)]
+    return {**{n: file.parent / n for n in beside}, name: file}
 
 
 def export_files(config: JobConfig, spec: ModelSpec, args, tokenizer, tokenizer_source: str | None) -> tuple[dict, dict]:

@@ -1,17 +1,20 @@
-"""Throughput, MFU, memory and the log sinks (console line, TensorBoard)."""
+"""Throughput, MFU, memory and the log sinks (console line, TensorBoard, Weights & Biases)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import resource
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from tessera.trainer.config import JobConfig
 from tessera.trainer.gpus import datasheet
 
 def datasheet_peak_tflops(gpu_name: str) -> float | None:
@@ -174,18 +177,64 @@ def format_eta(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
-class MetricLogger:
-    """Prints one line per log step and mirrors the scalars into TensorBoard when enabled."""
+@dataclasses.dataclass(frozen=True)
+class Sink:
+    """Where the logged scalars go besides the console: `write(step, {tag: value})` at each log and
+    validation step, `close()` once when the run ends, well or not."""
 
-    def __init__(self, total_steps: int, tb_folder: Path | None, color: bool, enabled: bool):
+    write: Callable[[int, dict[str, float]], None]
+    close: Callable[[], None]
+
+
+def tensorboard_sink(folder: Path) -> Sink:
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(log_dir=str(folder))
+
+    def write(step: int, values: dict[str, float]) -> None:
+        for tag, value in values.items():
+            writer.add_scalar(tag, value, step)
+
+    return Sink(write, writer.close)
+
+
+def metrics_folder(config: JobConfig, dump: Path, rank: int) -> Path:
+    """Each run's TensorBoard events and W&B files in a folder of its own, named by rank 0's start
+    time, so a rerun's curves do not mix with the last one's; with save_for_all_ranks, one
+    sub-folder per rank. Every rank calls it (a broadcast)."""
+    stamp = [time.strftime("%Y%m%d-%H%M%S")]
+    if dist.is_initialized():
+        dist.broadcast_object_list(stamp, src=0)
+    folder = dump / config.metrics.save_tb_folder / stamp[0]
+    all_ranks = config.metrics.save_for_all_ranks or not config.metrics.rank_0_only
+    return folder / f"rank_{rank}" if all_ranks else folder
+
+
+def metric_sinks(config: JobConfig, dump: Path, rank: int, logging_rank: bool) -> list[Sink]:
+    """The sinks the metrics section enables (TensorBoard, W&B, both or none) on the logging ranks,
+    in the run's metrics folder. Every rank calls it."""
+    metrics = config.metrics
+    if not (metrics.enable_tensorboard or metrics.enable_wandb):
+        return []
+    folder = metrics_folder(config, dump, rank)
+    if not logging_rank:
+        return []
+    sinks = [tensorboard_sink(folder)] if metrics.enable_tensorboard else []
+    if metrics.enable_wandb:
+        from tessera.trainer.wandb_logger import wandb_sink  # which builds on this module's Sink
+
+        sinks.append(wandb_sink(folder, config))
+    return sinks
+
+
+class MetricLogger:
+    """Prints one line per log step and hands the scalars to the run's sinks."""
+
+    def __init__(self, total_steps: int, sinks: list[Sink], color: bool, enabled: bool):
         self.total_steps = total_steps
         self.enabled = enabled
         self.c = _Colors(color)
-        self.writer = None
-        if enabled and tb_folder is not None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(log_dir=str(tb_folder))
+        self.sinks = sinks
 
     def log(self, step: int, values: dict[str, float], seconds_per_step: float) -> None:
         if not self.enabled:
@@ -204,12 +253,10 @@ class MetricLogger:
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         """Each value under its own name and, where torchtitan names it otherwise, under that too."""
-        if self.writer is not None:
-            for name, value in values.items():
-                self.writer.add_scalar(name, value, step)
-                if name in TORCHTITAN_TAGS:
-                    self.writer.add_scalar(TORCHTITAN_TAGS[name], value, step)
+        tagged = {**values, **{TORCHTITAN_TAGS[name]: value for name, value in values.items() if name in TORCHTITAN_TAGS}}
+        for sink in self.sinks:
+            sink.write(step, tagged)
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        for sink in self.sinks:
+            sink.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -552,8 +553,8 @@ def _check_checkpoint(config: JobConfig, spec: ModelSpec, world_size: int) -> No
 
 
 def _check_paths(config: JobConfig, notes: list[str] | None) -> None:
-    """Paths the run will read exist, and the output folder can be one; a check-only plan notes
-    what is missing on this host instead."""
+    """Paths the run will read exist, the output folder can be one and the optional packages its
+    settings need are installed; a check-only plan notes what is missing on this host instead."""
     problems = []
     for key, path in (("training.dataset_path", config.training.dataset_path),
                       ("validation.dataset_path", config.validation.dataset_path if config.validation.enable else "")):
@@ -565,6 +566,8 @@ def _check_paths(config: JobConfig, notes: list[str] | None) -> None:
     dump = Path(config.job.dump_folder)
     if dump.exists() and not dump.is_dir():
         problems.append(f"job.dump_folder {dump} is not a folder")
+    if config.metrics.enable_wandb and importlib.util.find_spec("wandb") is None:
+        problems.append("metrics.enable_wandb needs the wandb package, which is not installed: pip install wandb")
     if notes is None and problems:
         raise ConfigError(problems[0])
     if notes is not None:

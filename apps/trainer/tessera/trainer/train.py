@@ -32,7 +32,9 @@ from tessera.trainer.family_hooks import FamilyHooks
 from tessera.trainer.faults import (
     StopSignals, any_rank, inject_fault, stalled_collective, tighten_timeouts,
 )
-from tessera.trainer.metrics import MetricLogger, StepTimer, all_reduce_scalar, cuda_memory_stats, memory_gib, peak_tflops
+from tessera.trainer.metrics import (
+    MetricLogger, StepTimer, all_reduce_scalar, cuda_memory_stats, memory_gib, metric_sinks, peak_tflops,
+)
 from tessera.trainer.optimizer import build_optimizers
 from tessera.trainer.parallelize import build_parallel_model
 from tessera.trainer.plan import JobPlan, make_plan, tokenizer_source
@@ -97,17 +99,6 @@ def collect_garbage(step: int, training, say: bool) -> None:
         gc.collect(1)
 
 
-def _tensorboard_folder(config: JobConfig, dump: Path, rank: int) -> Path:
-    """Each run's events in a folder of its own, named by rank 0's start time, so a rerun's
-    curves do not mix with the last one's; with save_for_all_ranks, one sub-folder per rank."""
-    stamp = [time.strftime("%Y%m%d-%H%M%S")]
-    if dist.is_initialized():
-        dist.broadcast_object_list(stamp, src=0)
-    folder = dump / config.metrics.save_tb_folder / stamp[0]
-    all_ranks = config.metrics.save_for_all_ranks or not config.metrics.rank_0_only
-    return folder / f"rank_{rank}" if all_ranks else folder
-
-
 def _train(plan: JobPlan, info) -> list[dict]:
     config, training, device = plan.config, plan.config.training, plan.device
     meshes = build_meshes(plan.dims, device) if dist.is_initialized() else Meshes.single()
@@ -148,7 +139,7 @@ def _train(plan: JobPlan, info) -> list[dict]:
         model.parts, optimizers.all, scheduler, forward_backward, plan, (*plan.post_optimizer_hooks, family), pp_mesh=meshes.pp,
     )
     logger = MetricLogger(
-        training.steps, _tensorboard_folder(config, dump, info.rank) if config.metrics.enable_tensorboard else None,
+        training.steps, metric_sinks(config, dump, info.rank, is_logging_rank),
         color=not config.metrics.disable_color_printing and sys.stdout.isatty() and not os.environ.get("NO_COLOR"),
         enabled=is_logging_rank,
     )

@@ -11,7 +11,10 @@ Sources accepted by `load_dataset`:
   `tests/assets/c4_test/data.json`; `.json.gz` as c4's shards).
 - a `.parquet` file, or a folder holding `.parquet` files (every one below it, sorted by
   relative path, its other files ignored): one document per row, its text in the `text_field`
-  column, read a row group at a time (`tessera.data.parquet`; needs pyarrow).
+  column, read a row group at a time (`tessera.data.columnar`; needs pyarrow).
+- a folder written by Hugging Face `datasets`' `save_to_disk` (a Dataset, or a DatasetDict's
+  "train" split), or one `.arrow` stream file: the same, its Arrow files memory-mapped and read
+  a record batch at a time, in the order its state.json lists them.
 - a folder of token shards written by `tools/pretokenize` (see `tessera.data.shards`).
 """
 
@@ -26,7 +29,7 @@ from importlib import resources
 from pathlib import Path
 from typing import IO, Iterator
 
-from tessera.data.parquet import PARQUET_SUFFIX, ParquetDataset, iter_parquet
+from tessera.data.columnar import ARROW_SUFFIX, PARQUET_SUFFIX, ColumnarDataset, iter_columnar, saved_dataset_files
 from tessera.data.shards import ShardDataset, is_shard_folder, open_shards
 
 _TEXT_SUFFIXES = (".txt", ".md")
@@ -51,20 +54,20 @@ class TextDataset:
 
 def load_dataset(
     source: str | os.PathLike | None = None, text_field: str = "text"
-) -> TextDataset | ShardDataset | ParquetDataset:
+) -> TextDataset | ShardDataset | ColumnarDataset:
     """Documents from `source` (see the module docstring); `text_field` names the JSON field or
-    Parquet column.
+    Parquet or Arrow column.
 
     A folder written by `tools/pretokenize` (it holds `index.json`) opens as a memory-mapped
-    `ShardDataset` instead, and Parquet as a `ParquetDataset`: nothing is read or tokenised up
-    front.
+    `ShardDataset` instead, and Parquet or Arrow as a `ColumnarDataset`: nothing is read or
+    tokenised up front.
     """
     if source not in _DEFAULT_NAMES and is_shard_folder(source):
         return open_shards(source)
     name = "default" if source in _DEFAULT_NAMES else str(Path(source))
     files = source_files(source)
-    if files and _is_parquet(files[0]):
-        dataset = ParquetDataset(name, files, text_field)
+    if files and _is_columnar(files[0]):
+        dataset = ColumnarDataset(name, files, text_field)
         if not len(dataset):
             raise ValueError(f"dataset {name} has no documents")
         return dataset
@@ -79,14 +82,16 @@ def source_files(source: str | os.PathLike | None) -> list[Path]:
     if not path.exists():
         raise FileNotFoundError(f"dataset path not found: {path}")
     if path.is_dir():
+        saved = saved_dataset_files(path)
+        if saved is not None:
+            return saved
         files = sorted((p for p in path.rglob("*") if p.is_file()), key=lambda p: p.relative_to(path).as_posix())
         parquet = [p for p in files if _is_parquet(p)]
         json_lines = [p for p in files if _is_json_lines(p)]
         return parquet or json_lines or [p for p in files if p.suffix in _TEXT_SUFFIXES]
-    if not _is_json_lines(path) and not _is_parquet(path) and path.suffix not in _TEXT_SUFFIXES:
-        raise ValueError(
-            f"unsupported dataset file {path}: expected .txt, .md, .jsonl, .jsonl.gz, .json, .json.gz, .parquet or a folder"
-        )
+    if not _is_json_lines(path) and not _is_columnar(path) and path.suffix not in _TEXT_SUFFIXES:
+        raise ValueError(f"unsupported dataset file {path}: expected .txt, .md, .jsonl, .jsonl.gz, .json, .json.gz, "
+                         ".parquet, .arrow or a folder")
     return [path]
 
 
@@ -99,8 +104,8 @@ def _documents(source: str | os.PathLike | None, files: list[Path], text_field: 
     """The documents of `files`, `source_files(source)` (listed once by the caller)."""
     folder = source not in _DEFAULT_NAMES and Path(source).is_dir()
     for path in files:
-        if _is_parquet(path):
-            yield from iter_parquet(path, text_field)
+        if _is_columnar(path):
+            yield from iter_columnar(path, text_field)
         elif _is_json_lines(path):
             field = "text" if source in _DEFAULT_NAMES else text_field
             with open(path, "rb") as f:
@@ -115,6 +120,10 @@ def _documents(source: str | os.PathLike | None, files: list[Path], text_field: 
 
 def _is_parquet(path: Path) -> bool:
     return path.suffix == PARQUET_SUFFIX
+
+
+def _is_columnar(path: Path) -> bool:
+    return path.suffix in (PARQUET_SUFFIX, ARROW_SUFFIX)
 
 
 def _is_json_lines(path: Path) -> bool:

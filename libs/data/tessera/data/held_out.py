@@ -14,12 +14,12 @@ import math
 from typing import Sequence, Union
 
 from tessera.data.datasets import TextDataset
-from tessera.data.parquet import ParquetDataset
+from tessera.data.columnar import ColumnarDataset
 from tessera.data.shards import ShardDataset, documents_between
 
 HELD_OUT_FRACTION = 0.01  # of the documents; at least one
 
-Dataset = Union[TextDataset, ShardDataset, ParquetDataset, Sequence[str]]
+Dataset = Union[TextDataset, ShardDataset, ColumnarDataset, Sequence[str]]
 
 
 def split_held_out(dataset: Dataset, fraction: float = HELD_OUT_FRACTION) -> tuple[Dataset, Dataset]:
@@ -38,7 +38,7 @@ def split_held_out(dataset: Dataset, fraction: float = HELD_OUT_FRACTION) -> tup
         return documents_between(dataset, 0, n - k, training), documents_between(dataset, n - k, n, held_out)
     if isinstance(dataset, TextDataset):
         return TextDataset(training, dataset.documents[: n - k]), TextDataset(held_out, dataset.documents[n - k :])
-    if isinstance(dataset, ParquetDataset):
+    if isinstance(dataset, ColumnarDataset):
         return dataset.rows(0, n - k, training), dataset.rows(n - k, n, held_out)
     return dataset[: n - k], dataset[n - k :]
 

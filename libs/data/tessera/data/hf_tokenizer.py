@@ -26,6 +26,7 @@ them only for a whole piece) get no merge and `ignore_merges`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -35,6 +36,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import regex
+
+from tessera.data.added_tokens import DEFAULT_MATCH, TokenMatch
 
 if TYPE_CHECKING:
     from tessera.data.tokenizer import Tokenizer
@@ -77,12 +80,14 @@ class HFTokenizer:
     nfc: bool  # NFC normalizer
     dropped_bytes: bytes  # bytes without a token: HF drops them
     decode_only: dict[int, bytes]  # other ids (unreachable vocab tokens): decoded, never emitted
+    matching: dict[str, TokenMatch]  # how special tokens are found in text (added_tokens' flags)
 
 
-def read_hf_tokenizer(path: str | os.PathLike) -> HFTokenizer:
-    """Convert `path` (a tokenizer.json); errors are one ValueError line naming the file."""
+def read_hf_tokenizer(path: str | os.PathLike, doc: dict | None = None) -> HFTokenizer:
+    """Convert `path` (a byte-level tokenizer.json; `doc`: its content, when already read); errors
+    are one ValueError line naming the file."""
     path = os.fspath(path)
-    doc = _read_json(path)
+    doc = read_json(path) if doc is None else doc
     model = doc.get("model")
     if not isinstance(model, dict):
         raise ValueError(f"{path}: no 'model' object; not a Hugging Face tokenizer.json")
@@ -98,14 +103,19 @@ def read_hf_tokenizer(path: str | os.PathLike) -> HFTokenizer:
         raise ValueError(f"{path}: bytes without a token and an unk_token: unknown-token mapping is not supported")
     ranks, decode_only = _ranks(vocab, merges, token_bytes, singles, bool(model.get("ignore_merges")), path)
 
-    special_tokens = {t["content"]: t["id"] for t in _added_tokens(doc, path)}
-    folder = os.path.dirname(os.path.abspath(path))
-    config_path = os.path.join(folder, "tokenizer_config.json")
-    config = _read_json(config_path, optional=True)
-    named = _resolve_config_tokens(config, config_path, special_tokens, vocab)
-    bos_id, eos_id = _bos_eos(path, folder, special_tokens, named, ranks, decode_only)
-    name = f"{os.path.basename(folder)}/{os.path.basename(path)}"
-    return HFTokenizer(name, ranks, patterns, special_tokens, bos_id, eos_id, nfc, dropped, decode_only)
+    added = _added_tokens(doc, path)
+    special_tokens = {t["content"]: t["id"] for t in added}
+    flags = [field.name for field in dataclasses.fields(TokenMatch)]  # named as in added_tokens
+    matching = {t["content"]: TokenMatch(**{flag: bool(t.get(flag)) for flag in flags}) for t in added}
+    named = resolve_config_tokens(path, special_tokens, vocab)
+    bos_id, eos_id = bos_eos(path, special_tokens, named, {*ranks.values(), *decode_only})
+    return HFTokenizer(tokenizer_name(path), ranks, patterns, special_tokens, bos_id, eos_id, nfc, dropped, decode_only,
+                       matching)
+
+
+def tokenizer_name(path: str) -> str:
+    """The name "<folder>/<file>": which model folder a tokenizer came from."""
+    return f"{os.path.basename(os.path.dirname(os.path.abspath(path)))}/{os.path.basename(path)}"
 
 
 def _ranks(vocab: dict[str, int], merges: dict, token_bytes: dict[str, bytes | None], singles: dict[int, int],
@@ -140,7 +150,7 @@ def _ranks(vocab: dict[str, int], merges: dict, token_bytes: dict[str, bytes | N
     return ranks, decode_only
 
 
-def _read_json(path: str, optional: bool = False) -> dict:
+def read_json(path: str, optional: bool = False) -> dict:
     if optional and not os.path.isfile(path):
         return {}
     try:
@@ -159,7 +169,8 @@ def _check_model(model: dict, path: str) -> None:
     if model.get("type") != "BPE":
         raise ValueError(f"{path}: model type {model.get('type')!r} is not supported (byte-level BPE only)")
     if model.get("byte_fallback"):
-        raise ValueError(f"{path}: model.byte_fallback is set: a SentencePiece-style BPE, not byte-level (unsupported)")
+        raise ValueError(f"{path}: model.byte_fallback is set: a SentencePiece-style BPE, not byte-level "
+                         "(load_tokenizer reads it through the tokenizers library)")
     for key in ("dropout", "continuing_subword_prefix", "end_of_word_suffix"):
         if model.get(key):
             raise ValueError(f"{path}: model.{key} = {model[key]!r} is not supported")
@@ -293,15 +304,24 @@ def _config_token(config: dict, key: str, origin: str) -> str | None:
     return value
 
 
-def _resolve_config_tokens(config: dict, origin: str, special_tokens: dict[str, int],
-                           vocab: dict[str, int]) -> dict[str, int]:
-    """Tokens tokenizer_config.json names (standard keys, then added_tokens_decoder) become special
-    tokens, as HF's add_special_tokens (used by transformers and torchtitan) makes them: an existing
-    added token or vocab entry keeps its id, a new one takes the id after the highest. The explicit
-    ids of added_tokens_decoder are not used: tokenizer.json decides ids, as in a fast tokenizer."""
+def config_tokens(path: str) -> list[str | None]:
+    """The tokens the tokenizer_config.json beside `path` names, in the order HF's
+    add_special_tokens sees them: bos_token, eos_token (None where unnamed), the other standard
+    keys, then added_tokens_decoder's contents."""
+    origin = os.path.join(os.path.dirname(os.path.abspath(path)), "tokenizer_config.json")
+    config = read_json(origin, optional=True)
     names = [_config_token(config, key, origin) for key in _CONFIG_TOKEN_KEYS]
     decoder = config.get("added_tokens_decoder") or {}
-    names += [t.get("content") for t in decoder.values() if isinstance(t, dict)]
+    return names + [t.get("content") for t in decoder.values() if isinstance(t, dict)]
+
+
+def resolve_config_tokens(path: str, special_tokens: dict[str, int], vocab: dict[str, int]) -> dict[str, int]:
+    """Tokens tokenizer_config.json names (`config_tokens`) become special tokens, as HF's
+    add_special_tokens (used by transformers and torchtitan) makes them: an existing added token
+    or vocab entry keeps its id, a new one takes the id after the highest. The explicit ids of
+    added_tokens_decoder are not used: tokenizer.json decides ids, as in a fast tokenizer.
+    Returns {"bos_token": id, "eos_token": id} for those named."""
+    names = config_tokens(path)
     for content in names:
         if not isinstance(content, str) or content in special_tokens:
             continue
@@ -313,14 +333,14 @@ def _resolve_config_tokens(config: dict, origin: str, special_tokens: dict[str, 
     return {key: special_tokens[n] for key, n in zip(_CONFIG_TOKEN_KEYS[:2], names[:2]) if n is not None}
 
 
-def _bos_eos(path: str, folder: str, special_tokens: dict[str, int], named: dict[str, int],
-             ranks: dict[bytes, int], decode_only: dict[int, bytes]) -> tuple[int, int]:
-    """BOS and EOS: tokenizer_config.json's bos_token / eos_token, else config.json's bos_token_id /
-    eos_token_id (first of a list), else the first special token (by id) that reads like
-    begin / end of text; without any BOS the EOS serves as both (GPT-2 and Qwen do so)."""
-    model_config_path = os.path.join(folder, "config.json")
-    model_config = _read_json(model_config_path, optional=True)
-    known = {*special_tokens.values(), *ranks.values(), *decode_only}
+def bos_eos(path: str, special_tokens: dict[str, int], named: dict[str, int], known: set[int]) -> tuple[int, int]:
+    """BOS and EOS of the tokenizer file `path` (`known`: its ids): `named`'s bos_token /
+    eos_token (tokenizer_config.json's), else bos_token_id / eos_token_id of the config.json
+    beside it (first of a list), else the first special token (by id) that reads like begin /
+    end of text; without any BOS the EOS serves as both (GPT-2 and Qwen do so)."""
+    model_config_path = os.path.join(os.path.dirname(os.path.abspath(path)), "config.json")
+    model_config = read_json(model_config_path, optional=True)
+    known = {*special_tokens.values(), *known}
     found = {}
     for role, like in (("bos", _BOS_LIKE), ("eos", _EOS_LIKE)):
         token_id = named.get(f"{role}_token")
@@ -342,10 +362,11 @@ def _bos_eos(path: str, folder: str, special_tokens: dict[str, int], named: dict
 
 def hf_tokenizer_files(tokenizer: Tokenizer, model_max_length: int | None = None) -> dict[str, bytes]:
     """`tokenizer` as a Hugging Face tokenizer.json and tokenizer_config.json (name -> content), so
-    that `tokenizers` and transformers' AutoTokenizer give its ids (its special-token strings inside
-    text aside, which HF splits out) and `read_hf_tokenizer` gives it back: same ranks, split
-    patterns, specials, BOS/EOS and fingerprint. HF's `encode` with special tokens prepends BOS, as
-    every training document starts with it. Raises ValueError for what the format cannot hold."""
+    that `tokenizers` and transformers' AutoTokenizer give its ids (special-token strings inside
+    text included: its `matching` flags are written) and `read_hf_tokenizer` gives it back: same
+    ranks, split patterns, specials, BOS/EOS and fingerprint. HF's `encode` with special tokens
+    prepends BOS, as every training document starts with it. Raises ValueError for what the
+    format cannot hold."""
     names = {i: t for t, i in tokenizer.special_tokens.items()}
     for role, token_id in (("BOS", tokenizer.bos_id), ("EOS", tokenizer.eos_id)):
         if token_id not in names:
@@ -360,8 +381,8 @@ def hf_tokenizer_files(tokenizer: Tokenizer, model_max_length: int | None = None
         "version": "1.0",
         "truncation": None,
         "padding": None,
-        "added_tokens": [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
-                          "normalized": False, "special": True} for i, t in sorted(names.items())],
+        "added_tokens": [{"id": i, "content": t, **dataclasses.asdict(tokenizer.matching.get(t, DEFAULT_MATCH)),
+                          "special": True} for i, t in sorted(names.items())],
         "normalizer": {"type": "NFC"} if tokenizer.nfc else None,
         "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
             *({"type": "Split", "pattern": {"Regex": p}, "behavior": "Isolated", "invert": False}

@@ -1,14 +1,17 @@
 """Byte-level BPE tokenizers run by tiktoken: Llama 3 `tokenizer.model` files and Hugging Face
-`tokenizer.json` files (converted by `hf_tokenizer`).
+`tokenizer.json` files (converted by `hf_tokenizer`); `load_tokenizer` also opens SentencePiece
+ones (`sentencepiece_tokenizer`).
 
-A `tokenizer.model` file holds one line per mergeable token, "base64(token bytes) rank", with
-ranks 0..n-1. Llama 3's 256 special tokens follow the BPE ranks (ids n..n+255).
+A Llama 3 `tokenizer.model` file holds one line per mergeable token, "base64(token bytes) rank",
+with ranks 0..n-1. Llama 3's 256 special tokens follow the BPE ranks (ids n..n+255). A
+SentencePiece `tokenizer.model` is a binary protobuf: a file that is not ASCII text is read as one.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import hashlib
 import json
 import os
@@ -20,7 +23,14 @@ from typing import Iterable, Iterator
 import regex
 import tiktoken
 
-from tessera.data.hf_tokenizer import read_hf_tokenizer
+from tessera.data.added_tokens import DEFAULT_MATCH, AddedTokens, TokenMatch
+from tessera.data.hf_tokenizer import read_hf_tokenizer, read_json
+from tessera.data.sentencepiece_tokenizer import (
+    SentencePieceTokenizer,
+    is_sentencepiece_json,
+    read_sentencepiece_json,
+    read_sentencepiece_model,
+)
 
 # Llama 3's pre-tokenisation: contractions, letter runs with one leading non-letter, numbers of at
 # most three digits, punctuation runs, newlines, and whitespace.
@@ -64,7 +74,9 @@ class Tokenizer:
     `Tokenizer(ranks)` is the Llama 3 layout (Llama 3 split pattern, Llama 3's 256 special tokens
     after the ranks); the keywords describe any other (see `hf_tokenizer`): ids need not be
     contiguous, specials can sit anywhere, `patterns` split in turn (HF's Isolated split: matches
-    and the text between them are pieces), `dropped_bytes` are removed from each piece.
+    and the text between them are pieces), `dropped_bytes` are removed from each piece. Special
+    tokens inside text are found as `added_tokens` says (`matching`: the flags of those that are
+    not found the default way, which is transformers' for a special token).
     """
 
     def __init__(
@@ -79,6 +91,7 @@ class Tokenizer:
         nfc: bool = False,
         dropped_bytes: bytes = b"",
         decode_only: dict[int, bytes] | None = None,
+        matching: dict[str, TokenMatch] | None = None,
     ):
         n = len(ranks)
         self.name = name
@@ -92,9 +105,13 @@ class Tokenizer:
         self.nfc = nfc
         self._dropped = dropped_bytes
         self.decode_only = decode_only or {}
+        matching = sorted((matching or {}).items())
+        self.matching = {t: m for t, m in matching if m != DEFAULT_MATCH and t in special_tokens}
+        self._added = AddedTokens(special_tokens, self.matching, _nfc if nfc else None)
         # Identity of the token ids, so token shards can refuse a tokenizer other than the one
         # that made them, whatever its file is called.
-        self.fingerprint = _fingerprint(ranks, self.patterns, special_tokens, self.bos_id, self.eos_id, nfc)
+        self.fingerprint = _fingerprint(ranks, self.patterns, special_tokens, self.bos_id, self.eos_id, nfc,
+                                        self.matching)
         self._id_bytes = _decode_table(ranks, special_tokens, self.decode_only)
         self.vocab_size = len(self._id_bytes)
         # One split pattern and every byte a rank: tiktoken splits and merges in one call.
@@ -105,10 +122,18 @@ class Tokenizer:
         self._splits = [] if self._whole else [regex.compile(p) for p in self.patterns]
 
     def encode(self, text: str, bos: bool, eos: bool) -> list[int]:
-        """Token ids of `text`; special-token strings inside `text` are encoded as plain text."""
+        """Token ids of `text`; special-token strings inside it become those tokens (see `matching`)."""
         ids = [self.bos_id] if bos else []
-        if self.nfc:
-            text = unicodedata.normalize("NFC", text)
+        for part in self._added.split(text):
+            if isinstance(part, int):
+                ids.append(part)
+            else:
+                self._encode_ordinary(part, ids)
+        if eos:
+            ids.append(self.eos_id)
+        return ids
+
+    def _encode_ordinary(self, text: str, ids: list[int]) -> None:
         for chunk in _bounded_pieces(text):
             if self._whole:
                 ids.extend(self._encoding.encode_ordinary(chunk))
@@ -117,9 +142,6 @@ class Tokenizer:
                 data = piece.encode("utf-8").translate(None, self._dropped)
                 if data:  # tiktoken's BPE of one piece (private API, no public equivalent)
                     ids.extend(self._encoding._encode_single_piece(data))
-        if eos:
-            ids.append(self.eos_id)
-        return ids
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of `ids` (a list or a tensor); invalid UTF-8 becomes U+FFFD."""
@@ -130,24 +152,31 @@ class Tokenizer:
         return b"".join(self._id_bytes[i] for i in ids).decode("utf-8", errors="replace")
 
 
-def _fingerprint(ranks, patterns, special_tokens, bos_id, eos_id, nfc) -> str:
+def _nfc(text: str) -> str:
+    return unicodedata.normalize("NFC", text)
+
+
+def _fingerprint(ranks, patterns, special_tokens, bos_id, eos_id, nfc, matching) -> str:
     """16 hex digits of sha256 over the ranks in order (the Llama 3 tokenizer's value, kept since
     token shards record it), plus the layout when it is not Llama 3's for that many ranks."""
     ordered = sorted(ranks.items(), key=lambda item: item[1])
     digest = hashlib.sha256(LLAMA3_SPLIT_PATTERN.encode())
     for token, _ in ordered:
         digest.update(len(token).to_bytes(4, "little") + token)
-    layout = _layout(patterns, [i for _, i in ordered], special_tokens, bos_id, eos_id, nfc)
+    layout = _layout(patterns, [i for _, i in ordered], special_tokens, bos_id, eos_id, nfc, matching)
     n = len(ranks)
     llama3 = {tok: n + i for i, tok in enumerate(LLAMA3_SPECIAL_TOKENS)}
-    if layout != _layout((LLAMA3_SPLIT_PATTERN,), list(range(n)), llama3, n, n + 1, False):
+    if layout != _layout((LLAMA3_SPLIT_PATTERN,), list(range(n)), llama3, n, n + 1, False, {}):
         digest.update(json.dumps(layout).encode())
     return digest.hexdigest()[:16]
 
 
-def _layout(patterns, ids, special_tokens, bos_id, eos_id, nfc) -> dict:
+def _layout(patterns, ids, special_tokens, bos_id, eos_id, nfc, matching) -> dict:
     specials = sorted((i, tok) for tok, i in special_tokens.items())
-    return {"patterns": list(patterns), "ids": ids, "specials": specials, "bos": bos_id, "eos": eos_id, "nfc": nfc}
+    layout = {"patterns": list(patterns), "ids": ids, "specials": specials, "bos": bos_id, "eos": eos_id, "nfc": nfc}
+    if matching:  # only then: the fingerprints of tokenizers without flags stay as they were
+        layout["matching"] = [[tok, *dataclasses.astuple(how)] for tok, how in matching.items()]
+    return layout
 
 
 def _decode_table(ranks, special_tokens, decode_only) -> list[bytes | None]:
@@ -189,13 +218,32 @@ def _isolated(text: str, pattern) -> Iterator[str]:
         yield text[start:]
 
 
-def load_tokenizer(path: str | os.PathLike | None = None) -> Tokenizer:
-    """Tokenizer from a Llama 3 `tokenizer.model` file, a Hugging Face `tokenizer.json`, or a
-    folder holding either (tokenizer.json preferred); None gives the bundled offline default."""
+def load_tokenizer(path: str | os.PathLike | None = None) -> Tokenizer | SentencePieceTokenizer:
+    """Tokenizer from a Llama 3 or SentencePiece `tokenizer.model` file, a Hugging Face
+    `tokenizer.json` (byte-level or SentencePiece-style), or a folder holding either (tokenizer.json
+    preferred); None gives the bundled offline default."""
     if path is None:
         asset = resources.files("tessera.data").joinpath("assets", "tokenizer.model")
         ranks = _parse_ranks(asset.read_text(encoding="ascii"), str(asset))
         return Tokenizer(ranks, "tessera-default")
+    path, kind = tokenizer_file(path)
+    if kind == "sentencepiece":
+        return read_sentencepiece_model(path)
+    if kind == "tiktoken":
+        return Tokenizer(read_ranks(path), os.path.basename(path))
+    doc = read_json(path)
+    if is_sentencepiece_json(doc):
+        return read_sentencepiece_json(path, doc)
+    hf = read_hf_tokenizer(path, doc)
+    return Tokenizer(hf.ranks, hf.name, patterns=hf.patterns, special_tokens=hf.special_tokens, bos_id=hf.bos_id,
+                     eos_id=hf.eos_id, nfc=hf.nfc, dropped_bytes=hf.dropped_bytes, decode_only=hf.decode_only,
+                     matching=hf.matching)
+
+
+def tokenizer_file(path: str | os.PathLike) -> tuple[str, str]:
+    """The file `load_tokenizer(path)` reads (a folder's tokenizer.json, else its tokenizer.model)
+    and its format: "tokenizer.json" (by name), else by content "tiktoken" (Llama 3's ASCII
+    lines) or "sentencepiece" (any other bytes: a SentencePiece protobuf, or a bad file)."""
     path = os.fspath(path)
     if os.path.isdir(path):
         found = [os.path.join(path, n) for n in ("tokenizer.json", "tokenizer.model")]
@@ -203,13 +251,12 @@ def load_tokenizer(path: str | os.PathLike | None = None) -> Tokenizer:
         if not found:
             raise ValueError(f"{path}: folder holds no tokenizer.json or tokenizer.model")
         path = found[0]
-    if not path.endswith(".json"):
-        return Tokenizer(read_ranks(path), os.path.basename(path))
     if not os.path.isfile(path):
         raise FileNotFoundError(f"tokenizer file not found: {path}")
-    hf = read_hf_tokenizer(path)
-    return Tokenizer(hf.ranks, hf.name, patterns=hf.patterns, special_tokens=hf.special_tokens, bos_id=hf.bos_id,
-                     eos_id=hf.eos_id, nfc=hf.nfc, dropped_bytes=hf.dropped_bytes, decode_only=hf.decode_only)
+    if path.endswith(".json"):
+        return path, "tokenizer.json"
+    with open(path, "rb") as f:
+        return path, "tiktoken" if f.read().isascii() else "sentencepiece"
 
 
 def read_ranks(path: str | os.PathLike) -> dict[bytes, int]:
