@@ -32,6 +32,7 @@ import torch
 from tessera.ckpt import check_state_dict, dcp_to_torch_save, load_hf, read_dcp, save_hf, write_dcp
 from tessera.models import ARGS_FILE, CONFIG_FILE, args_record, get_model_spec, read_args_record, read_hf_config
 from tessera.models.hf_config import config_file
+from tessera.models.spec import hf_export_note
 
 DEFAULT_MODEL = "llama3"
 _TOKEN_IDS = ("bos_token_id", "eos_token_id")
@@ -152,6 +153,9 @@ def dcp_to_hf(args: argparse.Namespace, out: Path) -> None:
     spec, model_args, ids, what = _from_record(args) or _from_flags(args)
     state_dict = read_dcp(args.src, only=args.state)
     _check_against_model(state_dict, spec, model_args, f"DCP checkpoint {args.src}", what)
+    note = hf_export_note(spec, model_args)
+    if note:
+        print(f"warning: {note}", file=sys.stderr)
     save_hf(spec.hf_adapter.to_hf(state_dict, model_args), out, max_shard_bytes=args.max_shard_bytes)
     hf_config = spec.hf_config.config_from_args(model_args, dtype=_floating_dtype(state_dict), **ids)
     (out / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")

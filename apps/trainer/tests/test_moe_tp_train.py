@@ -1,7 +1,8 @@
-"""Tensor parallel (with sequence and loss parallel) for the Qwen3 and DeepSeek-V3 families:
+"""Tensor parallel (with sequence and loss parallel) for the Qwen3, DeepSeek-V3 and GPT-OSS families:
 QK-norm on local heads (Qwen3), MLA's latent projections run whole on every rank (DeepSeek-V3),
-and the MoE layer with its experts split on hidden features match the single-process run at
-TP 2 (each family), FSDP 2 x TP 2, PP 2 x TP 2 and with expert parallel, TP 2 x EP 2 (experts
+biased projections, sinks split with the heads and experts whose down bias each rank adds its
+share of (GPT-OSS), and the MoE layer with its experts split on hidden features match the
+single-process run at TP 2 (each family), FSDP 2 x TP 2, PP 2 x TP 2 and with expert parallel, TP 2 x EP 2 (experts
 split over both) and TP 2 x EP 4 (expert_tensor_parallel_degree 1) (DeepSeek-V3); fp32: losses and grad norms
 within 1e-5 relative, parameters within 2e-5 absolute as for Llama's TP layouts (the sharded
 matmuls sum in another order); expert loads count every token once.
@@ -29,7 +30,9 @@ BASE = ["--training.seq_len", "32", "--metrics.log_freq", "1", "--training.steps
         "--lr_scheduler.warmup_steps", "1", "--optimizer.lr", "3e-4"]
 FAMILIES = {"qwen3": ["--model.name", "qwen3", "--model.flavor", "debugmodel"],
             "qwen3_moe": ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"],
-            "deepseek_v3": ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"]}
+            "deepseek_v3": ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"],
+            "gpt_oss": ["--model.name", "gpt_oss", "--model.flavor", "debugmodel"],
+            "llama4": ["--model.name", "llama4", "--model.flavor", "debugmodel"]}
 LAYOUTS = {  # ranks, flags, data-parallel ranks
     "tp2": (2, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"], 1),
     "fsdp2_tp2": (4, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2"], 2),
@@ -43,7 +46,8 @@ LAYOUTS = {  # ranks, flags, data-parallel ranks
                          "--parallelism.expert_parallel_degree", "4", "--parallelism.expert_tensor_parallel_degree", "1"], 2),
 }
 CASES = [("qwen3", "tp2"), ("qwen3_moe", "tp2"), ("deepseek_v3", "tp2"), ("deepseek_v3", "fsdp2_tp2"),
-         ("deepseek_v3", "pp2_tp2"), ("deepseek_v3", "tp2_ep2"), ("deepseek_v3", "tp2_ep4_etp1")]
+         ("deepseek_v3", "pp2_tp2"), ("deepseek_v3", "tp2_ep2"), ("deepseek_v3", "tp2_ep4_etp1"), ("gpt_oss", "tp2"),
+         ("llama4", "tp2")]
 
 
 def _train_rank(rank, world_size, argv):

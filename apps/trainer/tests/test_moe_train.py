@@ -1,7 +1,8 @@
-"""MoE families in the trainer: DeepSeek-V3 (MLA, sigmoid group-limited routing, shared experts)
-and Qwen3-MoE train, report per-layer expert load, update their router bias after every
-optimizer step on the tokens of all data-parallel ranks, and match the single-process run under
-FSDP (fp32: losses and grad norms within 1e-5 relative, parameters within PARAMS_ATOL)."""
+"""MoE families in the trainer: DeepSeek-V3 (MLA, sigmoid group-limited routing, shared experts),
+Qwen3-MoE and GPT-OSS (experts of its own layout: biases, clamped SwiGLU, interleaved gate/up)
+train, report per-layer expert load, update their router bias after every optimizer step on the
+tokens of all data-parallel ranks, and match the single-process run under FSDP (fp32: losses and
+grad norms within 1e-5 relative, parameters within PARAMS_ATOL)."""
 
 import pytest
 from final_params import assert_params_close, final_params
@@ -19,7 +20,9 @@ PARAMS_ATOL = 4e-5
 BASE = ["--training.seq_len", "32", "--metrics.log_freq", "1", "--training.steps", str(STEPS),
         "--lr_scheduler.warmup_steps", "1"]
 FAMILIES = {"deepseek_v3": ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"],
-            "qwen3_moe": ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]}
+            "qwen3_moe": ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"],
+            "gpt_oss": ["--model.name", "gpt_oss", "--model.flavor", "debugmodel"],
+            "llama4": ["--model.name", "llama4", "--model.flavor", "debugmodel"]}
 
 
 def _train_rank(rank, world_size, argv):
@@ -67,7 +70,9 @@ EP_LAYOUTS = {  # ranks, extra flags, data-parallel ranks (ep lies inside dp_sha
 }
 
 
-EP_CASES = [("deepseek_v3", layout) for layout in sorted(EP_LAYOUTS)] + [("qwen3_moe", "pp2_ep2_dualpipev")]
+EP_CASES = [("deepseek_v3", layout) for layout in sorted(EP_LAYOUTS)] + [("qwen3_moe", "pp2_ep2_dualpipev"),
+                                                                        ("gpt_oss", "ep2"), ("gpt_oss", "pp2_ep2_dualpipev"),
+                                                                        ("llama4", "ep2"), ("llama4", "pp2_ep2_dualpipev")]
 
 
 @pytest.mark.parametrize("family, layout", EP_CASES, ids=[f"{f}-{layout}" for f, layout in EP_CASES])

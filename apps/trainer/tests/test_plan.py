@@ -322,7 +322,8 @@ def test_build_and_step_read_only_the_resolved_plan():
 
 FAMILIES = {"llama3": [], "qwen3": ["--model.name", "qwen3"],
             "qwen3_moe": ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"],
-            "deepseek_v3": ["--model.name", "deepseek_v3"]}
+            "deepseek_v3": ["--model.name", "deepseek_v3"], "gpt_oss": ["--model.name", "gpt_oss"],
+            "llama4": ["--model.name", "llama4"]}
 DEGREE_2 = {"fsdp": "data_parallel_shard_degree", "tp": "tensor_parallel_degree", "cp": "context_parallel_degree",
             "pp": "pipeline_parallel_degree", "ep": "expert_parallel_degree"}
 # Each family x parallelism at degree 2 either runs, compared with one process by the test named,
@@ -337,6 +338,12 @@ RUNS = {
     ("qwen3_moe", "ep"): "test_moe_train",
     ("deepseek_v3", "fsdp"): "test_moe_train", ("deepseek_v3", "tp"): "test_moe_tp_train",
     ("deepseek_v3", "pp"): "test_moe_train", ("deepseek_v3", "ep"): "test_moe_train",
+    ("gpt_oss", "fsdp"): "test_moe_train", ("gpt_oss", "tp"): "test_moe_tp_train",
+    ("gpt_oss", "cp"): "test_context_parallel_train", ("gpt_oss", "pp"): "test_moe_train",
+    ("gpt_oss", "ep"): "test_moe_train",
+    ("llama4", "fsdp"): "test_moe_train", ("llama4", "tp"): "test_moe_tp_train",
+    ("llama4", "cp"): "test_context_parallel_train", ("llama4", "pp"): "test_moe_train",
+    ("llama4", "ep"): "test_moe_train",
 }
 REFUSED = {
     ("llama3", "ep"): "llama3/debugmodel has no experts",

@@ -380,3 +380,36 @@ def test_bad_stacks_are_named_before_reading(tmp_path, changes, error):
     finally:
         tessera.ckpt.hf.safe_open = _SAFE_OPEN
     assert not reads.reads
+
+
+class Quantised(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(3, 4))
+        self.b = nn.Parameter(torch.zeros(2))
+
+
+def _dequantising(state_dict):
+    """An adapter that makes "w" of its blocks and scales (MXFP4's companions), which it needs in one call."""
+    if "w_blocks" not in state_dict and "w_scales" not in state_dict:
+        return dict(state_dict)
+    assert state_dict.keys() == {"w_blocks", "w_scales"}, state_dict.keys()
+    return {"w": state_dict["w_blocks"].float() * state_dict["w_scales"].float()[:, None]}
+
+
+def test_a_quantised_weights_companions_are_converted_together(tmp_path):
+    """Even from two shard files: each tensor is read once, the pair handed over in one call."""
+    blocks, scales = torch.randint(0, 255, (3, 4), dtype=torch.uint8), torch.tensor([1, 2, 4], dtype=torch.uint8)
+    bias = torch.randn(2)
+    save_hf({"w_blocks": blocks, "b": bias, "w_scales": scales}, tmp_path / "hf", max_shard_bytes=12)
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert index["w_blocks"] != index["w_scales"]
+    model = Quantised()
+    reads = _counting_reads()
+    try:
+        import_hf(model, tmp_path / "hf", _dequantising)
+    finally:
+        tessera.ckpt.hf.safe_open = _SAFE_OPEN
+    assert torch.equal(model.w.detach(), blocks.float() * scales.float()[:, None])
+    assert torch.equal(model.b.detach(), bias)
+    assert dict(reads.reads) == {"w_blocks": 1, "w_scales": 1, "b": 1}

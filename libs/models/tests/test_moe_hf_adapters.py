@@ -9,6 +9,7 @@ from tessera.models import get_model_spec
 from tessera.models.deepseek_v3 import DeepSeekV3Args
 from tessera.models.moe import MoEArgs
 from tessera.models.qwen3 import Qwen3Args
+from tessera.models.spec import hf_export_note
 
 MOE = MoEArgs(n_experts=4, top_k=2, hidden_dim=8, n_shared_experts=1, score_func="sigmoid", route_norm=True)
 DS = DeepSeekV3Args(vocab_size=40, dim=16, n_layers=3, n_dense_layers=1, n_heads=2, inter_dim=24, moe=MOE,
@@ -84,6 +85,17 @@ def test_qwen3_names_and_round_trip(args):
         assert torch.equal(back[key], expected), key
     model = get_model_spec("qwen3").build(args)
     model.load_state_dict(back)  # strict: every key, right shapes
+
+
+def test_an_export_that_drops_the_learned_router_bias_says_so():
+    """Qwen3-MoE's HF format has no router bias: exporting a model balanced by it loses state the
+    logits depend on, which the exporters print (hf_export_note); DeepSeek-V3 keeps the bias."""
+    note = hf_export_note(get_model_spec("qwen3"), QWEN_MOE)
+    assert note and "no router bias" in note and "\n" not in note
+    unbiased = dataclasses.replace(QWEN_MOE, moe=dataclasses.replace(QWEN_MOE.moe, bias_update_rate=0.0))
+    assert hf_export_note(get_model_spec("qwen3"), unbiased) is None
+    assert hf_export_note(get_model_spec("qwen3"), QWEN) is None
+    assert hf_export_note(get_model_spec("deepseek_v3"), DS) is None
 
 
 def test_incomplete_experts_and_unknown_keys_are_named():

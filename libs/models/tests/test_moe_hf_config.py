@@ -95,7 +95,8 @@ def test_deepseek_v2_group_limited_routing_and_v3_defaults():
     (deepseek, {**DEEPSEEK_V3, "moe_layer_freq": 2}, r"moe_layer_freq 2 is not supported, only 1"),
     (deepseek, {**DEEPSEEK_V3, "model_type": "llama"}, r"model_type 'llama' is not supported, only 'deepseek_v3' or 'deepseek_v2'"),
     (qwen3, {**QWEN3_30B_A3B, "mlp_only_layers": [3]}, r"dense layers between MoE layers"),
-    (qwen3, {**QWEN3_8B, "use_sliding_window": True}, r"use_sliding_window True is not supported, only False"),
+    (qwen3, {**QWEN3_8B, "use_sliding_window": True, "sliding_window": 4096, "max_window_layers": -1},
+     r"max_window_layers -1 is not a layer index"),
     (qwen3, {**QWEN3_8B, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"rope_scaling.rope_type 'yarn' is not supported"),
     (qwen3, {key: value for key, value in QWEN3_8B.items() if key != "hidden_size"}, r"hidden_size is missing"),
 ])

@@ -2,6 +2,7 @@
 
 import torch
 
+from tessera.models.masks import CAUSAL
 from tessera.models.qwen3 import Attention, Qwen3, Qwen3Args
 
 ARGS = Qwen3Args(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=12, hidden_dim=48,
@@ -50,7 +51,7 @@ def test_attention_matches_per_head_reference():
 def test_qk_norm_normalises_each_head():
     """With unit norm weights every q and k head vector reaching the kernel has RMS 1 before RoPE,
     and RoPE keeps vector norms: so each has norm sqrt(head_dim), whatever the projection scale."""
-    attn, seen = Attention(ARGS), {}
+    attn, seen = Attention(ARGS, CAUSAL), {}
 
     class Record(torch.nn.Module):
         def forward(self, q, k, v, batch=None):

@@ -14,6 +14,7 @@ from tessera.ckpt import (
     EXPORT_DTYPES, CheckpointManager, ModelState, OptimizerState, RankLocalState, export_hf, import_hf, load_into,
     rng_state,
 )
+from tessera.models.spec import hf_export_note
 from tessera.trainer.config import JobConfig
 from tessera.trainer.errors import ConfigError
 from tessera.trainer.faults import TrainingError, weights_finite
@@ -223,6 +224,9 @@ class Checkpointer:
         tensor gathered at a time, with config.json and the tokenizer's files beside; written
         under a ``.step-*`` tmp name (removed by the next save if this one crashes)."""
         final = self.folder / f"step-{step}-hf"
+        note = hf_export_note(self.spec, self.args)
+        if note:
+            self._say(f"warning: {note}")
         exported = export_hf(self.parts, final, lambda state_dict: self.spec.hf_adapter.to_hf(state_dict, self.args),
                              dtype=EXPORT_DTYPES[self.config.export_dtype], pp_group=self.pp_group,
                              extra_files=self.hf_files)

@@ -5,6 +5,9 @@ and ``export_hf`` take them as callables. Those two move a (sharded) model to an
 folder one tensor at a time, so that no rank ever holds the whole model (70B/405B). HF tensors
 that are slices of one stacked model tensor (MoE experts: one HF tensor per expert, one
 ``[n_experts, ...]`` parameter) are named by a third callable and imported slice by slice.
+A weight that transformers stores quantised in two tensors (MXFP4: ``<name>_blocks`` and
+``<name>_scales``, GPT-OSS's experts) reaches the adapter as one call with both, which it
+dequantises.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ Plan = list[tuple[str, list[str]]]  # (file name, tensor names in it), in writin
 # HF name -> (model key, index) when the HF tensor is ``model_tensor[index]`` of a tensor stacked
 # on dim 0 (e.g. ``lambda name: spec.hf_adapter.stacked_slice(name, args)``), else None.
 Stacked = Callable[[str], tuple[str, int] | None]
+# Suffixes of the HF tensors that hold one weight together (MXFP4: the 4-bit blocks, their scales).
+COMPANIONS = ("_blocks", "_scales")
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -186,17 +191,32 @@ def _file_shapes(folder: Path) -> dict[Path, dict[str, list[int]]]:
     return shapes
 
 
-def _convert_names(tensors: dict[str, torch.Tensor], convert: Convert, source: str) -> dict[str, dict[str, torch.Tensor]]:
-    """What ``convert`` makes of each tensor alone: name -> {converted name: tensor}. Given meta
-    tensors it costs no data and still checks the shapes the conversion (e.g. a permutation)
-    needs. A converted name made from two tensors is ambiguous, hence an error."""
+def _groups(names: list[str]) -> dict[str, tuple[str, ...]]:
+    """The HF tensors converted together, by their first name: a quantised weight's companions
+    (``COMPANIONS``, when all of them exist), every other tensor alone."""
+    present, groups = set(names), {}
+    for name in names:
+        stem = next((name.removesuffix(suffix) for suffix in COMPANIONS if name.endswith(suffix)), None)
+        members = tuple(stem + suffix for suffix in COMPANIONS) if stem is not None else (name,)
+        if not present.issuperset(members):
+            members = (name,)  # half a pair: the adapter names it
+        if members[0] == name:
+            groups[name] = members
+    return groups
+
+
+def _convert_names(tensors: dict[str, torch.Tensor], groups: dict[str, tuple[str, ...]], convert: Convert,
+                   source: str) -> dict[str, dict[str, torch.Tensor]]:
+    """What ``convert`` makes of each group of tensors (``_groups``): first name -> {converted
+    name: tensor}. Given meta tensors it costs no data and still checks the shapes the conversion
+    (e.g. a permutation) needs. A converted name made from two groups is ambiguous, hence an error."""
     converted, origin = {}, {}
-    for name, tensor in tensors.items():
-        converted[name] = convert({name: tensor})
-        for new_name in converted[name]:
+    for first, members in groups.items():
+        converted[first] = convert({name: tensors[name] for name in members})
+        for new_name in converted[first]:
             if new_name in origin:
-                raise ValueError(f"{source}: {origin[new_name]!r} and {name!r} both convert to {new_name!r}")
-            origin[new_name] = name
+                raise ValueError(f"{source}: {origin[new_name]!r} and {first!r} both convert to {new_name!r}")
+            origin[new_name] = first
     return converted
 
 
@@ -210,10 +230,12 @@ def _copy_full(target: torch.Tensor, full: torch.Tensor) -> None:
         target.copy_(full)
 
 
-def _load_tensor(handle, name: str, from_hf: Convert, model_state: dict[str, torch.Tensor]) -> None:
-    """Reads one tensor and copies what it converts to into the model. Everything read dies on
-    return, so the next read starts with no full tensor alive."""
-    for key, full in from_hf({name: handle.get_tensor(name)}).items():
+def _load_group(read: Callable[[str], torch.Tensor], members: tuple[str, ...], from_hf: Convert,
+                model_state: dict[str, torch.Tensor]) -> None:
+    """Reads one group of tensors (one, or a quantised weight's companions) and copies what they
+    convert to into the model. Everything read dies on return, so the next read starts with no
+    full tensor alive."""
+    for key, full in from_hf({name: read(name) for name in members}).items():
         if key in model_state:
             _copy_full(model_state[key], full)
 
@@ -260,7 +282,8 @@ def _load_slice(handle, name: str, region: tuple[torch.Tensor, tuple[slice, ...]
 def import_hf(model: nn.Module, folder: str | os.PathLike, from_hf: Convert, *,
               model_shapes: dict[str, tuple[int, ...]] | None = None, stacked: Stacked | None = None) -> None:
     """Loads a Hugging Face checkpoint folder into ``model`` (plain, FSDP, TP: any DTensor
-    placements) in place, holding at most one full tensor at a time and reading each at most once.
+    placements) in place, holding at most one full tensor at a time (a quantised weight: its
+    companions, ``COMPANIONS``) and reading each at most once.
 
     Call it on every rank; it needs no communication. Names and shapes are checked against
     ``model_shapes`` (default: ``model``'s own) from the file headers before any data is read
@@ -274,7 +297,8 @@ def import_hf(model: nn.Module, folder: str | os.PathLike, from_hf: Convert, *,
     file_shapes = _file_shapes(folder)
     metas = {name: torch.empty(shape, device="meta") for shapes in file_shapes.values() for name, shape in shapes.items()}
     slots, stacked_metas = _stacks(metas, stacked, source)
-    targets = _convert_names({name: meta for name, meta in metas.items() if name not in slots}, from_hf, source)
+    groups = _groups([name for name in metas if name not in slots])
+    targets = _convert_names(metas, groups, from_hf, source)
     converted = {key: meta for keys in targets.values() for key, meta in keys.items()}
     both = sorted(converted.keys() & stacked_metas.keys())
     if both:
@@ -285,21 +309,28 @@ def import_hf(model: nn.Module, folder: str | os.PathLike, from_hf: Convert, *,
     check_state_dict({**converted, **stacked_metas}, model_shapes, source, "the model")
     regions = {key: _local_region(model_state[key]) for key in stacked_metas if key in model_state}
 
-    def needed(name: str) -> bool:
+    def needed(name: str) -> bool:  # a stacked slice, or the first tensor of a group
         if name not in slots:
-            return bool(model_state.keys() & targets[name].keys())
+            return name in targets and bool(model_state.keys() & targets[name].keys())
         key, index = slots[name]
         return key in regions and regions[key][1][0].start <= index < regions[key][1][0].stop
 
+    file_of = {name: path for path, shapes in file_shapes.items() for name in shapes}
     for path, shapes in file_shapes.items():
         names = [name for name in shapes if needed(name)]
         if names:
             with _open(path) as handle:
+                def read(name: str) -> torch.Tensor:  # a companion may sit in another shard file
+                    if file_of[name] == path:
+                        return handle.get_tensor(name)
+                    with _open(file_of[name]) as other:
+                        return other.get_tensor(name)
+
                 for name in names:
                     if name in slots:
                         _load_slice(handle, name, regions[slots[name][0]], slots[name][1])
                     else:
-                        _load_tensor(handle, name, from_hf, model_state)
+                        _load_group(read, groups[name], from_hf, model_state)
 
 
 def _writer_decides(answer: bool) -> bool:
@@ -391,7 +422,7 @@ def export_hf(model: nn.Module | Sequence[nn.Module], folder: str | os.PathLike,
         model_state.update(get_model_state_dict(part))
     metas, owners, stages = _stage_metas(model_state, pp_group)
     cast = {key: meta.to(dtype) if dtype else meta for key, meta in metas.items()}
-    hf_metas = _convert_names(cast, to_hf, f"Hugging Face export {final}")
+    hf_metas = _convert_names(cast, {key: (key,) for key in cast}, to_hf, f"Hugging Face export {final}")
     sizes = {name: _nbytes(meta) for names in hf_metas.values() for name, meta in names.items()}
     plan = _shard_plan(sizes, max_shard_bytes)
     keys = [key for key, names in hf_metas.items() if names]

@@ -1,5 +1,5 @@
 """Tessera model code, per-block transforms and the model-spec registry. Importing registers
-"llama2", "llama3", "deepseek_v3" and "qwen3"."""
+"llama2", "llama3", "deepseek_v3", "qwen3", "gpt_oss" and "llama4"."""
 
 from tessera.models.attention import KERNELS, AttentionBatch, InnerAttention, choose_kernel, inner_attentions, plain_causal
 from tessera.models.masks import CAUSAL, AttentionMask
@@ -23,11 +23,15 @@ from tessera.models.spec import (
 from tessera.models.llama import llama2_spec, llama3_spec
 from tessera.models.deepseek_v3 import deepseek_v3_spec
 from tessera.models.qwen3 import qwen3_spec
+from tessera.models.gpt_oss import gpt_oss_spec
+from tessera.models.llama4 import llama4_spec
 
 register_model_spec(llama2_spec)
 register_model_spec(llama3_spec)
 register_model_spec(deepseek_v3_spec)
 register_model_spec(qwen3_spec)
+register_model_spec(gpt_oss_spec)
+register_model_spec(llama4_spec)
 
 __all__ = [
     "AC_MODES",

@@ -1,5 +1,5 @@
-"""The decoder shell of every family (Llama, DeepSeek-V3, Qwen3): token embedding, ``layers``,
-final norm, output projection, and the RoPE table indexed by explicit positions.
+"""The decoder shell of every family (Llama, DeepSeek-V3, Qwen3, GPT-OSS): token embedding,
+``layers``, final norm, output projection, and the RoPE table indexed by explicit positions.
 
 Conventions (see ``tessera.models.llama.model`` and the package README): module
 names ``tok_embeddings``, ``layers`` (``nn.ModuleDict`` keyed "0".."n-1"), ``norm``, ``output``;

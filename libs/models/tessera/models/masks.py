@@ -46,6 +46,12 @@ class AttentionMask:
 CAUSAL = AttentionMask()
 
 
+def window_layer(layer_id: int, window: int | None, window_layers) -> AttentionMask:
+    """Layer ``layer_id``'s mask in a family whose ``window_layers`` attend to a sliding window of
+    ``window`` keys and whose other layers attend globally (GPT-OSS, Qwen3's window layers)."""
+    return AttentionMask(window=window) if layer_id in window_layers else CAUSAL
+
+
 def mask_function(mask: AttentionMask, documents: torch.Tensor | None = None):
     """FlexAttention's mask_mod for ``mask``: True where query ``q_idx`` may see key ``kv_idx``.
 

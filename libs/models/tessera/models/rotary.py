@@ -8,9 +8,15 @@ blocks as one input).
 Layouts (how feature pairs are formed inside a head of ``dim`` features):
 - interleaved: pairs (2i, 2i+1), as the complex form of Meta's Llama and DeepSeek's reference
   code (DeepSeek-V3's Hugging Face weights are in this layout too);
-- half: pairs (i, i + dim/2), Hugging Face's ``rotate_half`` (Qwen3, Llama in HF).
+- half: pairs (i, i + dim/2), Hugging Face's ``rotate_half`` (Qwen3, GPT-OSS, Llama in HF).
 Pair i is rotated by the angle ``position * freq_i`` in both.
+
+YaRN (Peng et al. 2023) rescales the frequencies for a longer context than the model was
+pretrained on (DeepSeek-V2/V3, GPT-OSS): ``YarnScaling``, ``yarn_frequencies``.
 """
+
+import math
+from dataclasses import dataclass
 
 import torch
 
@@ -46,3 +52,47 @@ def apply_rope_half(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     cos, sin = _cos_sin(rope)
     first, second = x.float().chunk(2, dim=-1)
     return torch.cat([first * cos - second * sin, first * sin + second * cos], dim=-1).type_as(x)
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN RoPE scaling. Frequencies whose wavelength fits ``beta_fast`` times into the original
+    context are kept, those fitting fewer than ``beta_slow`` times are divided by ``factor``,
+    with a linear ramp between (its ends rounded out to whole frequencies when ``truncate``, as
+    DeepSeek's code; GPT-OSS keeps them fractional); attention scores are multiplied by
+    ``(0.1 * mscale * ln(factor) + 1) ** 2`` (Hugging Face's ``mscale_all_dim``; both q and k
+    carry one factor in HF's code)."""
+
+    factor: float = 40.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    truncate: bool = True
+
+    def attention_factor(self) -> float:
+        """The factor on the softmax scale: (0.1 * mscale * ln(factor) + 1) ** 2."""
+        return (0.1 * self.mscale * math.log(self.factor) + 1.0) ** 2 if self.factor > 1 else 1.0
+
+
+def _correction_dim(rotations: float, dim: int, theta: float, context: int) -> float:
+    """The index i (of dim // 2) whose wavelength 2 pi theta^(2i/dim) fits ``rotations`` times into ``context``."""
+    return dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+
+def yarn_frequencies(dim: int, theta: float, yarn: YarnScaling | None, max_seq_len: int | None = None) -> torch.Tensor:
+    """Frequencies [dim // 2] float32: ``theta ** (-2i / dim)``, YaRN-interpolated when ``yarn`` is
+    given and ``max_seq_len`` exceeds its original context (DeepSeek: pretraining at the original
+    context uses plain RoPE) or is None (always: GPT-OSS, as Hugging Face applies it)."""
+    freqs = inverse_frequencies(dim, theta)
+    if yarn is None or max_seq_len is not None and max_seq_len <= yarn.original_max_position_embeddings:
+        return freqs
+    context = yarn.original_max_position_embeddings
+    low = _correction_dim(yarn.beta_fast, dim, theta, context)
+    high = _correction_dim(yarn.beta_slow, dim, theta, context)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    # 0 up to ``low`` (fast rotations: kept), 1 from ``high`` on (slow ones: divided by factor).
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 0.001)).clamp(0, 1)
+    return freqs / yarn.factor * ramp + freqs * (1 - ramp)

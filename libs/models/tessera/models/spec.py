@@ -99,7 +99,9 @@ class ModelSpec:
     hf_adapter: object with ``to_hf(state_dict, args)`` and ``from_hf(state_dict, args)``
         converting state dicts to and from Hugging Face names, or None. A family whose tensors
         stack several HF tensors on dim 0 (MoE experts) adds ``stacked_slice(hf_name, args)`` ->
-        (key, index) or None, so that a streaming import places them one at a time.
+        (key, index) or None, so that a streaming import places them one at a time; a format
+        that cannot hold all of the trained state adds ``export_note(args)`` -> one line saying
+        what an export loses, or None, which exporters print.
     hf_config: object turning a Hugging Face ``config.json`` dict into args and back, or None:
         ``args_from_config(config, source)``, ``config_from_args(args, *, dtype=None,
         bos_token_id=None, eos_token_id=None)``, and ``check_config(args, config, source, target)``
@@ -164,6 +166,13 @@ def num_params(model: nn.Module, exclude_embedding: bool = False) -> int:
     return sum(params.values())
 
 
+def hf_export_note(spec: ModelSpec, args) -> str | None:
+    """The family's line on what a Hugging Face export of ``args`` loses (``hf_adapter.export_note``),
+    or None."""
+    note = getattr(spec.hf_adapter, "export_note", None)
+    return note(args) if note is not None else None
+
+
 ARGS_FILE = "model_args.json"
 
 
@@ -191,7 +200,8 @@ def read_args_record(folder: str | os.PathLike) -> tuple[ModelSpec, Any, dict] |
 
 
 def _dataclass_from_dict(cls: type, data: dict) -> Any:
-    """``cls(**data)`` with nested dataclass fields rebuilt from their dicts."""
+    """``cls(**data)`` with nested dataclass fields rebuilt from their dicts and tuple fields from
+    their JSON lists."""
     if not isinstance(data, dict):
         raise ValueError(f"{data!r} is not an object of {cls.__name__} fields")
     hints = typing.get_type_hints(cls)
@@ -202,7 +212,11 @@ def _dataclass_from_dict(cls: type, data: dict) -> Any:
     values = {}
     for name, value in data.items():
         nested = [t for t in typing.get_args(hints[name]) or (hints[name],) if dataclasses.is_dataclass(t)]
-        values[name] = _dataclass_from_dict(nested[0], value) if nested and value is not None else value
+        if nested and value is not None:
+            value = _dataclass_from_dict(nested[0], value)
+        elif isinstance(value, list) and typing.get_origin(hints[name]) is tuple:
+            value = tuple(value)
+        values[name] = value
     try:
         return cls(**values)
     except TypeError as e:

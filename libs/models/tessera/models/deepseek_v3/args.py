@@ -1,33 +1,9 @@
 """Hyper-parameters of a DeepSeek-V2/V3 model."""
 
-import math
 from dataclasses import dataclass, field
 
 from tessera.models.moe import MoEArgs
-
-
-@dataclass(frozen=True)
-class YarnScaling:
-    """YaRN RoPE scaling (Peng et al. 2023) as DeepSeek-V2/V3 use it on the rotary part of MLA.
-
-    It applies when the model's ``max_seq_len`` exceeds ``original_max_position_embeddings``, as
-    in DeepSeek's reference code (and torchtitan): pretraining at the original context uses plain
-    RoPE, a longer run (context extension) switches YaRN on. Frequencies whose wavelength fits
-    ``beta_fast`` times into the original context are kept, those fitting fewer than
-    ``beta_slow`` times are divided by ``factor``, with a linear ramp between; attention scores
-    are multiplied by ``(0.1 * mscale * ln(factor) + 1) ** 2`` (Hugging Face's
-    ``mscale_all_dim``).
-    """
-
-    factor: float = 40.0
-    original_max_position_embeddings: int = 4096
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float = 1.0
-
-    def attention_factor(self) -> float:
-        """The factor on the softmax scale: (0.1 * mscale * ln(factor) + 1) ** 2."""
-        return (0.1 * self.mscale * math.log(self.factor) + 1.0) ** 2 if self.factor > 1 else 1.0
+from tessera.models.rotary import YarnScaling
 
 
 @dataclass(frozen=True)
@@ -39,6 +15,11 @@ class DeepSeekV3Args:
     and key have ``qk_nope_head_dim`` features without position plus ``qk_rope_head_dim`` rotated
     ones (the key's rotated part shared by all heads); values have ``v_head_dim``. The first
     ``n_dense_layers`` blocks have a dense SwiGLU of ``inter_dim``, the others an MoE layer.
+
+    ``yarn`` (``tessera.models.rotary.YarnScaling``) applies to the rotary part of MLA when
+    ``max_seq_len`` exceeds its ``original_max_position_embeddings``, as in DeepSeek's reference
+    code (and torchtitan): pretraining at the original context uses plain RoPE, a longer run
+    (context extension) switches YaRN on.
     """
 
     vocab_size: int = 2048

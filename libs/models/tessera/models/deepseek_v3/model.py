@@ -13,10 +13,9 @@ from torch import nn
 from tessera.models.attention import AttentionBatch, InnerAttention
 from tessera.models.decoder import BASE_INIT_STD, Decoder, TransformerBlock, depth_init_std
 from tessera.models.deepseek_v3.args import DeepSeekV3Args
-from tessera.models.deepseek_v3.rope import yarn_frequencies
 from tessera.models.feed_forward import FeedForward
 from tessera.models.moe import MoE
-from tessera.models.rotary import apply_rope_interleaved, rope_table
+from tessera.models.rotary import apply_rope_interleaved, rope_table, yarn_frequencies
 
 
 class Attention(nn.Module):

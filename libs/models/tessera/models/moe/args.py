@@ -15,7 +15,11 @@ class MoEArgs:
     groups (of consecutive experts) ranked highest by the sum of their best ``group_score_top``
     choice scores (DeepSeek-V3: 2; DeepSeek-V2's group-limited greedy: 1, the group's maximum).
     The chosen experts' weights are their scores (without bias), divided by their sum when
-    ``route_norm``, times ``route_scale``.
+    ``route_norm``, times ``route_scale`` (softmax scores renormalised over the chosen experts are
+    the softmax of the chosen logits: GPT-OSS's routing). ``gate_bias``: the gate linear has a
+    bias of its own (GPT-OSS), a learned part of the logits, unlike ``expert_bias``.
+    ``score_before_experts``: each routed row is scaled by its weight before the expert runs and
+    the expert outputs are summed unweighted (Llama 4; torchtitan's name), not weighted after.
 
     Balance: ``bias_update_rate`` is the step of auxiliary-loss-free balancing (DeepSeek-V3's
     gamma, 0: the bias is never updated); ``aux_loss_alpha`` weighs the sequence-wise balance loss
@@ -34,6 +38,8 @@ class MoEArgs:
     group_score_top: int = 2
     bias_update_rate: float = 1e-3
     aux_loss_alpha: float = 0.0
+    gate_bias: bool = False
+    score_before_experts: bool = False
 
     def __post_init__(self):
         if self.score_func not in SCORE_FUNCS:

@@ -42,7 +42,8 @@ def _recomputing() -> bool:
 
 class MoE(nn.Module):
     """x [B, T, dim] -> [B, T, dim]. Submodules ``router`` (``gate``), ``experts``
-    (``GroupedExperts``), ``shared_experts`` (a SwiGLU, or None).
+    (``GroupedExperts``, or the module given: ``forward(x, num_tokens_per_expert)`` and
+    ``init_weights(init_std)``), ``shared_experts`` (a SwiGLU, or None).
 
     Buffers: ``expert_bias`` [E] float32 (persistent; added to the scores to choose experts,
     updated by ``tessera.models.moe.update_expert_bias``), ``tokens_per_expert`` [E] long (slots
@@ -52,11 +53,12 @@ class MoE(nn.Module):
     last sequence-wise balance loss, times alpha, for logging).
     """
 
-    def __init__(self, dim: int, args: MoEArgs):
+    def __init__(self, dim: int, args: MoEArgs, experts: nn.Module | None = None):
         super().__init__()
         self.args = args
         self.router = TopKRouter(dim, args)
-        self.experts = GroupedExperts(dim, args.hidden_dim, args.n_experts)
+        # a family with experts of its own layout (GPT-OSS) passes them; they follow the same seam
+        self.experts = experts if experts is not None else GroupedExperts(dim, args.hidden_dim, args.n_experts)
         shared = args.n_shared_experts * args.hidden_dim
         self.shared_experts = FeedForward(dim, shared) if shared else None
         self.aux_loss_scale = 1.0  # the trainer's loss scale (set_aux_loss_scale)
@@ -91,7 +93,11 @@ class MoE(nn.Module):
             with torch.no_grad():
                 self.tokens_per_expert += counts
         order = torch.argsort(experts.flatten(), stable=True)
-        routed = self.experts(tokens[order // self.args.top_k], counts)
+        rows = tokens[order // self.args.top_k]
+        if self.args.score_before_experts:  # the expert sees its input scaled by the routing weight
+            rows = rows * weights.flatten()[order].unsqueeze(-1).to(rows.dtype)
+            weights = torch.ones_like(weights)
+        routed = self.experts(rows, counts)
         out = combine(routed, order, weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)

@@ -38,12 +38,14 @@ class TopKRouter(nn.Module):
 
     def __init__(self, dim: int, args: MoEArgs):
         super().__init__()
-        self.gate = nn.Linear(dim, args.n_experts, bias=False)
+        self.gate = nn.Linear(dim, args.n_experts, bias=args.gate_bias)
         self.args = args
         self.force_load_balance = False
 
     def init_weights(self, init_std: float) -> None:
         nn.init.trunc_normal_(self.gate.weight, mean=0.0, std=init_std)
+        if self.gate.bias is not None:
+            nn.init.zeros_(self.gate.bias)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None):
         a = self.args

@@ -10,7 +10,9 @@ class Qwen3Args:
     """Shape of a Qwen3 model (defaults: the dense debug flavor's shape).
 
     ``head_dim`` is its own hyper-parameter (not dim / n_heads). With ``moe`` set every block's
-    feed-forward is an MoE layer (Qwen3-MoE), otherwise a SwiGLU of ``hidden_dim``.
+    feed-forward is an MoE layer (Qwen3-MoE), otherwise a SwiGLU of ``hidden_dim``. The layers
+    in ``window_layers`` attend to a sliding window of ``sliding_window`` keys (Hugging Face's
+    "sliding_attention" layers), the others globally.
     """
 
     vocab_size: int = 2048
@@ -26,9 +28,18 @@ class Qwen3Args:
     max_seq_len: int = 40960
     tie_embeddings: bool = False  # output.weight is tok_embeddings.weight (0.6B, 1.7B, 4B)
     depth_init: bool = True
+    sliding_window: int | None = None  # keys a window layer's query sees, its own included
+    window_layers: tuple[int, ...] = ()  # the layers that use it, in increasing order
 
     def __post_init__(self):
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"Qwen3Args: n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"Qwen3Args: head_dim={self.head_dim} must be even for RoPE")
+        if list(self.window_layers) != sorted(set(self.window_layers)) or not all(
+                0 <= i < self.n_layers for i in self.window_layers):
+            raise ValueError(f"Qwen3Args: window_layers={self.window_layers} are not increasing layer indices "
+                             f"below n_layers={self.n_layers}")
+        if bool(self.window_layers) != (self.sliding_window is not None):
+            raise ValueError(f"Qwen3Args: window_layers={self.window_layers} and sliding_window={self.sliding_window} "
+                             "go together")

@@ -13,6 +13,7 @@ from torch import nn
 
 from tessera.models.attention import AttentionBatch, InnerAttention
 from tessera.models.decoder import BASE_INIT_STD, Decoder, TransformerBlock, depth_init_std
+from tessera.models.masks import AttentionMask, window_layer
 from tessera.models.feed_forward import FeedForward
 from tessera.models.moe import MoE
 from tessera.models.qwen3.args import Qwen3Args
@@ -20,10 +21,11 @@ from tessera.models.rotary import apply_rope_half, inverse_frequencies, rope_tab
 
 
 class Attention(nn.Module):
-    """Causal grouped-query attention with QK-norm; the kernel is the swappable
-    ``inner_attention`` (q [B, H, T, head_dim], k, v [B, H_kv, T, head_dim])."""
+    """Causal grouped-query attention with QK-norm, globally or in a sliding window (``mask``);
+    the kernel is the swappable ``inner_attention`` (q [B, H, T, head_dim], k, v [B, H_kv, T,
+    head_dim])."""
 
-    def __init__(self, args: Qwen3Args):
+    def __init__(self, args: Qwen3Args, mask: AttentionMask):
         super().__init__()
         self.head_dim = args.head_dim
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
@@ -32,7 +34,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.q_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps)
         self.k_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps)
-        self.inner_attention = InnerAttention()
+        self.inner_attention = InnerAttention(mask)
 
     def init_weights(self, init_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
@@ -55,7 +57,7 @@ class Attention(nn.Module):
 
 def _block(layer_id: int, args: Qwen3Args) -> TransformerBlock:
     ffn = FeedForward(args.dim, args.hidden_dim) if args.moe is None else MoE(args.dim, args.moe)
-    return TransformerBlock(args.dim, args.norm_eps, Attention(args), ffn,
+    return TransformerBlock(args.dim, args.norm_eps, Attention(args, window_layer(layer_id, args.sliding_window, args.window_layers)), ffn,
                             depth_init_std(layer_id, args.n_layers, args.depth_init))
 
 

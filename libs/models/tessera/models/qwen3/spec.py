@@ -7,6 +7,7 @@ from tessera.models.qwen3.flavors import qwen3_flavors
 from tessera.models.qwen3.model import Qwen3
 from tessera.models.moe.balance import MOE_STEP_HOOKS, moe_refusals
 from tessera.models.moe.sharding import moe_tp_plan
+from tessera.models.masks import window_layer
 from tessera.models.spec import ModelSpec
 
 # Patterns for every flavor: a dense flavor's blocks have feed_forward, an MoE flavor's moe.
@@ -50,9 +51,11 @@ def active_params(args: Qwen3Args) -> int:
 
 
 def flops_per_token(args: Qwen3Args, seq_len: int) -> float:
-    """6 * active_params + 12 * n_layers * n_heads * head_dim * seq_len (as Llama's, with only the
-    routed experts a token uses counted)."""
-    return 6 * active_params(args) + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+    """6 * active_params + 12 * n_heads * head_dim * (keys a query sees, summed over the layers),
+    as Llama's with only the routed experts a token uses counted: seq_len keys (torchtitan's
+    convention, causality ignored), a window layer's at most sliding_window."""
+    keys = sum(min(seq_len, args.sliding_window) if i in args.window_layers else seq_len for i in range(args.n_layers))
+    return 6 * active_params(args) + 12 * args.n_heads * args.head_dim * keys
 
 
 def tp_divisible(args: Qwen3Args) -> dict[str, int]:
@@ -80,4 +83,6 @@ qwen3_spec = ModelSpec(
     step_hooks=MOE_STEP_HOOKS,
     refusals=moe_refusals(_n_experts),
     n_experts=_n_experts,
+    attention_kinds=lambda args: tuple(dict.fromkeys((window_layer(i, args.sliding_window, args.window_layers), False)
+                                                    for i in range(args.n_layers))),
 )
