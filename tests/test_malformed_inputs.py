@@ -340,7 +340,7 @@ def _export_exists(tmp):
     return ["--checkpoint.enable", "true", "--checkpoint.last_save_in_hf", "true", "--training.steps", "3"]
 
 
-QWEN3_MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
+QWEN3_MOE = ["--model.name", "qwen3", "--model.flavor", "tiny_moe"]
 DEEPSEEK = ["--model.name", "deepseek_v3"]
 MX = ["--model.converters", "quantize.linear.mx", "--quantize.linear.mx.recipe_name", "mxfp8_emulated_rceil"]
 GROUPED = ["--model.converters", "quantize.grouped_mm.mx", "--quantize.grouped_mm.mx.recipe_name", "mxfp8_emulated_rceil",
@@ -411,7 +411,7 @@ SURFACE_CASES = [
     ("ep-force-balance-dense", cli("--check", "--debug.moe_force_load_balance", "true"), "trainer",
      "debug.moe_force_load_balance: llama3/debugmodel has no experts"),
     ("ep-compile-tp", layout(2, *QWEN3_MOE, "--parallelism.tensor_parallel_degree", "2", "--compile.enable", "true"),
-     "trainer", "compile.enable with tensor_parallel_degree > 1 is not supported yet for qwen3/debugmodel_moe"),
+     "trainer", "compile.enable with tensor_parallel_degree > 1 is not supported yet for qwen3/tiny_moe"),
     # float8 / MX converters: nothing converted is an error, a pattern matching nothing a warning
     ("float8-filters-everything", cli("--check", "--model.converters", "float8", "--float8.filter_fqns", "layers,output"),
      "trainer", "model.converters float8 would convert no module of llama3/debugmodel (float8.filter_fqns ['layers', 'output'])"),

@@ -185,7 +185,7 @@ def test_the_checkpoint_record_and_config_json_give_the_shape_without_flags(tmp_
     assert load_hf(tmp_path / "again").keys() == load_hf(tmp_path / "hf").keys()
 
 
-@pytest.mark.parametrize("model, flavor", [("deepseek_v3", "debugmodel"), ("qwen3", "debugmodel_moe")])
+@pytest.mark.parametrize("model, flavor", [("deepseek_v3", "tiny"), ("qwen3", "tiny_moe")])
 def test_moe_round_trip_writes_one_tensor_per_expert(tmp_path, model, flavor):
     """The trainer's record gives the shape one way, the written config.json the other way back."""
     spec = get_model_spec(model)

@@ -146,7 +146,7 @@ def test_cuda_plan_fuses_qwen3_tensor_parallel_qk_norms():
     """Qwen3's q/k norms under TP hold their weight as a DTensor and run on plain tensors
     (tessera.tp's LocalShards): a "cuda" plan's fused norm takes the weight's local value, and
     keeps less than the CPU composite."""
-    argv = [*BASE, "--model.name", "qwen3", "--model.flavor", "debugmodel", "--parallelism.tensor_parallel_degree", "2",
+    argv = [*BASE, "--model.name", "qwen3", "--model.flavor", "tiny", "--parallelism.tensor_parallel_degree", "2",
             "--parallelism.data_parallel_shard_degree", "1"]
     kept = {device: traced.trace_rank(make_plan(load_config(argv), 2, device, check_only=True), 0).activations
             for device in ("cpu", "cuda")}
@@ -166,9 +166,9 @@ def test_document_masks_trace_with_the_cpu_kernel():
 
 
 @pytest.mark.parametrize("world, argv", [
-    (8, ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--parallelism.expert_parallel_degree", "2",
+    (8, ["--model.name", "qwen3", "--model.flavor", "tiny_moe", "--parallelism.expert_parallel_degree", "2",
          "--parallelism.tensor_parallel_degree", "2"]),
-    (4, ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--parallelism.expert_parallel_degree", "2",
+    (4, ["--model.name", "deepseek_v3", "--model.flavor", "tiny", "--parallelism.expert_parallel_degree", "2",
          "--activation_checkpoint.mode", "full", "--training.global_batch_size", "32"]),  # a dense block first; 2 micro-batches
     (2, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
          "--activation_checkpoint.mode", "selective"]),
@@ -191,7 +191,7 @@ def test_expert_parallel_all_to_all_bytes(mode, passes):
     """Balanced routing (routing.py) over EP 2: every MoE layer's exchange moves each of the rank's
     N·K routed rows out and back in every pass (forward, backward, and AC full's recompute), plus
     the E counts once per forward; the ep group is the FSDP group here, so named "fsdp=ep"."""
-    argv = [*BASE, "--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--parallelism.expert_parallel_degree", "2",
+    argv = [*BASE, "--model.name", "qwen3", "--model.flavor", "tiny_moe", "--parallelism.expert_parallel_degree", "2",
             "--activation_checkpoint.mode", mode]
     plan = make_plan(load_config(argv), 2, "cpu", check_only=True)
     a, tokens = plan.model_args, plan.batch.local * plan.batch.seq_len
@@ -280,8 +280,8 @@ def test_pipeline_in_flight_matches_torch_schedules():
     (["--job.config_file", "/nonexistent.toml"], "config file not found"),
     (["--comm.mode", "fake"], "config key comm.mode: 'fake' is not one of"),
     (["--memory_estimation.disable_fake_mode", "true"], "the estimator traces fake tensors only"),
-    (["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--formula"], "the closed form covers llama2, llama3 only"),
-    (["--model.name", "qwen3", "--model.flavor", "debugmodel", "--formula"], "the closed form covers llama2, llama3 only"),
+    (["--model.name", "qwen3", "--model.flavor", "tiny_moe", "--formula"], "the closed form covers llama2, llama3 only"),
+    (["--model.name", "qwen3", "--model.flavor", "tiny", "--formula"], "the closed form covers llama2, llama3 only"),
 ])
 def test_bad_input_one_line_exit_2(argv, message, capsys):
     assert estimate.main(argv) == 2

@@ -36,13 +36,13 @@ LAYOUTS = {  # name: (world size, degrees)
                              "--training.loss_chunk_size", "128"]),
     # Muon: one momentum per matrix it steps, AdamW's two moments for the rest; the owner's whole matrices
     "muon_fsdp2": (2, ["--optimizer.name", "Muon"]),
-    "qwen3_fsdp2": (2, ["--model.name", "qwen3", "--model.flavor", "debugmodel"]),  # traced only: no closed form
+    "qwen3_fsdp2": (2, ["--model.name", "qwen3", "--model.flavor", "tiny"]),  # traced only: no closed form
     # MoE, traced only, with the balanced routing the trace assumes (routing.py) made real by round-robin routing:
     # expert parallel over the FSDP ranks (MLA, shared experts, sigmoid scores), and over FSDP x TP with the tp ranks
     # splitting the rows among them (the experts on the (ep, tp) mesh)
-    "deepseek_v3_ep2": (2, ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", *_ROUND_ROBIN,
+    "deepseek_v3_ep2": (2, ["--model.name", "deepseek_v3", "--model.flavor", "tiny", *_ROUND_ROBIN,
                             "--parallelism.expert_parallel_degree", "2"]),
-    "qwen3_moe_ep2_tp2": (4, ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", *_ROUND_ROBIN,
+    "qwen3_moe_ep2_tp2": (4, ["--model.name", "qwen3", "--model.flavor", "tiny_moe", *_ROUND_ROBIN,
                               "--parallelism.expert_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"]),
 }
 STATE = ("params", "grads", "optimizer")

@@ -52,7 +52,7 @@ LAYOUTS = {
     "fsdp2": FSDP2,
     "pp2": [*ONE_DP_RANK, "--parallelism.pipeline_parallel_degree", "2"],  # 1F1B over 2 micro-batches
     "cp2": [*ONE_DP_RANK, "--parallelism.context_parallel_degree", "2"],
-    "ep2": [*FSDP2, "--model.name", "deepseek_v3", "--parallelism.expert_parallel_degree", "2"],
+    "ep2": [*FSDP2, "--model.name", "deepseek_v3", "--model.flavor", "tiny", "--parallelism.expert_parallel_degree", "2"],
 }
 ASYNC = ["--checkpoint.async_mode", "async"]
 STALL_TIMEOUT_S = 3  # comm.train_timeout_seconds of the stalled-rank run; the rank stalls twice that

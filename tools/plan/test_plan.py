@@ -333,7 +333,7 @@ def test_local_batch_extended_from_two_and_four_sequences(reduce_every, ep, ac):
     """Under accumulation the planner extends a local batch of 8 from the traces of 2 and 4
     sequences (plan.traced_estimate): collectives exact, the peak within 1 % of the direct trace;
     reducing once a step (no expert parallel, no AC) and every micro-batch (EP 2, full AC)."""
-    args = plan.parse(["--model", "deepseek_v3", "--flavor", "debugmodel", "--gpus", "8", "--seq_len", "512",
+    args = plan.parse(["--model", "deepseek_v3", "--flavor", "tiny", "--gpus", "8", "--seq_len", "512",
                        "--global_batch", "128"])
     layout = plan.Layout(1, 8, 1, 1, 1, None, 1, None, False, 8, reduce_every=reduce_every, ep=ep)
     plans = {}
@@ -348,7 +348,7 @@ def test_moe_layouts_with_expert_parallel():
     takes (a multiple of cp x tp whose quotient divides dp_shard, dividing the experts), no
     pipeline, float8 or async TP, MoE under TP eager; uncapped, the search ranks the layouts
     exactly as tracing every one of them does."""
-    args = plan.parse(["--model", "qwen3", "--flavor", "debugmodel_moe", "--gpus", "8", "--seq_len", "512"])
+    args = plan.parse(["--model", "qwen3", "--flavor", "tiny_moe", "--gpus", "8", "--seq_len", "512"])
     tried = list(plan.layouts(args, H100))
     assert {(layout.tp, layout.ep) for layout, _ in tried} == {(1, 1), (1, 2), (1, 4), (1, 8), (2, 1), (2, 2), (2, 4),
                                                                 (2, 8), (4, 1), (4, 4), (4, 8), (8, 1), (8, 8)}

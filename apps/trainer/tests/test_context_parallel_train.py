@@ -133,7 +133,7 @@ def test_the_kernel_follows_the_masks_and_the_device():
     make_plan(load_config([*BASE, *CP2, *RING, *bf16]), 2, "cuda")
 
 
-@pytest.mark.parametrize("flavor", ["debugmodel", "debugmodel_moe"])
+@pytest.mark.parametrize("flavor", ["tiny", "tiny_moe"])
 def test_qwen3_dense_and_moe_under_cp2_and_fsdp2_match_one_process(tmp_path, flavor):
     """Qwen3's q/k norms act per head, so sharding the sequence leaves them whole; its MoE layers
     route each token alone. Parameters within 4e-5 (1.7e-5 measured): AdamW turns rounding in
@@ -149,7 +149,7 @@ def test_gpt_oss_windows_and_sinks_under_cp2_match_one_process(tmp_path):
     """GPT-OSS's layers all have sinks and every other one a window of 128 keys: context parallel
     runs them through the all-gather-KV exchange. The sequence (160) is longer than the window, so
     the second rank's queries see keys of the first rank's shard up to the window's start only."""
-    gpt_oss = ["--model.name", "gpt_oss", "--training.seq_len", "160"]
+    gpt_oss = ["--model.name", "gpt_oss", "--model.flavor", "tiny", "--training.seq_len", "160"]
     plan = make_plan(load_config([*BASE, *CP2, *gpt_oss]), 2, "cpu")
     assert plan.attention.describe().endswith("| context parallel: all-gather-KV")
     runs = {"cp2": [*BASE, *CP2, *gpt_oss, "--training.local_batch_size", "1", "--job.dump_folder", str(tmp_path / "cp2")]}
@@ -160,7 +160,7 @@ def test_llama4_chunks_and_nope_temperature_under_cp2_match_one_process(tmp_path
     """Llama 4's chunked RoPE layers (chunks of 32) and its global NoPE layer, whose queries the
     positions scale: with CP 2 on 64 tokens (load-balanced halves) each rank's queries take their
     own positions' rotations and temperatures, and the chunks cross the ranks' shards."""
-    llama4 = ["--model.name", "llama4", "--training.seq_len", "64"]
+    llama4 = ["--model.name", "llama4", "--model.flavor", "tiny", "--training.seq_len", "64"]
     plan = make_plan(load_config([*BASE, *CP2, *llama4]), 2, "cpu")
     assert plan.attention.describe().endswith("| context parallel: all-gather-KV")
     runs = {"cp2": [*BASE, *CP2, *llama4, "--training.local_batch_size", "1", "--job.dump_folder", str(tmp_path / "cp2")]}

@@ -143,7 +143,7 @@ def test_mx_recipes_that_need_a_blackwell_gpu_are_refused_on_cpu():
         make_plan(load_config(["--model.converters", "quantize.linear.mx"]), world_size=1, device="cpu")
 
 
-MOE_MX = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--model.converters", "quantize.grouped_mm.mx",
+MOE_MX = ["--model.name", "deepseek_v3", "--model.flavor", "tiny", "--model.converters", "quantize.grouped_mm.mx",
           "--quantize.grouped_mm.mx.fqns", "experts", "--quantize.grouped_mm.mx.recipe_name", "mxfp8_emulated_rceil",
           "--training.dtype", "bfloat16", "--training.mixed_precision_param", "bfloat16"]
 

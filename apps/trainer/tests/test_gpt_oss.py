@@ -16,7 +16,7 @@ from tessera.trainer.config import load_config
 from tessera.trainer.plan import make_plan
 from tessera.trainer.train import train
 
-ARGV = ["--model.name", "gpt_oss", "--model.flavor", "debugmodel", "--training.seq_len", "32", "--training.steps", "6",
+ARGV = ["--model.name", "gpt_oss", "--model.flavor", "tiny", "--training.seq_len", "32", "--training.steps", "6",
         "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "1", "--optimizer.lr", "3e-3"]
 
 
@@ -31,7 +31,7 @@ def test_debug_flavor_learns_in_one_process(tmp_path):
 
 def test_mxfp4_experts_stream_in_as_transformers_dequantises_them(tmp_path):
     spec = get_model_spec("gpt_oss")
-    args = spec.flavors["debugmodel"]
+    args = spec.flavors["tiny"]
     hf = spec.hf_adapter.to_hf(spec.build(args).state_dict(), args)
     generator, want = torch.Generator().manual_seed(0), {}
     for key in [key for key in hf if key.endswith(("experts.gate_up_proj", "experts.down_proj"))]:

@@ -17,8 +17,8 @@ from tessera.trainer.config import load_config
 from tessera.trainer.converters import ModelConverter, register_converter
 from tessera.trainer.train import train
 
-STEPS, MOE_LAYERS = 3, 5  # debugmodel: 6 layers, the first dense
-BASE = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--training.seq_len", "32", "--training.steps",
+STEPS, MOE_LAYERS = 3, 5  # tiny: 6 layers, the first dense
+BASE = ["--model.name", "deepseek_v3", "--model.flavor", "tiny", "--training.seq_len", "32", "--training.steps",
         str(STEPS), "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "1", "--training.dtype", "bfloat16",
         "--training.mixed_precision_param", "bfloat16"]
 MX = ["--quantize.grouped_mm.mx.fqns", "experts", "--quantize.grouped_mm.mx.recipe_name", "mxfp8_emulated_rceil"]

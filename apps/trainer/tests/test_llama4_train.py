@@ -8,7 +8,7 @@ from tessera.trainer.config import load_config
 from tessera.trainer.plan import make_plan
 from tessera.trainer.train import train
 
-ARGV = ["--model.name", "llama4", "--model.flavor", "debugmodel", "--training.seq_len", "64", "--training.steps", "6",
+ARGV = ["--model.name", "llama4", "--model.flavor", "tiny", "--training.seq_len", "64", "--training.steps", "6",
         "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "1", "--optimizer.lr", "3e-3"]
 
 

@@ -30,8 +30,8 @@ BASE = ["--training.seq_len", "32", "--training.mixed_precision_param", "float32
 EP2 = ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.expert_parallel_degree", "2",
        "--training.local_batch_size", "1"]
 FAMILIES = {  # flags, whether the HF format keeps the router bias
-    "deepseek_v3": (["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"], True),
-    "qwen3_moe": (["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"], False),
+    "deepseek_v3": (["--model.name", "deepseek_v3", "--model.flavor", "tiny"], True),
+    "qwen3_moe": (["--model.name", "qwen3", "--model.flavor", "tiny_moe"], False),
 }
 TOKENS = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(0))
 
@@ -155,7 +155,7 @@ def test_deepseek_v3_import_under_fsdp2_ep2_gives_the_exported_model(runs, tmp_p
 
 def test_an_export_hf_cannot_describe_is_refused_by_the_job_plan(tmp_path, monkeypatch):
     spec = get_model_spec("qwen3")
-    moe = spec.flavors["debugmodel_moe"]
+    moe = spec.flavors["tiny_moe"]
     monkeypatch.setitem(spec.flavors, "shared", dataclasses.replace(moe, moe=dataclasses.replace(moe.moe, n_shared_experts=1)))
     argv = [*BASE, "--model.name", "qwen3", "--model.flavor", "shared", "--job.dump_folder", str(tmp_path)]
     make_plan(load_config(argv), 1, "cpu")  # no export: nothing to describe

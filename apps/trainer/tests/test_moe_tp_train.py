@@ -28,11 +28,11 @@ from tessera.trainer.train import train
 STEPS = 3
 BASE = ["--training.seq_len", "32", "--metrics.log_freq", "1", "--training.steps", str(STEPS),
         "--lr_scheduler.warmup_steps", "1", "--optimizer.lr", "3e-4"]
-FAMILIES = {"qwen3": ["--model.name", "qwen3", "--model.flavor", "debugmodel"],
-            "qwen3_moe": ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"],
-            "deepseek_v3": ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"],
-            "gpt_oss": ["--model.name", "gpt_oss", "--model.flavor", "debugmodel"],
-            "llama4": ["--model.name", "llama4", "--model.flavor", "debugmodel"]}
+FAMILIES = {"qwen3": ["--model.name", "qwen3", "--model.flavor", "tiny"],
+            "qwen3_moe": ["--model.name", "qwen3", "--model.flavor", "tiny_moe"],
+            "deepseek_v3": ["--model.name", "deepseek_v3", "--model.flavor", "tiny"],
+            "gpt_oss": ["--model.name", "gpt_oss", "--model.flavor", "tiny"],
+            "llama4": ["--model.name", "llama4", "--model.flavor", "tiny"]}
 LAYOUTS = {  # ranks, flags, data-parallel ranks
     "tp2": (2, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"], 1),
     "fsdp2_tp2": (4, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2"], 2),

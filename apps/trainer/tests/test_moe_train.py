@@ -19,10 +19,10 @@ STEPS = 3
 PARAMS_ATOL = 4e-5
 BASE = ["--training.seq_len", "32", "--metrics.log_freq", "1", "--training.steps", str(STEPS),
         "--lr_scheduler.warmup_steps", "1"]
-FAMILIES = {"deepseek_v3": ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"],
-            "qwen3_moe": ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"],
-            "gpt_oss": ["--model.name", "gpt_oss", "--model.flavor", "debugmodel"],
-            "llama4": ["--model.name", "llama4", "--model.flavor", "debugmodel"]}
+FAMILIES = {"deepseek_v3": ["--model.name", "deepseek_v3", "--model.flavor", "tiny"],
+            "qwen3_moe": ["--model.name", "qwen3", "--model.flavor", "tiny_moe"],
+            "gpt_oss": ["--model.name", "gpt_oss", "--model.flavor", "tiny"],
+            "llama4": ["--model.name", "llama4", "--model.flavor", "tiny"]}
 
 
 def _train_rank(rank, world_size, argv):

@@ -20,7 +20,7 @@ BASE = ["--training.seq_len", "32", "--training.mixed_precision_param", "float32
 GROUPS = ["--optimizer.param_groups", "norms,biases,embeddings,weight_decay=0;output,lr_scale=0.5"]
 MUON = ["--optimizer.name", "Muon", "--optimizer.muon_ns_dtype", "float32", *GROUPS]
 BF16_MOMENTS = ["--optimizer.state_dtype", "bfloat16", "--optimizer.implementation", "for-loop"]
-MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--optimizer.param_groups",
+MOE = ["--model.name", "qwen3", "--model.flavor", "tiny_moe", "--optimizer.param_groups",
        "norms,biases,embeddings,weight_decay=0;output,lr_scale=0.5;experts,router,lr_scale=0.7"]
 
 # ranks, arguments, data-parallel degree (the single-process run takes local batch x dp)

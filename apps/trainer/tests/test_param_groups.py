@@ -10,7 +10,7 @@ from tessera.trainer.errors import ConfigError
 from tessera.trainer.optimizer import part_optimizers
 from tessera.trainer.plan import make_plan
 
-MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
+MOE = ["--model.name", "qwen3", "--model.flavor", "tiny_moe"]
 
 
 def _groups(*argv):

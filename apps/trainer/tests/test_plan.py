@@ -59,10 +59,10 @@ def test_plan_resolves_layout_batch_and_model():
          "^8 experts do not divide over expert parallel degree 3$"),
         (4, ["--model.name", "deepseek_v3", "--parallelism.tensor_parallel_degree", "2",
              "--parallelism.expert_parallel_degree", "3"], "ep=3 must be a multiple of cp\\*tp=2"),
-        (2, ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--parallelism.tensor_parallel_degree", "2",
+        (2, ["--model.name", "qwen3", "--model.flavor", "tiny_moe", "--parallelism.tensor_parallel_degree", "2",
              "--parallelism.expert_tensor_parallel_degree", "4"],
          "^parallelism.expert_tensor_parallel_degree 4 must be 1 or tensor_parallel_degree 2$"),
-        (2, ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--parallelism.tensor_parallel_degree", "2",
+        (2, ["--model.name", "qwen3", "--model.flavor", "tiny_moe", "--parallelism.tensor_parallel_degree", "2",
              "--compile.enable", "true"], "^compile.enable with tensor_parallel_degree > 1 is not supported yet for qwen3/"),
     ],
 )
@@ -85,7 +85,7 @@ def test_v_shaped_schedules_on_cpu_need_torch_2_12(monkeypatch, release, refused
 
 
 def test_moe_families_plan_tensor_parallel_but_not_a_replaced_colwise_style():
-    for family in (["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"], ["--model.name", "deepseek_v3"]):
+    for family in (["--model.name", "qwen3", "--model.flavor", "tiny_moe"], ["--model.name", "deepseek_v3"]):
         p = plan(2, *family, "--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_tensor_parallel_degree", "2")
         total, per_rank = parameter_counts(p)
         assert p.dims.tp == 2 and total / 2 < per_rank < total * 0.6  # experts split, router and latents whole
@@ -275,7 +275,7 @@ RESOLVED_LAYOUTS = {  # 2 ranks each: every parallelism, AC, accumulation, docum
     "tp": ["--parallelism.tensor_parallel_degree", "2"],
     "pp": ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "1"],
     "cp": ["--parallelism.context_parallel_degree", "2"],
-    "ep": ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--parallelism.expert_parallel_degree", "2",
+    "ep": ["--model.name", "qwen3", "--model.flavor", "tiny_moe", "--parallelism.expert_parallel_degree", "2",
            "--debug.moe_force_load_balance", "true"],
 }
 
@@ -320,10 +320,11 @@ def test_build_and_step_read_only_the_resolved_plan():
         assert 5.0 < train_loss < 12.0 and 5.0 < eval_loss < 12.0, name
 
 
-FAMILIES = {"llama3": [], "qwen3": ["--model.name", "qwen3"],
-            "qwen3_moe": ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"],
-            "deepseek_v3": ["--model.name", "deepseek_v3"], "gpt_oss": ["--model.name", "gpt_oss"],
-            "llama4": ["--model.name", "llama4"]}
+FAMILIES = {"llama3": [], "qwen3": ["--model.name", "qwen3", "--model.flavor", "tiny"],
+            "qwen3_moe": ["--model.name", "qwen3", "--model.flavor", "tiny_moe"],
+            "deepseek_v3": ["--model.name", "deepseek_v3", "--model.flavor", "tiny"],
+            "gpt_oss": ["--model.name", "gpt_oss", "--model.flavor", "tiny"],
+            "llama4": ["--model.name", "llama4", "--model.flavor", "tiny"]}
 DEGREE_2 = {"fsdp": "data_parallel_shard_degree", "tp": "tensor_parallel_degree", "cp": "context_parallel_degree",
             "pp": "pipeline_parallel_degree", "ep": "expert_parallel_degree"}
 # Each family x parallelism at degree 2 either runs, compared with one process by the test named,
@@ -347,8 +348,8 @@ RUNS = {
 }
 REFUSED = {
     ("llama3", "ep"): "llama3/debugmodel has no experts",
-    ("qwen3", "pp"): "ties the output to the embedding", ("qwen3", "ep"): "qwen3/debugmodel has no experts",
-    ("deepseek_v3", "cp"): "context_parallel_degree > 1 is not supported yet for deepseek_v3/debugmodel: MLA's value heads",
+    ("qwen3", "pp"): "ties the output to the embedding", ("qwen3", "ep"): "qwen3/tiny has no experts",
+    ("deepseek_v3", "cp"): "context_parallel_degree > 1 is not supported yet for deepseek_v3/tiny: MLA's value heads",
 }
 
 

@@ -68,7 +68,7 @@ def test_experts_clamped_swiglu_with_interleaved_gate_up_and_biases():
 
 def test_router_takes_top_k_of_biased_logits_and_softmaxes_the_chosen():
     torch.manual_seed(0)
-    args = gpt_oss_flavors["debugmodel"].moe
+    args = gpt_oss_flavors["tiny"].moe
     router = TopKRouter(16, dataclasses.replace(args, n_experts=6, top_k=3))
     with torch.no_grad():
         router.gate.bias.copy_(torch.randn(6))
@@ -130,8 +130,8 @@ def test_flops_count_active_experts_and_window_keys():
     attention = 12 * 64 * 64 * (12 * 4096 + 12 * 128)  # 12 full layers, 12 window layers of 128 keys
     assert spec.flops_per_token(args, 4096) == 6 * active_params(args) + attention
     with torch.device("meta"):
-        model = GptOss(gpt_oss_flavors["debugmodel"])
-    a = gpt_oss_flavors["debugmodel"]
+        model = GptOss(gpt_oss_flavors["tiny"])
+    a = gpt_oss_flavors["tiny"]
     total = sum(p.numel() for p in model.parameters()) - a.vocab_size * a.dim
     idle_experts = a.n_layers * (a.moe.n_experts - a.moe.top_k) * (a.dim * 2 * a.moe.hidden_dim + 2 * a.moe.hidden_dim
                                                                     + a.moe.hidden_dim * a.dim + a.dim)
@@ -141,7 +141,7 @@ def test_flops_count_active_experts_and_window_keys():
 
 
 def test_debug_flavor_has_both_attention_kinds_twice_and_divisible_experts():
-    args = gpt_oss_flavors["debugmodel"]
+    args = gpt_oss_flavors["tiny"]
     model = GptOss(args)
     kinds = [(layer.attention.inner_attention.mask, layer.attention.inner_attention.sinks is not None)
              for layer in model.layers.values()]
@@ -188,12 +188,12 @@ def test_bad_configs_name_the_culprit(change, message):
 
 
 def test_config_refuses_routing_it_cannot_state():
-    args = dataclasses.replace(gpt_oss_flavors["debugmodel"], moe=MoEArgs(n_experts=8, top_k=2, score_func="sigmoid"))
+    args = dataclasses.replace(gpt_oss_flavors["tiny"], moe=MoEArgs(n_experts=8, top_k=2, score_func="sigmoid"))
     with pytest.raises(ValueError, match="cannot express this routing"):
         hf_config.config_from_args(args)
 
 
 def test_args_record_round_trip(tmp_path):
-    spec, args = get_model_spec("gpt_oss"), gpt_oss_flavors["debugmodel"]
+    spec, args = get_model_spec("gpt_oss"), gpt_oss_flavors["tiny"]
     (tmp_path / ARGS_FILE).write_bytes(args_record(spec, args))
     assert read_args_record(tmp_path)[1] == args  # window_layers back as a tuple

@@ -12,7 +12,7 @@ SPEC = get_model_spec("gpt_oss")
 
 def test_mxfp4_experts_are_dequantised_on_import():
     """A layer's experts given as MXFP4 blocks + scales import as transformers dequantises them."""
-    args = SPEC.flavors["debugmodel"]  # dequantisation reads the shapes from the tensors
+    args = SPEC.flavors["tiny"]  # dequantisation reads the shapes from the tensors
     generator = torch.Generator().manual_seed(2)
     blocks = torch.randint(0, 256, (4, 48, 1, 16), dtype=torch.uint8, generator=generator)  # [E, 2 hidden, dim / 32, 16]
     scales = torch.randint(120, 130, (4, 48, 1), dtype=torch.uint8, generator=generator)

@@ -53,7 +53,7 @@ def test_tied_embeddings_share_storage_after_to_empty():
     assert abs(model.output.weight.std().item() - 0.02) < 0.002
 
 
-@pytest.mark.parametrize("flavor", ["debugmodel", "debugmodel_moe"])
+@pytest.mark.parametrize("flavor", ["tiny", "tiny_moe"])
 def test_qwen3_debug_models_start_near_ln_vocab(flavor):
     """The first loss on random tokens is near ln(vocab) (7.62 for 2048; the untied families start
     near 8.1): the tied dense flavor started at 10.4 when its shared weight took the output's

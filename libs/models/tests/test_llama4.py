@@ -17,8 +17,8 @@ from tessera.models.masks import AttentionMask
 from tessera.models.moe import MoE
 
 SPEC = get_model_spec("llama4")
-ARGS = dataclasses.replace(SPEC.flavors["debugmodel"], dim=32, n_heads=4, n_kv_heads=2, head_dim=8, hidden_dim=48,
-                           moe=dataclasses.replace(SPEC.flavors["debugmodel"].moe, n_experts=4, hidden_dim=16),
+ARGS = dataclasses.replace(SPEC.flavors["tiny"], dim=32, n_heads=4, n_kv_heads=2, head_dim=8, hidden_dim=48,
+                           moe=dataclasses.replace(SPEC.flavors["tiny"].moe, n_experts=4, hidden_dim=16),
                            attention_chunk_size=4, floor_scale=4, attn_scale=0.5, max_seq_len=64)
 
 
@@ -90,11 +90,11 @@ def test_top1_sigmoid_routing_scales_the_expert_input_and_adds_the_shared_expert
 
 
 def test_flavor_layers_and_released_sizes():
-    debug = SPEC.flavors["debugmodel"]
+    debug = SPEC.flavors["tiny"]
     assert debug.nope_layers == (3,) and debug.chunked_layers == (0, 1, 2, 4, 5)
     assert debug.moe_layers == (1, 3, 5) and debug.vocab_size == 2048
     assert debug.moe.n_experts % 4 == 0 and debug.moe.top_k == 1
-    scout, maverick = SPEC.flavors["17bx16e"], SPEC.flavors["17bx128e"]
+    scout, maverick = SPEC.flavors["17bx16e_irope"], SPEC.flavors["17bx128e_irope"]
     assert len(scout.moe_layers) == 48 and maverick.moe_layers == tuple(range(1, 48, 2))
     assert scout.nope_layers == maverick.nope_layers == tuple(range(3, 48, 4))
     assert scout.use_qk_norm and not maverick.use_qk_norm and maverick.rope_scaling is None
@@ -103,10 +103,17 @@ def test_flavor_layers_and_released_sizes():
     # "17B" active parameters each, the token embedding included
     for args in (scout, maverick):
         assert 17.0e9 < active_params(args) + args.vocab_size * args.dim < 17.5e9
+    # torchtitan's names without "_irope": RoPE and global attention on every layer, the same tensors
+    for name in ("debugmodel", "17bx16e", "17bx128e"):
+        plain = SPEC.flavors[name]
+        assert plain.nope_layers == plain.chunked_layers == () and not plain.use_qk_norm, name
+        irope = SPEC.flavors[f"{name}_irope"]
+        assert dataclasses.replace(irope, nope_layers=(), chunked_layers=(), use_qk_norm=False,
+                                   attention_chunk_size=None, floor_scale=plain.floor_scale) == plain, name
 
 
 def test_flops_count_a_chunked_layer_s_keys_up_to_the_chunk():
-    args = SPEC.flavors["17bx16e"]
+    args = SPEC.flavors["17bx16e_irope"]
     per_key = 12 * args.n_heads * args.head_dim
     long, short = 4 * args.attention_chunk_size, args.attention_chunk_size
     extra_keys = len(args.nope_layers) * (long - short)  # the chunked layers see no more than a chunk

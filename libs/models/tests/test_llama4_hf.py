@@ -101,7 +101,7 @@ def test_bad_configs_are_one_line(change, message):
 
 
 def test_check_config_names_the_first_difference():
-    args = SPEC.flavors["debugmodel"]
+    args = SPEC.flavors["tiny"]
     config = {**hf_config.config_from_args(args), "intermediate_size": 256}
-    with pytest.raises(ValueError, match=r"^c: intermediate_size is 256 but llama4/debugmodel has moe.hidden_dim 512$"):
-        hf_config.check_config(args, config, "c", "llama4/debugmodel")
+    with pytest.raises(ValueError, match=r"^c: intermediate_size is 256 but llama4/tiny has moe.hidden_dim 512$"):
+        hf_config.check_config(args, config, "c", "llama4/tiny")

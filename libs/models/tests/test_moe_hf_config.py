@@ -115,7 +115,7 @@ def test_a_mismatching_flavor_names_the_first_field():
     four_groups = dataclasses.replace(v3, moe=dataclasses.replace(v3.moe, n_groups=4))
     with pytest.raises(ValueError, match=r"^c: n_group is 8 but 671B has moe.n_groups 4$"):
         deepseek.check_config(four_groups, DEEPSEEK_V3, "c", "671B")
-    shared = dataclasses.replace(qwen["debugmodel_moe"], moe=dataclasses.replace(qwen["debugmodel_moe"].moe, n_shared_experts=1))
+    shared = dataclasses.replace(qwen["tiny_moe"], moe=dataclasses.replace(qwen["tiny_moe"].moe, n_shared_experts=1))
     with pytest.raises(ValueError, match="Qwen3-MoE's config.json cannot express this routing"):
         qwen3.config_from_args(shared)
 

@@ -58,9 +58,9 @@ def test_a_bad_layer_types_list_is_one_line():
 
 def test_attention_kinds_and_flops_count_the_window():
     spec = get_model_spec("qwen3")
-    args = dataclasses.replace(spec.flavors["debugmodel"], sliding_window=16, window_layers=(4, 5))
+    args = dataclasses.replace(spec.flavors["tiny"], sliding_window=16, window_layers=(4, 5))
     assert spec.attention_kinds(args) == ((AttentionMask(), False), (AttentionMask(window=16), False))
-    plain = spec.flavors["debugmodel"]
+    plain = spec.flavors["tiny"]
     per_layer_key = 12 * args.n_heads * args.head_dim
     assert spec.flops_per_token(plain, 64) - spec.flops_per_token(args, 64) == 2 * per_layer_key * (64 - 16)
     assert spec.flops_per_token(plain, 8) == spec.flops_per_token(args, 8)  # windows longer than the sequence
