@@ -378,7 +378,6 @@ SURFACE_CASES = [
                                     "--parallelism.fsdp_reshard_after_forward", "always",
                                     "--parallelism.pipeline_parallel_layers_per_stage", "2"), "trainer",
      "'always' with schedule InterleavedZeroBubble trains with wrong gradients"),
-    ("pp-tied-embeddings", pp2("--model.name", "qwen3"), "trainer", "ties the output to the embedding"),
     ("pp-parts-unknown", lambda tmp: [*config_file(
         '[parallelism]\nmodule_fqns_per_model_part = [["tok_embeddings", "layers.0", "layers.1", "layers.2"], '
         '["layers.3", "layers.4", "layers.9", "norm", "output"]]\n')(tmp), *PP2], "trainer",
@@ -395,8 +394,6 @@ SURFACE_CASES = [
     ("cp-alltoall-documents", layout(2, "--parallelism.context_parallel_degree", "2", "--model.attn_mask_type",
                                      "block_causal", "--parallelism.context_parallel_rotate_method", "alltoall"), "trainer",
      "context_parallel_rotate_method alltoall runs torch's ring on the flash kernel"),
-    ("cp-compile", layout(2, "--parallelism.context_parallel_degree", "2", "--compile.enable", "true"), "trainer",
-     "compile.enable with context_parallel_degree > 1 is not supported yet"),
     ("cp-validation-shape", layout(2, "--parallelism.context_parallel_degree", "2", "--validation.enable", "true",
                                    "--validation.seq_len", "64"), "trainer",
      "validation.local_batch_size / validation.seq_len other than training's are not supported"),
@@ -410,8 +407,10 @@ SURFACE_CASES = [
      "parallelism.expert_tensor_parallel_degree 4 must be 1 or tensor_parallel_degree 2"),
     ("ep-force-balance-dense", cli("--check", "--debug.moe_force_load_balance", "true"), "trainer",
      "debug.moe_force_load_balance: llama3/debugmodel has no experts"),
-    ("ep-compile-tp", layout(2, *QWEN3_MOE, "--parallelism.tensor_parallel_degree", "2", "--compile.enable", "true"),
-     "trainer", "compile.enable with tensor_parallel_degree > 1 is not supported yet for qwen3/tiny_moe"),
+    ("ep-capacity-dense", cli("--check", "--parallelism.expert_capacity_factor", "1.25"), "trainer",
+     "parallelism.expert_capacity_factor: llama3/debugmodel has no experts"),
+    ("ep-capacity-factor", cli("--check", *QWEN3_MOE, "--parallelism.expert_capacity_factor", "0"), "trainer",
+     "parallelism.expert_capacity_factor: 0.0 must be > 0"),
     # float8 / MX converters: nothing converted is an error, a pattern matching nothing a warning
     ("float8-filters-everything", cli("--check", "--model.converters", "float8", "--float8.filter_fqns", "layers,output"),
      "trainer", "model.converters float8 would convert no module of llama3/debugmodel (float8.filter_fqns ['layers', 'output'])"),

@@ -10,13 +10,18 @@
   trainer, and the framework's overhead over the bare loop. Compile's warm-up step is left out
   of its rate (and printed).
 - `--peer`: Tessera against torchtitan 0.2.2 (peer.py), fp32 and bf16, 1 and 2 processes,
-  interleaved repeats, median tokens/s per rank and the ratio Tessera / torchtitan.
-- `--profile`: where one step goes (profile_split.py), Tessera's and (with the peer) torchtitan's.
+  interleaved repeats, median tokens/s per rank and the ratio Tessera / torchtitan; `--model
+  deepseek_v3` (torchtitan's deepseek_v3 debug TOML, 2 processes: EP 2 x FSDP 2) or qwen3 (its
+  debugmodel_moe). The output ends with one line per run shape: `ratio <model> <dtype> <nproc>: <x>`.
+- `--profile`: where one step goes (profile_split.py), Tessera's and (with the peer) torchtitan's,
+  for `--model` too (MoE: routing, permutation and the routed experts apart).
+- MoE dispatch: `--variants tessera,capacity,ep2,ep2_capacity --model.name deepseek_v3
+  --model.flavor debugmodel`: dropless against capacity-factor dispatch, one process and EP 2.
 
   bazel run //tools/bench -- [--steps 30] [--warmup 3] [--repeats 1] [--variants bare,tessera,...] [--section.key value ...]
   long sequences, cp 1 vs 2: --variants tessera,cp2,cp2_alltoall --training.seq_len 8192 --training.local_batch_size 1
-  bazel run //tools/bench -- --peer [--peer_root DIR] [--dtypes float32,bfloat16] [--nprocs 1,2] [--repeats 2] [--steps 30]
-  bazel run //tools/bench -- --profile [--peer_root DIR] [--dtypes float32,bfloat16]
+  bazel run //tools/bench -- --peer [--model llama3|deepseek_v3|qwen3] [--peer_root DIR] [--dtypes float32,bfloat16] [--nprocs 1,2] [--repeats 2] [--steps 30] [--seq_len 256]
+  bazel run //tools/bench -- --profile [--model llama3|deepseek_v3|qwen3] [--peer_root DIR] [--dtypes float32,bfloat16]
 """
 
 from __future__ import annotations
@@ -46,7 +51,12 @@ VARIANTS = {
     "ac_full": ("tessera + full AC", 1),
     "ac_op": ("tessera + selective AC (op)", 1),
     "float8": ("tessera + float8 (emulated)", 1),
+    "capacity": ("tessera MoE, capacity factor 1.25", 1),
+    "ep2": ("tessera EP 2 x FSDP 2 (dropless)", 2),
+    "ep2_capacity": ("tessera EP 2 x FSDP 2, capacity 1.25", 2),
 }
+CAPACITY = ["--parallelism.expert_capacity_factor", "1.25"]
+EP2 = ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.expert_parallel_degree", "2"]
 LAYOUT_ARGS = {
     "fsdp2": ["--parallelism.data_parallel_shard_degree", "2"],
     "fsdp4": ["--parallelism.data_parallel_shard_degree", "4"],
@@ -60,6 +70,9 @@ LAYOUT_ARGS = {
     "ac_full": ["--activation_checkpoint.mode", "full"],
     "ac_op": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
     "float8": ["--model.converters", "float8", "--float8.filter_fqns", "output"],
+    "capacity": CAPACITY,
+    "ep2": EP2,
+    "ep2_capacity": [*EP2, *CAPACITY],
 }
 
 
@@ -242,7 +255,9 @@ def _peer_or_exit(path: str | None, needed: bool):
 
 
 def run_peer(known) -> None:
-    """Tessera vs torchtitan per (dtype, processes): A B, then B A, ... (drift hits both)."""
+    """Tessera vs torchtitan per (dtype, processes): A B, then B A, ... (drift hits both). Each
+    cell: the median over runs of each run's median tokens/s per rank, and of its tokens per CPU
+    second of the rank's process (steadier while other jobs load the machine)."""
     import tempfile
 
     from peer import launch, parse
@@ -250,23 +265,35 @@ def run_peer(known) -> None:
     root = _peer_or_exit(known.peer_root, needed=True)
     out = Path(tempfile.mkdtemp(prefix="bench-peer-"))
     first = known.warmup + 1
-    print(f"{'dtype':9} {'procs':>5} {'torchtitan tok/s/rank':>22} {'tessera tok/s/rank':>19} {'ratio':>6}  runs (titan | tessera)")
+    ratios = []
+    print(f"model {known.model}, seq_len {known.seq_len}, local batch 8, {known.steps} steps; load average "
+          f"{os.getloadavg()[0]:.2f}", flush=True)
+    print(f"{'dtype':9} {'procs':>5} {'torchtitan tok/s/rank':>22} {'tessera tok/s/rank':>19} {'ratio':>6}  "
+          f"{'per CPU-s: titan':>16} {'tessera':>8} {'ratio':>6}  runs (titan | tessera)")
+    tokens_per_step = known.seq_len * 8
     for nproc in map(int, known.nprocs.split(",")):
         for dtype in known.dtypes.split(","):
             runs = {"torchtitan": [], "tessera": []}
             for r in range(known.repeats):
                 for which in (("torchtitan", "tessera") if r % 2 == 0 else ("tessera", "torchtitan")):
                     folder = out / f"{which}_{dtype}_np{nproc}_{r}"
-                    runs[which].append(parse(which, launch(which, root, dtype, nproc, known.steps, folder), first))
+                    text = launch(which, root, dtype, nproc, known.steps, folder, model=known.model, seq_len=known.seq_len)
+                    runs[which].append(parse(which, text, first, tokens_per_step))
             titan, tessera = (statistics.median(x["tps"] for x in runs[w]) for w in ("torchtitan", "tessera"))
+            titan_cpu, tessera_cpu = (statistics.median(x["tpcs"] or 0 for x in runs[w]) for w in ("torchtitan", "tessera"))
+            cpu_ratio = f"{tessera_cpu / titan_cpu:>5.2f}x" if titan_cpu else "    -"
             cells = " | ".join(", ".join(f"{x['tps']:,.0f}" for x in runs[w]) for w in ("torchtitan", "tessera"))
-            print(f"{dtype:9} {nproc:>5} {titan:>22,.0f} {tessera:>19,.0f} {tessera / titan:>5.2f}x  {cells}  "
-                  f"(load {os.getloadavg()[0]:.2f})", flush=True)
+            print(f"{dtype:9} {nproc:>5} {titan:>22,.0f} {tessera:>19,.0f} {tessera / titan:>5.2f}x  "
+                  f"{titan_cpu:>16,.0f} {tessera_cpu:>8,.0f} {cpu_ratio}  {cells}  (load {os.getloadavg()[0]:.2f})",
+                  flush=True)
+            ratios.append(f"ratio {known.model} {dtype} {nproc}: {tessera / titan:.2f} (per CPU-second: "
+                          f"{tessera_cpu / titan_cpu if titan_cpu else float('nan'):.2f})")
             if nproc == 1 and dtype == known.dtypes.split(",")[0]:
                 print(f"{'':16}parameters: torchtitan {runs['torchtitan'][0]['params']:,}, tessera "
                       f"{runs['tessera'][0]['params']:,}", flush=True)
     print(f"(median tokens/s per rank over steps {first}..{known.steps} of each run, median of {known.repeats} "
           f"interleaved runs; logs in {out})")
+    print("\n".join(ratios))
 
 
 def run_profile(known, overrides: list[str]) -> None:
@@ -283,7 +310,8 @@ def run_profile(known, overrides: list[str]) -> None:
         for which in ("tessera", "torchtitan") if root else ("tessera",):
             folder = out / f"{which}_{dtype}"
             extra = [*profiling_args(which, known.steps), *(overrides if which == "tessera" else [])]
-            launch(which, root, dtype, 1, known.steps, folder, extra, regions=True)
+            launch(which, root, dtype, 1, known.steps, folder, extra, regions=True, model=known.model,
+                   seq_len=known.seq_len)
             columns[f"{which} {dtype}"] = split(latest_trace(folder / "dump"))
     print(format_table(columns))
     print(f"(step {known.steps} of each run, 1 process; load average {os.getloadavg()[0]:.2f}; traces in {out})")
@@ -301,6 +329,9 @@ def main() -> int:
     parser.add_argument("--peer_root", default=None, help="the torchtitan peer folder (default: $PEER_ROOT)")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--nprocs", default="1,2")
+    parser.add_argument("--model", default="llama3", choices=("llama3", "deepseek_v3", "qwen3"),
+                        help="--peer / --profile: the model both stacks train (peer.py's MODELS)")
+    parser.add_argument("--seq_len", type=int, default=256, help="--peer / --profile: tokens per sequence")
     parser.add_argument("--measure", choices=sorted(VARIANTS), help=argparse.SUPPRESS)
     known, overrides = parser.parse_known_args()
     if known.steps <= known.warmup:

@@ -1,16 +1,22 @@
 """Where one training step goes: a torch.profiler chrome trace (CPU ops) split into matmuls,
-attention, norms, RoPE, SwiGLU, residual adds, embedding, loss, clipping, optimizer, casts and
-the framework's own time (Python between ops: hooks, the loop, data).
+attention, norms, RoPE, SwiGLU, residual adds, the MoE layer's routing, permutation and routed
+experts, embedding, loss, clipping, optimizer, casts and the framework's own time (Python between
+ops: hooks, the loop, data).
 
 The trace comes from the trainer's own profiling (`profiling.enable_profiling`), Tessera's or
 torchtitan's, so both are split by one rule:
 
-1. an op inside ``Optimizer.step`` / ``Optimizer.zero_grad`` is optimizer time;
-2. else the outermost op whose name says what it is decides (``aten::linear`` and ``mm``:
+1. an op inside ``Optimizer.step`` / ``Optimizer.zero_grad`` is optimizer time; a collective
+   is comms;
+2. else an op inside a region of a whole part of the MoE layer (``INCLUSIVE``: the router, the
+   routed experts, the layer itself, whose own ops are its permutations) takes that part, its
+   matmuls included, unless a region of another kind lies closer around it (the shared experts'
+   feed-forward inside the layer);
+3. else the outermost op whose name says what it is decides (``aten::linear`` and ``mm``:
    matmul; ``scaled_dot_product_attention``: attention; ``rms_norm``: norms; ...);
-3. else the innermost region that `annotate` opened around a model function (the RoPE
+4. else the innermost region that `annotate` opened around a model function (the RoPE
    function, the feed-forward, the block's residual, the loss, the clipping) decides;
-4. else casts and copies, or "other ops".
+5. else casts and copies, or "other ops".
 
 A backward node takes the category of the forward op that recorded it (the trace's
 forward-backward links), so a norm's backward counts as norm time. "framework" is Python: the
@@ -31,8 +37,12 @@ from pathlib import Path
 
 import torch
 
-CATEGORIES = ("matmul", "attention", "norms", "rope", "swiglu", "residual", "embedding", "loss", "grad clip",
-              "optimizer", "comms", "casts/copies", "other ops", "framework")
+CATEGORIES = ("matmul", "attention", "norms", "rope", "swiglu", "residual", "routing", "permutation", "experts",
+              "embedding", "loss", "grad clip", "optimizer", "comms", "casts/copies", "other ops", "framework")
+# regions that take every op inside them, matmuls too: the MoE layer's parts
+INCLUSIVE = ("routing", "permutation", "experts")
+_COMMS = ("c10d::", "record_param_comms", "all_gather", "reduce_scatter", "all_reduce", "allreduce", "all_to_all",
+          "alltoall")
 
 # (substring of an op or autograd-node name, category), first match wins
 _OP_RULES = (
@@ -44,8 +54,7 @@ _OP_RULES = (
     ("aten::embedding", "embedding"), ("EmbeddingBackward", "embedding"),
     ("_foreach_norm", "grad clip"), ("linalg_vector_norm", "grad clip"),
     ("_fused_adam", "optimizer"),
-    ("c10d::", "comms"), ("record_param_comms", "comms"), ("all_gather", "comms"), ("reduce_scatter", "comms"),
-    ("all_reduce", "comms"), ("allreduce", "comms"),
+    *((needle, "comms") for needle in _COMMS),
 )
 _CASTS = ("aten::to", "aten::_to_copy", "aten::copy_", "aten::clone", "aten::contiguous", "ToCopyBackward",
           "CloneBackward")
@@ -119,6 +128,14 @@ def split(trace_path: str | Path) -> dict[str, float]:
         names = [events[j]["name"] for j in chain]
         if any(name.startswith(_PHASES) for name in names):
             return "optimizer"
+        if any(needle in names[0] for needle in _COMMS):
+            return "comms"
+        if i not in forward_of:
+            for name in names:  # innermost region first: a whole MoE part, unless another kind is closer
+                if name.startswith(REGION_PREFIX):
+                    if name[len(REGION_PREFIX):] in INCLUSIVE:
+                        return name[len(REGION_PREFIX):]
+                    break
         for j in reversed(chain):  # outermost first
             if j in forward_of:  # a backward node: what its forward op was
                 return category(forward_of[j])

@@ -4,8 +4,11 @@
 
 PIN=1 pins the rank to the CPU of its local rank (2 single-thread ranks on 2 cores: neither
 rank's work lands on the other's core). SPLIT_REGIONS=1 opens profiler regions around the
-model's RoPE, attention, feed-forward and block functions, the loss and the clipping, so
-`profile_split` can tell their element-wise ops apart. torchtitan runs through
+model's RoPE, attention, feed-forward and block functions, the MoE layer, its router and its
+routed experts, the loss and the clipping, so `profile_split` can tell their element-wise ops
+apart; MODEL (llama3, deepseek_v3 or qwen3) says which model's functions. Every log step
+also prints the process's CPU seconds so far (``cpu_s <step> <seconds>``): tokens per CPU-second
+hold up better than tokens per second while other jobs share the machine. torchtitan runs through
 $PEER_ROOT/cpu_launch.py (its CPU patches), in its own venv: this file needs only torch.
 """
 
@@ -19,25 +22,42 @@ import sys
 from profile_split import annotate
 
 
-def _tessera_regions() -> dict:
+def _tessera_regions(model: str) -> dict:
+    import importlib
+
     import tessera.fsdp as fsdp
-    import tessera.models.llama.model as llama
+    import tessera.models.decoder as decoder
+    import tessera.models.feed_forward as feed_forward
+    import tessera.models.moe.experts as experts
+    import tessera.models.moe.layer as layer
+    import tessera.models.moe.router as router
     import tessera.models.rms_norm as rms_norm
     import tessera.trainer.step as step
 
-    return {"norms": (rms_norm.RMSNorm, "forward"), "rope": (llama, "apply_rotary_emb"), "swiglu": (llama.FeedForward, "forward"),
-            "residual": (llama.TransformerBlock, "forward"), "attention": (llama.Attention, "forward"),
-            "loss": (step, "cross_entropy"), "grad clip": (fsdp, "clip_grad_norm_")}
+    family = importlib.import_module(f"tessera.models.{'llama' if model == 'llama3' else model}.model")
+    rope = {"llama3": "apply_rotary_emb", "deepseek_v3": "apply_rope_interleaved", "qwen3": "apply_rope_half"}[model]
+    return {"norms": (rms_norm.RMSNorm, "forward"), "rope": (family, rope), "swiglu": (feed_forward.FeedForward, "forward"),
+            "residual": (decoder.TransformerBlock, "forward"), "attention": (family.Attention, "forward"),
+            "routing": (router.TopKRouter, "forward"), "permutation": (layer.MoE, "forward"),
+            "experts": (experts.GroupedExperts, "forward"), "loss": (step, "cross_entropy"),
+            "grad clip": (fsdp, "clip_grad_norm_")}
 
 
-def _torchtitan_regions() -> dict:
+def _torchtitan_regions(model: str) -> dict:
+    import importlib
+
     import torchtitan.components.loss as loss
     import torchtitan.distributed.utils as dist_utils
-    import torchtitan.models.llama3.model.model as llama
+    import torchtitan.models.moe.moe as moe
 
-    return {"rope": (llama, "apply_rotary_emb"), "swiglu": (llama.FeedForward, "forward"),
-            "residual": (llama.TransformerBlock, "forward"), "attention": (llama.Attention, "forward"),
-            "loss": (loss, "cross_entropy_loss"), "grad clip": (dist_utils, "clip_grad_norm_")}
+    family = importlib.import_module(f"torchtitan.models.{model}.model.model")
+    regions = {"rope": (family, "apply_rotary_emb"), "residual": (family.TransformerBlock, "forward"),
+               "attention": (family.Attention, "forward"), "loss": (loss, "cross_entropy_loss"),
+               "grad clip": (dist_utils, "clip_grad_norm_")}
+    if model == "llama3":
+        return {**regions, "swiglu": (family.FeedForward, "forward")}
+    return {**regions, "swiglu": (moe.FeedForward, "forward"), "routing": (moe.TokenChoiceTopKRouter, "forward"),
+            "permutation": (moe.MoE, "forward"), "experts": (moe.GroupedExperts, "forward")}
 
 
 def _profile_cpu_only() -> None:
@@ -52,6 +72,33 @@ def _profile_cpu_only() -> None:
     torch.profiler.profile = CpuProfile
 
 
+def _print_cpu_seconds(owner: type, step_of) -> None:
+    """Wrap the trainer's per-step log method: ``cpu_s <step> <process CPU seconds>`` first."""
+    import functools
+    import time
+
+    original = owner.log
+
+    @functools.wraps(original)
+    def log(self, *args, **kwargs):
+        print(f"cpu_s {step_of(args, kwargs)} {time.process_time():.4f}", flush=True)
+        return original(self, *args, **kwargs)
+
+    owner.log = log
+
+
+def _permute_indices_on_cpu() -> None:
+    """torchtitan 0.2.2's expert-parallel dispatch builds its permutation with a Triton kernel
+    (``generate_permute_indices``), which needs a GPU; its own CPU implementation is the same
+    function with ``use_cpu=True``: call that (its expert parallelism is otherwise unchanged)."""
+    import functools
+
+    import torchtitan.models.moe.kernels as kernels
+    import torchtitan.models.moe.utils as utils
+
+    utils.generate_permute_indices = functools.partial(kernels.generate_permute_indices, use_cpu=True)
+
+
 def main() -> None:
     which, args = sys.argv[1], sys.argv[2:]
     if os.environ.get("PIN") == "1":
@@ -63,7 +110,16 @@ def main() -> None:
         runpy.run_path(os.path.join(os.environ["PEER_ROOT"], "cpu_launch.py"), run_name="cpu_launch")
         regions = _torchtitan_regions
         _profile_cpu_only()
-    with annotate(regions()) if os.environ.get("SPLIT_REGIONS") == "1" else contextlib.nullcontext():
+        _permute_indices_on_cpu()
+        import torchtitan.components.metrics as titan_metrics
+
+        _print_cpu_seconds(titan_metrics.MetricsProcessor, lambda args, kwargs: kwargs.get("step", args[0] if args else 0))
+    else:
+        import tessera.trainer.metrics as tessera_metrics
+
+        _print_cpu_seconds(tessera_metrics.MetricLogger, lambda args, kwargs: kwargs.get("step", args[0] if args else 0))
+    model = os.environ.get("MODEL", "llama3")
+    with annotate(regions(model)) if os.environ.get("SPLIT_REGIONS") == "1" else contextlib.nullcontext():
         runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 

@@ -65,3 +65,23 @@ def test_annotate_restores_what_it_wrapped():
     with annotate({"rope": (sys.modules[__name__], "rotate")}):
         assert rotate is not before
     assert rotate is before
+
+
+def experts(h, weight):  # a whole MoE part: its matmul counts as the part's, not as matmul
+    return h @ weight
+
+
+def test_an_inclusive_region_takes_its_matmuls(tmp_path):
+    torch.manual_seed(0)
+    weight = torch.randn(32, 32, requires_grad=True)
+    h = torch.randn(64, 32, requires_grad=True)
+    path = tmp_path / "trace.json"
+    schedule = torch.profiler.schedule(wait=0, warmup=1, active=1)
+    targets = {"experts": (sys.modules[__name__], "experts")}
+    with annotate(targets), torch.profiler.profile(schedule=schedule, on_trace_ready=lambda p: p.export_chrome_trace(str(path))) as prof:
+        for _ in range(2):
+            (experts(h, weight) @ weight).sum().backward()  # the second matmul is outside the region
+            prof.step()
+    parts = split(path)
+    assert parts["experts"] > 0 and parts["matmul"] > 0, parts  # a named op, only a region can claim it
+    assert parts["routing"] == parts["permutation"] == 0, parts

@@ -7,15 +7,29 @@ before the weight), and `tessera.models.rms_norm.RMSNorm` takes its CPU path (th
 fp32). So a trace of a "cuda" plan gives every `nn.RMSNorm` (tessera's subclass included) the fused
 kernel's saved tensors: `fused_rms_norms`. Both aten ops have fake-tensor and DTensor rules, so
 tensor-parallel norms keep their placements.
+
+Masked layers (windows, chunks, sinks, documents) run FlexAttention on CUDA, which has no CPU
+backward; the CPU's blocked kernel keeps the same tensors but walks the queries in blocks, a
+hundred fake calls a layer at seq 4096 (nine tenths of a GPT-OSS trace). So a "cuda" plan's flex layers
+get their kernel back (`flex_attentions`) and run, under `flex_kept`, FlexAttention's autograd
+node as far as memory goes (it keeps q, k, v unrepeated, its output and the fp32 log-sum-exp):
+no blocks, no values. It traces the blocked kernel's bytes (but for the sinks, whose share the
+blocked kernel folds into its output and FlexAttention's caller computes after it: a few KB
+more) in a tenth of its time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import types
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from tessera.models import attention as attention_module
+from tessera.models.attention import inner_attentions
+from tessera.trainer.sub_plans import AttentionPlan
 
 
 class _FusedRMSNorm(torch.autograd.Function):
@@ -46,3 +60,43 @@ def fused_rms_norms(module: nn.Module) -> None:
     for m in module.modules():
         if isinstance(m, nn.RMSNorm):
             m.forward = types.MethodType(_fused_forward, m)
+
+
+class _FlexAttention(torch.autograd.Function):
+    """(out, lse) of torch's FlexAttention without its values: what its autograd node keeps
+    (q, k, v, out, lse) and what its backward returns (dq, dk, dv)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def flex_attentions(module: nn.Module, attention: AttentionPlan) -> None:
+    """Every inner attention in `module` that `attention` (a "cuda" plan's) runs on FlexAttention
+    gets that kernel back from the CPU plan's blocked one; under `flex_kept` it keeps what
+    FlexAttention keeps."""
+    for inner in inner_attentions(module):
+        if attention.kernel(inner.mask, inner.sinks is not None) == "flex":
+            inner.kernel = "flex"
+
+
+@contextlib.contextmanager
+def flex_kept():
+    """tessera.models' FlexAttention call as `_FlexAttention`, and no block masks (a few KB on a
+    GPU, a [seq, seq] mask evaluated on a CPU): module globals, as the layers' own forwards run
+    (tensor parallel's local-shard wrappers included)."""
+    flex, block_mask = attention_module._flex, attention_module._block_mask
+    attention_module._flex = lambda q, k, v, block_mask, scale: _FlexAttention.apply(q, k, v)
+    attention_module._block_mask = lambda mask, documents, seq_len, device: None
+    try:
+        yield
+    finally:
+        attention_module._flex, attention_module._block_mask = flex, block_mask

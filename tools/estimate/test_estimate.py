@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import types
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils.flop_counter import FlopCounterMode
 
 from tessera import pp
+from tessera.models.attention import inner_attentions
 from tessera.models.rms_norm import RMSNorm
 from tessera.trainer.config import load_config
 from tessera.trainer.main import main as trainer_main
@@ -154,9 +156,9 @@ def test_cuda_plan_fuses_qwen3_tensor_parallel_qk_norms():
 
 
 def test_document_masks_trace_with_the_cpu_kernel():
-    """block_causal plans (FlexAttention on CUDA) trace on fake tensors with the CPU's blocked
-    kernel, which reads no document ids there; the masked run keeps no more than the causal one
-    (no [seq, seq] mask)."""
+    """block_causal plans trace on fake tensors: a "cpu" plan with the CPU's blocked kernel, which
+    reads no document ids there, a "cuda" plan with what FlexAttention keeps (gpu_kernels); the
+    masked run keeps no more than the causal one (no [seq, seq] mask)."""
     for device in ("cpu", "cuda"):
         plan = make_plan(load_config([*BASE, "--model.attn_mask_type", "block_causal"]), 1, device, check_only=True)
         assert plan.attention.kernels[0][2] == ("flex" if device == "cuda" else "blocked")
@@ -184,6 +186,92 @@ def test_trace_by_blocks_matches_the_whole_trace(world, argv, monkeypatch):
     assert max(depths) < plan.model_args.n_layers
     for field in ("params", "grads", "optimizer", "buffers", "activations", "peak", "phase_peaks", "comm", "calls"):
         assert getattr(by_blocks, field) == getattr(whole, field), field
+
+
+def test_trace_by_blocks_follows_the_layer_pattern(monkeypatch):
+    """Llama 4's layers repeat every 4 (layer_period, from the args' layer index sets: MoE on
+    every second, dense between; NoPE on every fourth, chunked RoPE on the others), so a block
+    adds 6.6, 20.3, 6.6 or 21.9 MB of activations by its kind (AC none, EP 2): the model is cut a
+    whole number of periods short of its depth, so every cut ends as the model does, and the
+    extension is exact against the whole trace."""
+    argv = [*BASE, "--model.name", "llama4", "--model.flavor", "tiny", "--parallelism.expert_parallel_degree", "2"]
+    plan = make_plan(load_config(argv), 2, "cuda", check_only=True)
+    n = 14
+    plan = dataclasses.replace(plan, model_args=dataclasses.replace(
+        plan.model_args, n_layers=n, moe_layers=tuple(range(1, n, 2)), nope_layers=tuple(range(3, n, 4)),
+        chunked_layers=tuple(i for i in range(n) if i % 4 != 3)))
+    assert traced.layer_period(plan.model_args) == (0, 4)
+    whole = traced.trace_rank(plan, 0)
+    depths = _cut_depths(monkeypatch)
+    by_blocks = traced.trace_by_blocks(plan, 0)
+    assert depths == [2, 6, 10]
+    for field in ("params", "grads", "optimizer", "buffers", "activations", "peak", "phase_peaks", "comm", "calls"):
+        assert getattr(by_blocks, field) == getattr(whole, field), field
+
+
+def _parameter_bytes(plan) -> tuple[int, int]:
+    """(fp32 bytes of a rank's parameter shards, parameter tensors), counted on the meta model:
+    FSDP2's padded dim-0 shards over dp_shard; routed experts (stacked on dim 0) split ep ways,
+    then over the rest of dp_shard on dim 0, or on dim 1 where fewer experts than those ranks are
+    left (tessera.trainer.parallelize)."""
+    d = plan.dims
+    with torch.device("meta"):
+        params = dict(plan.spec.build(plan.model_args).named_parameters())
+    elements = 0
+    for name, p in params.items():
+        rows, *rest = p.shape
+        if name.rpartition(".")[0].endswith(".experts"):
+            local, shards = rows // d.ep, d.dp_shard // d.ep
+            elements += (math.ceil(local / shards) * math.prod(rest) if shards <= local
+                         else local * math.ceil(rest[0] / shards) * math.prod(rest[1:]))
+        else:
+            elements += math.ceil(rows / d.dp_shard) * math.prod(rest)
+    return 4 * elements, len(params)
+
+
+def _flops_per_token(plan) -> float:
+    """6 per active parameter (all but the embedding and the routed experts a token skips) and 12
+    per head feature and key a query sees: each layer's own mask (window, chunk) on the meta model."""
+    a, seq = plan.model_args, plan.batch.seq_len
+    with torch.device("meta"):
+        model = plan.spec.build(a)
+    routed = sum(p.numel() for n, p in model.named_parameters() if n.rpartition(".")[0].endswith(".experts"))
+    active = sum(p.numel() for p in model.parameters()) - model.tok_embeddings.weight.numel() - \
+        routed * (1 - a.moe.top_k / a.moe.n_experts)
+    keys = sum(min(inner.mask.window or inner.mask.chunk or seq, seq) for inner in inner_attentions(model))
+    return 6 * active + 12 * a.n_heads * a.head_dim * keys
+
+
+@pytest.mark.parametrize("config, world, argv, depth, period", [
+    # as shipped: FSDP 8 = EP 8, seq 4096, full AC, windows of 128 on even layers; all 24 from shallow traces
+    ("gpt_oss_20b.toml", 8, [], None, 2),
+    # as shipped: FSDP 64 over EP 8 (16 experts a rank, 2-way FSDP on top); cut to one period
+    ("gpt_oss_120b.toml", 64, [], 2, 2),
+    # Scout as released, FSDP 64 over EP 16 (one expert a rank, 4-way FSDP on its rows), seq 16384 (chunks of 8192)
+    ("llama4_debug.toml", 64, ["--model.flavor", "17bx16e_irope", "--training.seq_len", "16384",
+                               "--training.local_batch_size", "1", "--parallelism.expert_parallel_degree", "16",
+                               "--activation_checkpoint.mode", "full", "--training.mixed_precision_param", "bfloat16"],
+     4, 4),
+])
+def test_new_families_at_full_size(config, world, argv, depth, period, monkeypatch):
+    """GPT-OSS 20b and 120b as shipped and Llama 4 Scout on 64 GPUs at their real widths, the 20b
+    whole from shallow traces (what tools/plan uses), the others cut to a period of their layers:
+    each rank's parameters, gradients and AdamW state are the shard arithmetic of the meta model's
+    parameters, and the FLOPs per token count each layer's keys (windows, chunks) and a token's
+    experts."""
+    plan = make_plan(load_config(["--job.config_file", str(CONFIGS / config), *argv]), world, "cuda", check_only=True)
+    assert traced.layer_period(plan.model_args) == (0, period)
+    assert plan.flops_per_token == pytest.approx(_flops_per_token(plan), rel=1e-12)
+    if depth is None:
+        depths = _cut_depths(monkeypatch)
+        estimate_ = traced.trace_by_blocks(plan, 0)
+        assert max(depths) < plan.model_args.n_layers
+        assert estimate_.peak < 0.9 * 80 * 2**30  # fits an H100, as the config says
+    else:
+        plan = dataclasses.replace(plan, model_args=dataclasses.replace(plan.model_args, n_layers=depth))
+        estimate_ = traced.trace_rank(plan, 0)
+    params, tensors = _parameter_bytes(plan)
+    assert (estimate_.params, estimate_.grads, estimate_.optimizer) == (params, params, 2 * params + 4 * tensors)
 
 
 @pytest.mark.parametrize("mode, passes", [("none", 2), ("full", 3)])

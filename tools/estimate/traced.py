@@ -6,10 +6,10 @@ clipping and AdamW) run on fake tensors while the dispatcher counts live bytes a
 Nothing is allocated and nothing is sent, so a 405B rank costs seconds and a few hundred MB.
 Compile is left out (it changes kernels, not what is kept). The model takes the code path of the
 device the plan is for: CPU fake tensors take tessera's CPU paths as real CPU tensors do, and a
-"cuda" plan's norms keep what CUDA's fused kernel keeps (gpu_kernels.py). Pipeline stages are
-traced for their model state only: torch's schedules exchange shape metadata that a fake group
-cannot carry, so a stage's activations come from the closed-form formula times the schedule's
-micro-batches in flight.
+"cuda" plan's norms and FlexAttention layers keep what CUDA's kernels keep (gpu_kernels.py).
+Pipeline stages are traced for their model state only: torch's schedules exchange shape metadata
+that a fake group cannot carry, so a stage's activations come from the closed-form formula times
+the schedule's micro-batches in flight.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from tessera.trainer.step import build_loss, gradient_sync, step_functions
 from tessera.trainer.optimizer import build_optimizers
 
 from collectives import Collectives, group_dims, group_ranks
-from gpu_kernels import fused_rms_norms
+from gpu_kernels import flex_attentions, flex_kept, fused_rms_norms
 from live_bytes import LiveBytes
 from routing import balanced_routing
 
@@ -79,7 +79,7 @@ def _parts(plan: JobPlan, meshes: Meshes) -> list[torch.nn.Module]:
 
 def trace_rank(plan: JobPlan, rank: int) -> RankMemory:
     """One rank's memory and communication for one steady-state step (optimizer state present)."""
-    device, plan = plan.device, traced_on_cpu(plan)
+    device, attention, plan = plan.device, plan.attention, traced_on_cpu(plan)
     world = plan.world_size
     if world > 1:
         dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
@@ -89,7 +89,8 @@ def trace_rank(plan: JobPlan, rank: int) -> RankMemory:
         if device == "cuda":
             for part in parts:
                 fused_rms_norms(part)
-        with balanced_routing(), FakeTensorMode(allow_non_fake_inputs=True), LiveBytes() as live, \
+                flex_attentions(part, attention)
+        with balanced_routing(), flex_kept(), FakeTensorMode(allow_non_fake_inputs=True), LiveBytes() as live, \
                 Collectives(group_dims(meshes), live.key) as comm, _offload_to_host(live):
             for part in parts:
                 part.to_empty(device="cpu")
@@ -217,34 +218,50 @@ def _step(plan: JobPlan, parts, optimizers, meshes: Meshes, comm: Collectives,
     return grads, forward_end, backward
 
 
+def layer_period(a) -> tuple[int, int]:
+    """(d, p): the model's first d layers differ from the rest (DeepSeek's dense ones,
+    ``n_dense_layers``), which repeat every p layers. A layer's kind is which of the args' layer
+    index sets hold it (the fields ``*_layers`` holding layer indices: GPT-OSS's and Qwen3's
+    ``window_layers``, Llama 4's ``moe_layers``, ``nope_layers``, ``chunked_layers``): GPT-OSS's
+    windows alternate (p = 2), Llama 4's MoE and NoPE layers repeat every 2 and 4 layers (p = 4)."""
+    sets = [value for f in dataclasses.fields(a) if f.name.endswith("_layers")
+            and isinstance(value := getattr(a, f.name), tuple)]
+    d = getattr(a, "n_dense_layers", 0)
+    kinds = [tuple(i in layers for layers in sets) for i in range(d, a.n_layers)]
+    return d, next((p for p in range(1, len(kinds)) if kinds[p:] == kinds[:-p]), max(1, len(kinds)))
+
+
 def trace_by_blocks(plan: JobPlan, rank: int) -> RankMemory:
     """trace_rank of a deep model from shallow traces: with `d` leading blocks that differ from
-    the rest (DeepSeek's dense ones, `n_dense_layers`), the model cut to d + 2, d + 3, ... blocks,
-    each quantity (bytes by owner, each phase's peak, collective bytes and calls) extended linearly
-    from the last two cuts to all n_layers: every further block adds the same parameters, shards,
-    activations and collectives. A phase's peak is the tallest of several moments, each linear in
-    the blocks, so it bends where another moment takes over (the loss's, or a block's backward with
-    FSDP's gathered weights beside it) and bends only upwards, until the moment holding every
-    block's activations leads: cuts are added until two successive steps of every phase peak agree
-    (SLOPE_AGREEMENT) and the forward-backward peak's step is at least a block's model state and
-    activations, else the whole model is traced. Two cuts were
-    not enough: Llama 3 405B at FSDP 128 x TP 4, local 2, full AC came out at 97.7 GiB from d + 2 and
-    d + 3 against the whole trace's 35.7, and in float8 at 23.4 from d + 3 and d + 4 against 35.8; at
-    d + 1 the only uniform block is also the last (DeepSeek 16B's peak 8 % low). Seconds where the
-    whole model takes a minute (671B: 8 s for three cuts against 33)."""
+    the rest and the rest repeating every `p` blocks (layer_period), the model cut to c, c + p,
+    c + 2p, ... blocks (c the first depth from d + 2 on a whole number of periods short of
+    n_layers, so that every cut ends as the model does), each quantity (bytes by owner, each
+    phase's peak, collective bytes and calls) extended linearly from the last two cuts to all
+    n_layers: every further period adds the same parameters, shards, activations and collectives.
+    A phase's peak is the tallest of several moments, each linear in the blocks, so it bends where
+    another moment takes over (the loss's, or a block's backward with FSDP's gathered weights
+    beside it) and bends only upwards, until the moment holding every block's activations leads:
+    cuts are added until two successive steps of every phase peak agree (SLOPE_AGREEMENT) and the
+    forward-backward peak's step is at least a period's model state and activations, else the
+    whole model is traced. Two cuts were not enough: Llama 3 405B at FSDP 128 x TP 4, local 2,
+    full AC came out at 97.7 GiB from d + 2 and d + 3 against the whole trace's 35.7, and in
+    float8 at 23.4 from d + 3 and d + 4 against 35.8; at d + 1 the only uniform block is also the
+    last (DeepSeek 16B's peak 8 % low). Seconds where the whole model takes a minute (671B: 8 s
+    for three cuts against 33)."""
     a = plan.model_args
-    first = getattr(a, "n_dense_layers", 0) + 2
     if plan.pipeline is not None:
         return trace_rank(plan, rank)
+    d, p = layer_period(a)
+    first = d + 2 + (a.n_layers - d - 2) % p
     cuts = []
-    for n in range(first, min(first + MAX_CUTS, a.n_layers)):
+    for n in range(first, min(first + MAX_CUTS * p, a.n_layers), p):
         cuts.append(trace_rank(dataclasses.replace(plan, model_args=dataclasses.replace(a, n_layers=n)), rank))
         if len(cuts) >= 3 and _steps_agree(*cuts[-3:]):
             break
     else:
         return trace_rank(plan, rank)
     one, two = cuts[-2:]
-    more = a.n_layers - (first + len(cuts) - 2)
+    more = (a.n_layers - (first + (len(cuts) - 2) * p)) // p
 
     def extend(x: dict) -> dict:
         y = getattr(two, x)
@@ -264,7 +281,7 @@ SLOPE_AGREEMENT = 0.01  # two successive per-block steps of a phase peak agreein
 
 def _steps_agree(a: RankMemory, b: RankMemory, c: RankMemory) -> bool:
     """Whether every phase peak grew by the same bytes (within SLOPE_AGREEMENT) from cut a to b and
-    b to c, and the forward-backward one by a block's model state and activations at least."""
+    b to c, and the forward-backward one by a step's (a period's) model state and activations at least."""
     step = {k: c.phase_peaks[k] - b.phase_peaks[k] for k in c.phase_peaks}
     block = sum(getattr(c, k) - getattr(b, k) for k in ("params", "optimizer", "buffers", "activations"))
     return (all(abs(step[k] - (b.phase_peaks[k] - a.phase_peaks[k])) <= SLOPE_AGREEMENT * abs(step[k]) for k in step)

@@ -16,6 +16,9 @@ exactly), and how the faulty run ended.
 Disk faults use a real tmpfs (a little larger than one checkpoint, then remounted bigger; or
 remounted read-only mid-run) when this process may mount one (root with CAP_SYS_ADMIN);
 otherwise a file-size limit stands in for a full disk and the table says so.
+A second table (recovery.py, the `kill-rank-*` names) kills a rank of a two-rank job and sets
+torchft's live recovery (replica groups; per-step and DiLoCo) beside a checkpoint restart: steps
+lost, steps a group sat out, wall seconds lost, final weights.
 Exit status 1 if any fault was not survived, lost data or resumed inexactly.
 """
 
@@ -39,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+import recovery
 from tessera.ckpt import read_dcp
 
 SMALL = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--metrics.log_freq", "1",
@@ -104,8 +108,11 @@ class Run:
             code = self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             code = None
-        time.sleep(1)  # orphans get their parent-death signal
         left = _living_members(self.proc.pid)
+        deadline = time.monotonic() + 1  # orphans get their parent-death signal
+        while left and time.monotonic() < deadline:
+            time.sleep(0.05)
+            left = _living_members(self.proc.pid)
         for pid in left:
             os.kill(pid, signal.SIGKILL)
         if code is None:
@@ -311,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     no_tmpfs = _tmpfs_unavailable(work)
     chosen = [fault for fault in faults(random.Random(args.seed), args.steps, tmpfs=no_tmpfs is None)
               if any(part in fault.name for part in args.only.split(","))]
-    if not chosen:
+    recoveries = [r for r in recovery.RECOVERIES if any(part in r.name for part in args.only.split(","))]
+    if not chosen and not recoveries:
         shutil.rmtree(work, ignore_errors=True)
         parser.error(f"--only {args.only!r} matches no fault")
     rows, references = [], {}
@@ -320,17 +328,22 @@ def main(argv: list[str] | None = None) -> int:
             references[fault.layout] = Run(work / f"reference-{fault.layout}", args.steps, LAYOUTS[fault.layout])
             references[fault.layout].finish()
         rows.append(_fault(fault, args.steps, work, references[fault.layout]))
-    print(f"{'fault':32} {'survived':>8} {'steps lost':>10} {'data lost':>9} {'loss diff':>9} {'weight diff':>11}  "
-          "faulty run ended")
-    for row in rows:
-        print(f"{row['fault']:32} {str(row['survived']):>8} {_cell(row['steps lost']):>10} {row['data lost']:>9} "
-              f"{_cell(row['loss diff']):>9} {_cell(row['weight diff']):>11}  {row['ended'][:90]}")
-    print(f"{len(rows)} faults injected, {sum(row['survived'] for row in rows)} survived, "
-          f"{sum(row['data lost'] for row in rows)} checkpoints lost")
-    if no_tmpfs is not None:
-        print(f"disk faults on a real tmpfs skipped ({no_tmpfs}): a file-size limit stands in for a full disk")
+    if chosen:
+        print(f"{'fault':32} {'survived':>8} {'steps lost':>10} {'data lost':>9} {'loss diff':>9} {'weight diff':>11}  "
+              "faulty run ended")
+        for row in rows:
+            print(f"{row['fault']:32} {str(row['survived']):>8} {_cell(row['steps lost']):>10} {row['data lost']:>9} "
+                  f"{_cell(row['loss diff']):>9} {_cell(row['weight diff']):>11}  {row['ended'][:90]}")
+        print(f"{len(rows)} faults injected, {sum(row['survived'] for row in rows)} survived, "
+              f"{sum(row['data lost'] for row in rows)} checkpoints lost")
+        if no_tmpfs is not None:
+            print(f"disk faults on a real tmpfs skipped ({no_tmpfs}): a file-size limit stands in for a full disk")
+    recovered = [recovery.measure(r, work) for r in recoveries]  # a killed rank: torchft against a restart
+    if recovered:
+        print(recovery.table(recovered))
     bad = [row for row in rows if not row["survived"] or row["data lost"]
            or (row["resumes"] and (row["loss diff"] != 0 or row["weight diff"] != 0))]
+    bad += [row for row in recovered if not row["survived"]]
     shutil.rmtree(work, ignore_errors=True)
     return 1 if bad else 0
 

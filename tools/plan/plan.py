@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import heapq
 import itertools
 import sys
@@ -197,7 +198,7 @@ def lower_bound(layout: Layout, ac: str, args, gpu: GPU, a, fp8: frozenset[str])
         w = step_time.spec_work(get_model_spec(args.model), a, args.seq_len, tokens, accumulation, layout.tp, layout.cp,
                                 step_time.recompute_share(ac, a.n_layers, memory_budget=MEMORY_BUDGET), "bfloat16", gpu,
                                 efficiency)
-        return w.total + _all_to_all_floor(layout, a, tokens / layout.cp / layout.tp, gpu)
+        return w.total + _all_to_all_floor(layout, a, _moe_layers(args.model, args.flavor), tokens / layout.cp / layout.tp, gpu)
     w = step_time.work(a, args.seq_len, tokens, micro, blocks, 1 / layout.pp, layout.tp, layout.cp,
                        step_time.recompute_share(ac, blocks, memory_budget=MEMORY_BUDGET), fp8, "bfloat16", gpu, efficiency,
                        bool(layout.loss_chunk))
@@ -209,14 +210,13 @@ def lower_bound(layout: Layout, ac: str, args, gpu: GPU, a, fp8: frozenset[str])
     return w.total + step_time.bubble(layout.schedule, layout.pp, layout.stages_per_rank, w) + tp + offload
 
 
-def _all_to_all_floor(layout: Layout, a, rows: float, gpu: GPU) -> float:
-    """Expert parallel's exchange at its least: every MoE layer sends the rank's routed rows (its
-    `rows` tokens x top_k, bf16) out and back, forward and backward, (ep-1)/ep of them through
+def _all_to_all_floor(layout: Layout, a, moe_layers: int, rows: float, gpu: GPU) -> float:
+    """Expert parallel's exchange at its least: each of the `moe_layers` sends the rank's routed
+    rows (its `rows` tokens x top_k, bf16) out and back, forward and backward, (ep-1)/ep of them through
     each GPU's link (the ep group is consecutive ranks: NVLink within a node, else the NIC; the
     balanced routing the estimate assumes, tools/estimate README)."""
     if layout.ep <= 1:
         return 0.0
-    moe_layers = a.n_layers - getattr(a, "n_dense_layers", 0)
     sent = 2 * 2 * moe_layers * rows * a.moe.top_k * a.dim * 2
     return step_time.ring_seconds(sent, layout.ep, step_time.group_nodes(layout.ep, 1, gpu), gpu)[1]
 
@@ -378,12 +378,25 @@ def _tp_local_weights(layout: Layout, counts: tuple[int, int]) -> float:
     return ((total - experts) + experts / layout.ep) / layout.tp
 
 
-def _parameter_counts(args) -> tuple[int, int]:
-    """(all parameters, the routed experts') of the flavor, built on meta."""
-    spec = get_model_spec(args.model)
+@functools.cache
+def _meta_model(model: str, flavor: str) -> torch.nn.Module:
+    """The flavor's model on the meta device, built once."""
+    spec = get_model_spec(model)
     with torch.device("meta"):
-        model = spec.build(spec.flavors[args.flavor])
-    params = dict(model.named_parameters())
+        return spec.build(spec.flavors[flavor])
+
+
+@functools.cache
+def _moe_layers(model: str, flavor: str) -> int:
+    """The flavor's blocks that hold routed experts (the MoE seam's `experts` module): all but
+    DeepSeek's leading dense ones, every second of Llama 4 Maverick's."""
+    return sum(any(name.rpartition(".")[2] == "experts" for name, _ in block.named_modules())
+               for block in _meta_model(model, flavor).layers.values())
+
+
+def _parameter_counts(args) -> tuple[int, int]:
+    """(all parameters, the routed experts') of the flavor."""
+    params = dict(_meta_model(args.model, args.flavor).named_parameters())
     return sum(p.numel() for p in params.values()), sum(p.numel() for n, p in params.items() if ".experts." in n)
 
 
@@ -403,8 +416,8 @@ def _state_fits(layout: Layout, args, gpu: GPU, a, counts: tuple[int, int] | Non
 
 def _job_plan(layout: Layout, ac: str, args, plans: dict) -> tuple[JobPlan, list[str]] | None:
     """The trainer's job plan for the layout and its flags (None: refused), made once: compiled
-    where the plan takes compile (not yet with CP, nor for a family refusing it, e.g. MoE layers
-    under TP), else eager."""
+    where the plan takes compile (every layout since issue 34; a family may still refuse it), else
+    eager."""
     if (layout, ac) not in plans:
         plans[layout, ac] = None
         for compiled in (True, False):

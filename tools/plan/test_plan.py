@@ -172,20 +172,17 @@ def test_hsdp_cp_float8_flags_are_what_the_trainer_runs():
 
 def test_compile_and_async_tp_are_what_the_trainer_plans():
     """Layouts ask for compile, and async TP wherever TP > 1; the trainer's job plan decides: it
-    refuses compile with CP, so those run eager (their flags say so), without async TP."""
+    compiles every layout, context parallel included (it refused compile with CP before issue 34)."""
     args = plan.parse(["--flavor", "8B", "--gpus", "16", "--seq_len", "32768", "--global_batch", "16"])
     tried = {layout for layout, _ in plan.layouts(args, H100)}
     assert all(layout.async_tp == (layout.tp > 1) for layout in tried) and {t.cp for t in tried} == {1, 2, 4, 8}
     for layout, compiled in ((plan.Layout(1, 2, 1, 8, 1, None, 1, None, True, 1, async_tp=True), True),
-                             (plan.Layout(1, 2, 4, 2, 1, None, 1, None, True, 1, async_tp=True), False)):
+                             (plan.Layout(1, 2, 4, 2, 1, None, 1, None, True, 1, async_tp=True), True)):
         p, flags = plan._job_plan(layout, "full", args, {})
         assert (p.compile.blocks, p.tensor_parallel.async_tp) == (compiled, compiled)
         assert ("--compile.enable=true" in flags, "--parallelism.enable_async_tensor_parallel=true" in flags) == \
             (compiled, compiled)
         assert make_plan(load_config(flags), 16, "cuda", check_only=True).compile.blocks == compiled
-    cp = plan.Layout(1, 4, 4, 1, 1, None, 1, None, True, 1)
-    with pytest.raises(ConfigError, match="compile.enable with context_parallel_degree"):
-        make_plan(load_config(cp.flags(args, "full")), 16, "cuda", check_only=True)
 
 
 def test_chunked_loss_is_offered_where_it_lets_a_faster_layout_fit():
@@ -346,7 +343,7 @@ def test_local_batch_extended_from_two_and_four_sequences(reduce_every, ep, ac):
 def test_moe_layouts_with_expert_parallel():
     """A MoE model is planned from traced estimates: expert parallel degrees are those the trainer
     takes (a multiple of cp x tp whose quotient divides dp_shard, dividing the experts), no
-    pipeline, float8 or async TP, MoE under TP eager; uncapped, the search ranks the layouts
+    pipeline, float8 or async TP, MoE under TP compiled; uncapped, the search ranks the layouts
     exactly as tracing every one of them does."""
     args = plan.parse(["--model", "qwen3", "--flavor", "tiny_moe", "--gpus", "8", "--seq_len", "512"])
     tried = list(plan.layouts(args, H100))
@@ -354,8 +351,8 @@ def test_moe_layouts_with_expert_parallel():
                                                                 (2, 8), (4, 1), (4, 4), (4, 8), (8, 1), (8, 8)}
     assert not any(layout.pp > 1 or layout.float8 or layout.async_tp for layout, _ in tried)
     planned = {layout.tp: plan._job_plan(layout, ac, args, {}) for layout, ac in tried if ac == "none" and layout.ep == 1}
-    # the family compiles no MoE layer under TP (eager instead); 8 ways split no 4 K/V heads
-    assert {tp: p and p[0].compile.blocks for tp, p in planned.items()} == {1: True, 2: False, 4: False, 8: None}
+    # MoE layers compile under TP too; 8 ways split no 4 K/V heads
+    assert {tp: p and p[0].compile.blocks for tp, p in planned.items()} == {1: True, 2: True, 4: True, 8: None}
     args.tp = (1,)  # one sequence per GPU, FSDP 8 and its ep degrees: 4 layouts x 3 AC modes
     traces = {}  # the search's traces, each layout's direct trace_by_blocks at one sequence per GPU
     found, _, _, stopped_at = plan.search(args, H100, traces)
@@ -370,6 +367,39 @@ def test_moe_layouts_with_expert_parallel():
     assert [c.step_s for c in found] == sorted(best.values())[:3]
     for c in found:
         assert make_plan(load_config(c.flags), 8, "cuda", check_only=True).dims.ep == c.layout.ep
+
+
+@pytest.mark.parametrize("name", ["gpt_oss/120b", "llama4/17bx16e_irope"])
+def test_new_families_are_planned_from_traces(name):
+    """GPT-OSS 120b (sliding windows and sinks, 128 experts) and Llama 4 Scout as released (chunked
+    and NoPE layers, 16 experts) on 64 H100s, one sequence of 2,048 per GPU, capped at the first
+    traced layout (seconds each): it fits, runs as the trainer plans its flags, with expert
+    parallel, and takes no less than its lower bound."""
+    model, flavor = name.split("/")
+    gpus = 64
+    args = plan.parse(["--model", model, "--flavor", flavor, "--gpus", str(gpus), "--seq_len", "2048", "--tp", "1",
+                       "--max_traced", "1", "--top", "1"])
+    (best,), _, _, stopped_at = plan.search(args, H100)
+    assert stopped_at is not None and best.peak <= args.memory_fraction * H100.memory_gib * GIB
+    planned = make_plan(load_config(best.flags), gpus, "cuda", check_only=True)
+    assert planned.dims.ep == best.layout.ep > 1 and planned.spec.name == model
+    a = get_model_spec(model).flavors[flavor]
+    assert plan.lower_bound(best.layout, best.ac, args, H100, a, frozenset()) <= best.step_s
+
+
+def test_all_to_all_floor_counts_the_moe_layers_only():
+    """The search's lower bound prices expert parallel's exchange for the layers that have
+    experts: Llama 4 interleaves them with dense ones (3 of the debug model's 6), so the floor is
+    the traced exchange's bandwidth time (balanced routing, AC none: every routed row out and back,
+    forward and backward), less only the per-expert counts."""
+    args = plan.parse(["--model", "llama4", "--flavor", "debugmodel", "--gpus", "8", "--seq_len", "512"])
+    layout = plan.Layout(1, 8, 1, 1, 1, None, 1, None, False, 1, ep=8)
+    p = plan._job_plan(layout, "none", args, {})[0]
+    moe_layers = plan._moe_layers("llama4", "debugmodel")
+    assert moe_layers == len(p.model_args.moe_layers) == 3
+    sent = sum(n for (kind, _), n in traced.trace_rank(p, 0).comm.items() if kind == "all_to_all")
+    floor = plan._all_to_all_floor(layout, p.model_args, moe_layers, args.seq_len, H100)
+    assert floor == pytest.approx(step_time.ring_seconds(sent, 8, 1, H100)[1], rel=0.01)
 
 
 def test_float8_where_the_gpu_has_it():

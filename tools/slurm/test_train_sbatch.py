@@ -37,7 +37,7 @@ def test_time_limit_signal_stops_the_ranks_and_requeues(tmp_path):
     proc.send_signal(signal.SIGUSR1)
     assert proc.wait(timeout=30) == 0
     lines = calls.read_text().splitlines()
-    assert "--signals_to_handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in lines[1]
+    assert lines[1] == "srun bazel-bin/apps/trainer/trainer --nproc 1 --hosts node1 --port 29500 --job.config_file job.toml"
     assert lines[2:] == ["scancel --signal=USR1 42", "ranks-saved-and-stopped", "scontrol requeue 42"]
 
 

@@ -99,7 +99,7 @@ def test_toml_errors(tmp_path, text, message):
 
 
 def test_every_section_has_defaults():
-    sections = {"job", "model", "optimizer", "lr_scheduler", "training", "parallelism", "checkpoint",
+    sections = {"job", "model", "optimizer", "lr_scheduler", "training", "loss", "parallelism", "checkpoint",
                 "activation_checkpoint", "compile", "float8", "quantize", "metrics", "profiling", "comm",
                 "memory_estimation", "fault_tolerance", "validation", "experimental", "debug"}
     assert set(vars(JobConfig())) == sections

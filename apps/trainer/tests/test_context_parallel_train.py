@@ -107,7 +107,6 @@ def test_cp2_with_fsdp2_with_tp2_and_with_pp2_matches_one_process(tmp_path):
     (["--parallelism.context_parallel_load_balancer", "ptrr"], "context_parallel_load_balancer: 'ptrr' is not one of"),
     (["--parallelism.context_parallel_rotate_method", "ring"], "context_parallel_rotate_method: 'ring' is not one of"),
     ([*RING, "--model.attn_mask_type", "block_causal"], "alltoall runs torch's ring on the flash kernel, which takes no document mask"),
-    (["--compile.enable", "true"], "compile.enable with context_parallel_degree > 1 is not supported yet"),
 ])
 def test_bad_context_parallel_configs_name_the_key(extra, message):
     with pytest.raises(ConfigError, match=message):

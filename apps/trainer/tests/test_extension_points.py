@@ -20,7 +20,6 @@ from tessera.mesh.testing import run_on_ranks
 from tessera.models import CAUSAL, AttentionMask, InnerAttention, ModelSpec, register_model_spec
 from tessera.models.attention import attention_batch
 from tessera.models.moe import MoE, MoEArgs, moe_tp_plan
-from tessera.models.moe.balance import moe_refusals
 from tessera.trainer.config import load_config
 from tessera.trainer.converters import ModelConverter, register_converter
 from tessera.trainer.plan import make_plan
@@ -183,7 +182,6 @@ register_model_spec(ModelSpec(
     tp_divisible=lambda args: {"n_heads": args.n_heads, "vocab_size": args.vocab_size, "mlp": 4 * args.dim,
                                "expert hidden_dim": MOE.hidden_dim},
     n_experts=lambda args: MOE.n_experts,
-    refusals=moe_refusals(lambda args: MOE.n_experts),
     attention_kinds=lambda args: tuple(dict.fromkeys(_layer_attention(i) for i in range(args.n_layers))),
 ))
 

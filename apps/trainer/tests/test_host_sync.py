@@ -115,3 +115,47 @@ def test_a_non_finite_step_changes_nothing_and_is_counted_at_the_log_step(tmp_pa
     out = capsys.readouterr().out
     assert "step 3: 1 optimizer step(s) skipped since the last log for a non-finite gradient norm (latest nan; 1 in this run)" in out
     assert [h["step"] for h in history] == [1, 3]
+
+
+# MoE (issue 34): DeepSeek-V3's tiny flavor, 5 MoE layers
+MOE = [*SMALL, "--model.name", "deepseek_v3", "--model.flavor", "tiny", "--training.steps", "4",
+       "--metrics.log_freq", "4"]
+CAPACITY = ["--parallelism.expert_capacity_factor", "1.25"]
+
+
+def _ordinary_reads(reads):
+    return {step: reads.get(step, []) for step in (2, 3)}
+
+
+@pytest.mark.parametrize("dispatch", [[], CAPACITY], ids=["dropless", "capacity"])
+def test_moe_steps_read_nothing_from_the_device(tmp_path, monkeypatch, dispatch):
+    """One process: grouped (dropless) or batched (capacity) expert matmuls read no counts."""
+    _, reads = _counted_run(monkeypatch, [*MOE, *dispatch, "--job.dump_folder", str(tmp_path)])
+    assert _ordinary_reads(reads) == {2: [], 3: []}, reads
+
+
+def _ep_reads(rank, world_size, dump):
+    """Each EP 2 rank's reads on ordinary steps: dropless, with a capacity factor, and the dense
+    debug model under FSDP 2 (what the loop reads of its own: the stop flags, a tensor in host
+    memory exchanged over gloo, no device read)."""
+    results = {}
+    ep2 = ["--parallelism.expert_parallel_degree", "2"]
+    for name, argv in (("dropless", [*MOE, *ep2]), ("capacity", [*MOE, *ep2, *CAPACITY]),
+                       ("dense", [*SMALL, "--training.steps", "4", "--metrics.log_freq", "4"])):
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            _, reads = _counted_run(monkeypatch, [*argv, "--parallelism.data_parallel_shard_degree", "2",
+                                                  "--job.dump_folder", f"{dump}/{name}"])
+        results[name] = _ordinary_reads(reads)
+    return results
+
+
+def test_expert_parallel_reads_once_per_moe_layer_dropless_and_never_with_capacity(tmp_path):
+    """Dropless EP exchanges rows with variable splits, which all_to_all_single takes as Python
+    ints: one read per MoE layer and forward (backward reuses them). With a capacity the splits
+    are equal: the model reads nothing, as the dense one."""
+    from tessera.mesh.testing import run_on_ranks
+
+    for per_rank in run_on_ranks(_ep_reads, 2, str(tmp_path)):
+        dense = per_rank["dense"]
+        assert per_rank["capacity"] == dense, per_rank
+        assert per_rank["dropless"] == {step: [*reads, *["tolist"] * 5] for step, reads in dense.items()}, per_rank

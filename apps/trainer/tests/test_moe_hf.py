@@ -1,13 +1,13 @@
-"""Hugging Face round trip of the MoE families through the trainer: a DeepSeek-V3 and a Qwen3-MoE
-run under EP 2 (FSDP 2 beside it) export per-expert HF tensors at their last step; fresh runs
-importing that folder (initial_load_in_hf) under EP 2, FSDP 2 x EP 2 (DeepSeek-V3), and on one
-process with the architecture read from its config.json (model.flavor from_hf_config), start from exactly the
-exported parameters and give the exporter's logits: bitwise under the same layout, within 1e-5
-absolute otherwise (fp32, logits up to ~4.4; measured up to 1.2e-6: only the kernels'
-reduction order differs).
-Qwen3-MoE's HF format has no router bias, so its importers start it at zero and are compared with
-the exporter's logits without it. A model no config.json can describe fails the job plan when it
-would be exported."""
+"""Hugging Face round trip of the MoE families through the trainer: DeepSeek-V3, Qwen3-MoE,
+GPT-OSS and Llama 4 runs under EP 2 (FSDP 2 beside it) export their experts in HF's layout at
+their last step; fresh runs importing that folder (initial_load_in_hf) under EP 2, FSDP 2 x EP 2
+(DeepSeek-V3), and on one process with the architecture read from its config.json (model.flavor
+from_hf_config), start from exactly the exported parameters and give the exporter's logits:
+bitwise under the same layout, within 1e-5 absolute otherwise (fp32, logits up to ~4.4; measured
+up to 1.2e-6: only the kernels' reduction order differs).
+Only DeepSeek-V3's HF format has a router bias; the others' importers start it at zero and are
+compared with the exporter's logits without it. A model no config.json can describe fails the job
+plan when it would be exported."""
 
 import dataclasses
 
@@ -32,6 +32,19 @@ EP2 = ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.expert_pa
 FAMILIES = {  # flags, whether the HF format keeps the router bias
     "deepseek_v3": (["--model.name", "deepseek_v3", "--model.flavor", "tiny"], True),
     "qwen3_moe": (["--model.name", "qwen3", "--model.flavor", "tiny_moe"], False),
+    "gpt_oss": (["--model.name", "gpt_oss", "--model.flavor", "tiny"], False),
+    "llama4": (["--model.name", "llama4", "--model.flavor", "tiny"], False),
+}
+# The HF tensors layer 1's experts export to, from Tessera's (per-expert tensors: DeepSeek-V3, Qwen3-MoE;
+# GPT-OSS's stacked [E, dim, 2 hidden] with gate/up interleaved, as Tessera holds them; Llama 4's fused
+# [E, dim, 2 hidden], gate then up)
+PER_EXPERT = {f"model.layers.1.mlp.experts.{e}.gate_proj.weight": (lambda s, e=e: s["layers.1.moe.experts.w1"][e])
+              for e in range(8)}
+EXPERT_TENSORS = {
+    "deepseek_v3": PER_EXPERT, "qwen3_moe": PER_EXPERT,
+    "gpt_oss": {"model.layers.1.mlp.experts.gate_up_proj": lambda s: s["layers.1.moe.experts.gate_up_proj"]},
+    "llama4": {"model.layers.1.feed_forward.experts.gate_up_proj": lambda s: torch.cat(
+        [s["layers.1.moe.experts.w1"].transpose(1, 2), s["layers.1.moe.experts.w3"].transpose(1, 2)], dim=-1)},
 }
 TOKENS = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(0))
 
@@ -113,14 +126,12 @@ def _import_argv(tmp, family, layout, flags):
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_export_writes_one_hf_tensor_per_expert(runs, family):
+def test_export_writes_the_experts_in_hf_s_layout(runs, family):
     folder, (exported, _), _, _ = runs[family]
     hf = load_hf(folder)
-    experts = exported["layers.1.moe.experts.w1"]
-    assert experts.shape[0] == 8
-    for e in range(8):
-        assert torch.equal(hf[f"model.layers.1.mlp.experts.{e}.gate_proj.weight"], experts[e])
-    assert not any(".moe." in key or key.endswith("experts.w1") for key in hf)
+    for name, tessera in EXPERT_TENSORS[family].items():
+        assert torch.equal(hf[name], tessera(exported)), name
+    assert not any(".moe." in key or key.endswith("experts.w1") or "expert_bias" in key for key in hf)
     assert ("model.layers.1.mlp.gate.e_score_correction_bias" in hf) == FAMILIES[family][1]
 
 

@@ -45,7 +45,7 @@ def _runs_with_params(rank, world_size, runs):
     return results
 
 
-def _check_runs(per_rank, reference, reference_params):
+def _check_runs(per_rank, reference, reference_params, params_atol=1e-5):
     """Every rank reports the reference numbers; the stages' parameters, joined over the ranks,
     equal the reference model's (1e-5 absolute, as test_distributed_train)."""
     for name in per_rank[0]:
@@ -58,7 +58,7 @@ def _check_runs(per_rank, reference, reference_params):
                 want = reference
             _assert_close(numbers, want, name)
             joined.update(params)
-        assert_params_close(joined, reference_params, 1e-5, name)
+        assert_params_close(joined, reference_params, params_atol, name)
 
 
 def _assert_close(history, reference, what):
@@ -142,6 +142,21 @@ def test_pp2_fsdp2_tp2_on_eight_ranks_matches_one_process(tmp_path, reference_wi
     _check_runs(run_on_ranks(_runs_with_params, 8, {"pp2 x fsdp2 x tp2": argv}), *reference_with_params)
 
 
+def test_tied_embeddings_under_pp2_match_one_process(tmp_path):
+    """Qwen3 tiny's output projection is its embedding's weight: the last stage keeps a copy
+    (tessera.pp's shared_with_last_stage) whose gradient joins the first stage's; 1F1B
+    accumulating two micro-batches, and ZBVZeroBubble, whose V puts both copies on rank 0."""
+    tied = [*BASE, "--model.name", "qwen3", "--model.flavor", "tiny", "--validation.enable", "false"]
+    reference = _runs_with_params(0, 1, {"single": [*tied, "--job.dump_folder", str(tmp_path / "single")]})["single"]
+    runs = {"1F1B accumulation": [*tied, *PP2, "--training.local_batch_size", "2", "--training.global_batch_size",
+                                  str(LOCAL_BATCH), "--job.dump_folder", str(tmp_path / "1f1b")],
+            "ZBVZeroBubble": [*tied, *PP2, "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble",
+                              "--job.dump_folder", str(tmp_path / "zbv")]}
+    # AdamW turns rounding on near-eps gradients into a share of a step, as test_moe_train says: measured 1.1e-5
+    # here, and 1.2e-5 between one process with and without accumulation
+    _check_runs(run_on_ranks(_runs_with_params, 2, runs), *reference, params_atol=4e-5)
+
+
 CKPT = ["--checkpoint.enable", "true", "--checkpoint.interval", "2", "--validation.enable", "false"]
 
 
@@ -194,7 +209,6 @@ def test_checkpoint_under_pp2_resumes_under_fsdp2_and_one_process_and_exports_hf
      "'always' with schedule ZBVZeroBubble trains with wrong gradients"),
     (["--parallelism.fsdp_reduce_every_microbatch", "true"], "fsdp_reduce_every_microbatch with pipeline parallel"),
     (["--parallelism.module_fqns_per_model_part", "tok_embeddings,layers.0;layers.1,norm,output"], r"leaves out \['layers.2'"),
-    (["--model.flavor", "1B"], "model.flavor 1B ties the output to the embedding"),
 ])
 def test_bad_pipeline_configs_fail_once_before_any_worker(extra, message, capsys):
     """The launcher's own plan refuses them (in this process: the launch as a command is

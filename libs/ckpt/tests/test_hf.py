@@ -85,6 +85,29 @@ def test_export_puts_extra_files_beside_the_weights(tmp_path):
     assert not (tmp_path / "hf2").exists()
 
 
+def test_export_converts_the_tensors_together_names_in_one_call(tmp_path):
+    """A weight HF stores fused from two model tensors (Llama 4's experts: gate and up) reaches
+    to_hf with both; every other tensor alone."""
+    model = nn.ModuleDict({"gate": nn.Linear(3, 2, bias=False), "up": nn.Linear(3, 2, bias=False),
+                           "down": nn.Linear(2, 3, bias=False)})
+    calls = []
+
+    def to_hf(sd):
+        calls.append(sorted(sd))
+        if "gate.weight" in sd:
+            return {"gate_up": torch.cat([sd["gate.weight"], sd["up.weight"]])}  # KeyError unless together
+        return sd
+
+    fused = {"gate.weight": "gate_up", "up.weight": "gate_up"}
+    assert export_hf(model, tmp_path / "hf", to_hf, together=fused.get)
+    assert sorted(calls[len(calls) // 2:]) == [["down.weight"], ["gate.weight", "up.weight"]]  # (meta, then data)
+    written = load_hf(tmp_path / "hf")
+    assert torch.equal(written["gate_up"], torch.cat([model["gate"].weight, model["up"].weight]))
+    assert torch.equal(written["down.weight"], model["down"].weight)
+    with pytest.raises(KeyError, match="up.weight"):
+        export_hf(model, tmp_path / "alone", to_hf)
+
+
 def _full_disk(tensors, filename, metadata=None):
     """safetensors' save_file on a full disk: part of the file, then its own error."""
     with open(filename, "wb") as f:

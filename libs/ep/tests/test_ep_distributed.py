@@ -9,7 +9,10 @@ all ranks (each rank's data is seeded by its rank), so ranks compare without mov
   gradients equal the mean over the 4 data-parallel ranks' losses;
 - the full tessera.models MoE layer (router, shared expert, aux loss) at EP 2, forward and backward;
 - a DCP checkpoint saved at EP 4 loads at EP 2;
-- EP 4 with rows split over pairs (``split_rows_over``): the pair's outputs sum to one process's.
+- EP 4 with rows split over pairs (``split_rows_over``): the pair's outputs sum to one process's;
+- equal groups (counts None: a capacity per expert, exchanged with equal splits and no counts):
+  the experts at EP 4, split over pairs too, and the MoE layer with a capacity factor that drops
+  slots (EP 2) or reroutes them (EP 4), each against one process with the same capacity.
 """
 
 import pytest
@@ -105,14 +108,48 @@ def _compare_split_rows(rank, meshes):
     return errors
 
 
-def _moe_layer():
-    from tessera.models.moe import MoE, MoEArgs
+def _compare_equal_groups(rank, mesh, group_ranks, split_over=None):
+    """E groups of C rows (counts None) at EP 4, alone or split over pairs (each sends half of
+    every group, the pair's outputs sum), against the one-process module on the same rows."""
+    import torch.distributed as dist
+
+    def data(r):
+        g = torch.Generator().manual_seed(300 + r)
+        return torch.randn(EXPERTS * 4, DIM, generator=g), torch.randn(EXPERTS * 4, DIM, generator=g)
+
+    reference, outs, dxs = _experts(), {}, {}
+    for r in group_ranks:
+        x, grad = data(r)
+        x.requires_grad_()
+        out = reference(x, None)
+        (out * grad).sum().backward()
+        outs[r], dxs[r] = out.detach(), x.grad
+    module = apply_ep(_experts(), mesh, split_rows_over=split_over)[0]
+    source = rank if split_over is None else rank - rank % 2
+    x, grad = data(source)
+    x.requires_grad_()
+    out = module(x, None)
+    (out * grad).sum().backward()
+    got = torch.cat([out.detach(), x.grad])
+    if split_over is not None:
+        dist.all_reduce(got, group=split_over.get_group())
+    errors = {"out+dx": _rel(got, torch.cat([outs[source], dxs[source]]))}
+    ref_grads = dict(reference.named_parameters())
+    for name, param in module.named_parameters():
+        errors[f"d{name}"] = _rel(param.grad.full_tensor(), ref_grads[name].grad)
+    return errors
+
+
+def _moe_layer(capacity=None):
+    from tessera.models.moe import MoE, MoEArgs, set_expert_capacity
 
     torch.manual_seed(1)
     args = MoEArgs(n_experts=EXPERTS, top_k=2, hidden_dim=HIDDEN, n_shared_experts=1, score_func="sigmoid",
                    route_norm=True, n_groups=2, topk_groups=1, aux_loss_alpha=0.01)
     layer = MoE(DIM, args)
     layer.init_weights(0.3)
+    if capacity is not None:
+        set_expert_capacity(layer, *capacity)
     return layer
 
 
@@ -121,25 +158,30 @@ def _moe_data(rank):
     return torch.randn(2, 5, DIM, generator=g), torch.randn(2, 5, DIM, generator=g)
 
 
-def _compare_moe(rank, mesh, group_ranks):
+def _compare_moe(rank, mesh, group_ranks, capacity=None):
     """The MoE layer at EP 2: each rank its own tokens; non-expert gradients summed over the ep
-    group (as data parallelism would) and expert gradients gathered, against one process."""
+    group (as data parallelism would) and expert gradients gathered, against one process. With
+    ``capacity`` (factor, overflow) both layers dispatch so, and must drop the same slots."""
     import torch.distributed as dist
 
-    ref, outs, dxs = _moe_layer(), {}, {}
+    ref, outs, dxs = _moe_layer(capacity), {}, {}
     for r in group_ranks:
         x, grad = _moe_data(r)
         x.requires_grad_()
         out = ref(x)
         (out * grad).sum().backward()
         outs[r], dxs[r] = out.detach(), x.grad
-    layer = _moe_layer()
+    layer = _moe_layer(capacity)
     apply_ep(find_experts(layer), mesh)
     x, grad = _moe_data(rank)
     x.requires_grad_()
+    ref.dropped_slots.zero_()
+    ref(_moe_data(rank)[0])  # this rank's tokens alone: what one process drops of them
     out = layer(x)
     (out * grad).sum().backward()
     errors = {"out": _rel(out, outs[rank]), "dx": _rel(x.grad, dxs[rank])}
+    if capacity is not None:
+        assert int(ref.dropped_slots) > 0 and torch.equal(layer.dropped_slots, ref.dropped_slots), rank
     ref_grads = dict(ref.named_parameters())
     for name, param in layer.named_parameters():
         if name.startswith("experts."):
@@ -180,6 +222,10 @@ def _all_cases(rank, world_size, folder):
         "fsdp2_ep2": _compare_experts(rank, ep2.ep, None, ep2.expert_fsdp, dp=world_size),
         "fsdp1_ep4": _compare_experts(rank, ep4.ep, None, ep4.expert_fsdp, dp=world_size),
         "moe_ep2": _compare_moe(rank, ep2.ep, pair),
+        "equal_groups_ep4": _compare_equal_groups(rank, ep4.ep, range(world_size)),
+        "equal_groups_ep4_split_rows2": _compare_equal_groups(rank, ep4_tp2.ep, [0, 2], ep4_tp2.tp),
+        "moe_ep2_capacity_drop": _compare_moe(rank, ep2.ep, pair, (0.5, "drop")),
+        "moe_ep4_capacity_reroute": _compare_moe(rank, ep4.ep, range(world_size), (0.5, "reroute")),
         "dcp_ep4_to_ep2": _reshard_checkpoint(ep4.ep, ep2.ep, folder),
     }
 
@@ -189,7 +235,9 @@ def results(tmp_path_factory):
     return run_on_ranks(_all_cases, WORLD, str(tmp_path_factory.mktemp("dcp")))
 
 
-@pytest.mark.parametrize("case", ["ep2", "ep4", "fsdp2_ep2", "fsdp1_ep4", "moe_ep2", "dcp_ep4_to_ep2", "ep4_split_rows2"])
+@pytest.mark.parametrize("case", ["ep2", "ep4", "fsdp2_ep2", "fsdp1_ep4", "moe_ep2", "dcp_ep4_to_ep2", "ep4_split_rows2",
+                                  "equal_groups_ep4", "equal_groups_ep4_split_rows2", "moe_ep2_capacity_drop",
+                                  "moe_ep4_capacity_reroute"])
 def test_matches_one_process(results, case):
     for rank, per_case in enumerate(results):
         errors = per_case[case]

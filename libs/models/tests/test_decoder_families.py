@@ -175,7 +175,7 @@ def test_tied_embeddings_survive_to_empty():
 def test_tp_plan_patterns_name_real_modules():
     """Each pattern matches in a flavor of the family; a flavor lacks the variants it does not use."""
     variants = {
-        "deepseek_v3": [TINY["deepseek_v3"], dataclasses.replace(TINY["deepseek_v3"], q_lora_rank=0)],
+        "deepseek_v3": [TINY["deepseek_v3"], dataclasses.replace(TINY["deepseek_v3"], q_lora_rank=0, num_mtp_layers=1)],
         "qwen3": [TINY["qwen3"], TINY["qwen3_moe"]],
     }
     for family, args_list in variants.items():

@@ -75,6 +75,10 @@ def test_multimodal_layout_imports_tensor_by_tensor(saved):
     assert all(torch.equal(one_by_one[key], whole[key]) for key in whole)
     with pytest.raises(ValueError, match=r"fuses layers\.1\.moe\.experts\.w1 and w3: pass both in one call$"):
         SPEC.hf_adapter.to_hf({"layers.1.moe.experts.w1": whole["layers.1.moe.experts.w1"]}, args)
+    # what a streaming exporter must hand over together (tessera.ckpt.export_hf's `together`)
+    groups = {key: SPEC.hf_adapter.export_group(key, args) for key in whole}
+    assert {key: group for key, group in groups.items() if group} == {
+        f"layers.{i}.moe.experts.{w}": f"model.layers.{i}.feed_forward.experts.gate_up_proj" for i in (1, 3) for w in ("w1", "w3")}
 
 
 def test_config_reader_takes_both_layouts_and_the_multimodal_config():

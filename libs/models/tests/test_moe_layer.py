@@ -1,13 +1,12 @@
-"""The MoE layer and its experts against a per-token loop over the chosen experts."""
+"""The MoE layer and its experts against a per-token loop over the chosen experts, and the
+experts' grouped and batched matmuls against one expert at a time."""
 
 import copy
 
 import torch
 import torch.nn.functional as F
 
-from tessera.models.moe import (
-    GroupedExperts, MoE, MoEArgs, experts_grouped_mm, experts_loop, grouped_mm_supported,
-)
+from tessera.models.moe import GroupedExperts, MoE, MoEArgs, experts_bmm, experts_grouped_mm
 
 ARGS = MoEArgs(n_experts=8, top_k=3, hidden_dim=16, n_shared_experts=2, score_func="sigmoid", route_norm=True,
                route_scale=2.5, n_groups=4, topk_groups=2)
@@ -88,22 +87,21 @@ def random_groups(n_experts=4, dim=16, hidden=8, counts=(3, 0, 5, 7), dtype=torc
     return x, counts, weights
 
 
-def test_loop_runs_each_expert_on_its_rows():
-    x, counts, (w1, w2, w3) = random_groups()
-    out = experts_loop(x, counts, w1, w2, w3)
-    starts = [0, 3, 3, 8]
-    for e, (start, n) in enumerate(zip(starts, counts.tolist())):
-        rows = x[start:start + n]
-        torch.testing.assert_close(out[start:start + n], (F.silu(rows @ w1[e].T) * (rows @ w3[e].T)) @ w2[e].T)
+def experts_loop(x, counts, w1, w2, w3):
+    """The reference: one SwiGLU per expert over its slice of rows."""
+    return torch.cat([F.silu(rows @ w1[e].T) * (rows @ w3[e].T) @ w2[e].T
+                      for e, rows in enumerate(x.split(counts.tolist()))])
 
 
 def test_grouped_mm_equals_loop_fp32_forward_and_backward():
+    """On CPU torch's grouped matmul runs one matmul per group, as the loop does (sgemm rounds a
+    row by the operands' layout, so within rounding, not bit for bit)."""
     x, counts, weights = random_groups()
     inputs = [t.clone().requires_grad_() for t in (x, *weights)]
     reference = [t.clone().requires_grad_() for t in (x, *weights)]
     out = experts_grouped_mm(inputs[0], counts, *inputs[1:])
     expected = experts_loop(reference[0], counts, *reference[1:])
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
     grad = torch.randn_like(out)
     out.backward(grad)
     expected.backward(grad)
@@ -111,13 +109,42 @@ def test_grouped_mm_equals_loop_fp32_forward_and_backward():
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-5)
 
 
-def test_bfloat16_experts_take_the_grouped_path_and_agree_with_loop():
+def test_bfloat16_experts_agree_with_the_fp32_loop():
     experts = GroupedExperts(16, 8, 4).to(torch.bfloat16)
     experts.init_weights(0.1)
     x, counts, _ = random_groups(dtype=torch.bfloat16)
-    assert grouped_mm_supported(x, experts.w1) and not grouped_mm_supported(x.float(), experts.w1.float())
     expected = experts_loop(x.float(), counts, experts.w1.float(), experts.w2.float(), experts.w3.float())
     torch.testing.assert_close(experts(x, counts).float(), expected, rtol=2e-2, atol=2e-3)
+
+
+def test_equal_groups_run_as_batched_matmuls():
+    """Counts None: E groups of C rows (capacity-factor dispatch) through bmm, as the loop would."""
+    x, _, (w1, w2, w3) = random_groups(counts=(5, 5, 5, 5))
+    experts = GroupedExperts(16, 8, 4)
+    with torch.no_grad():
+        experts.w1.copy_(w1), experts.w2.copy_(w2), experts.w3.copy_(w3)
+    torch.testing.assert_close(experts(x, None), experts_loop(x, torch.tensor([5] * 4), w1, w2, w3),
+                               rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(experts_bmm(x, w1, w2, w3), experts(x, None), rtol=0, atol=0)
+
+
+def test_compiled_experts_in_fp32_match_eager():
+    """torch._grouped_mm's meta function takes bfloat16 only: fp32 reaches it through the custom op,
+    whose backward is its own grouped matmuls (eager keeps torch's): equal to fp32 rounding."""
+    x, counts, weights = random_groups()
+    experts = GroupedExperts(16, 8, 4)
+    with torch.no_grad():
+        for p, w in zip((experts.w1, experts.w2, experts.w3), weights):
+            p.copy_(w)
+    compiled = torch.compile(experts, fullgraph=True, backend="aot_eager")
+    x = x.requires_grad_()
+    compiled(x, counts).sum().backward()
+    grads = [x.grad.clone(), *(p.grad.clone() for p in experts.parameters())]
+    x.grad = None
+    experts.zero_grad()
+    experts(x, counts).sum().backward()
+    for got, want in zip(grads, [x.grad, *(p.grad for p in experts.parameters())]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_experts_holding_a_shard_serve_their_rows():
@@ -149,3 +176,14 @@ def test_bias_stays_float32_under_dtype_casts():
     layer = make_layer().to(torch.bfloat16)
     assert layer.expert_bias.dtype == torch.float32 and layer.router.gate.weight.dtype == torch.bfloat16
     assert layer(torch.randn(1, 4, 24, dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+
+def test_grouped_experts_follow_autocast():
+    """Under autocast (the trainer's one-process mixed precision) the experts' grouped matmuls run
+    in its dtype, as the model's other matmuls do: torch has no autocast rule for them."""
+    x, counts, _ = random_groups()
+    experts = GroupedExperts(16, 8, 4)
+    experts.init_weights(0.1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert experts(x, counts).dtype == torch.bfloat16
+        assert experts(x[:12], None).dtype == torch.bfloat16  # bmm: autocast's own rule

@@ -18,7 +18,7 @@ FAMILIES = ("llama3", "deepseek_v3", "qwen3", "gpt_oss", "llama4")
 # torchtitan's names for its attention kernels (FlexAttention, varlen) over the same weights: in
 # Tessera the job plan picks the kernel and model.attn_mask_type the mask, so they are not flavors.
 KERNEL_VARIANTS = ("_flex_attn", "_flex", "_varlen_attn", "_varlen")
-TESSERA_ONLY = {"llama3": {"1B", "3B"}, "deepseek_v3": {"tiny"}, "qwen3": {"tiny", "tiny_moe"},
+TESSERA_ONLY = {"llama3": {"1B", "3B"}, "deepseek_v3": {"tiny", "tiny_mtp", "debugmodel_mtp"}, "qwen3": {"tiny", "tiny_moe"},
                 "gpt_oss": {"tiny"}, "llama4": {"tiny"}}
 CASES = [(family, flavor) for family in FAMILIES for flavor in TORCHTITAN[family]
          if not flavor.endswith(KERNEL_VARIANTS)]

@@ -23,7 +23,7 @@ CASES = {  # name: (family, transformers' class, its config)
     "deepseek_v3": ("deepseek_v3", transformers.DeepseekV3ForCausalLM, transformers.DeepseekV3Config(
         **TINY, num_key_value_heads=4, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
         n_group=2, topk_group=1, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=8, qk_rope_head_dim=4,
-        qk_nope_head_dim=4, v_head_dim=8)),
+        qk_nope_head_dim=4, v_head_dim=8, num_nextn_predict_layers=0)),  # transformers saves no MTP weights
     "qwen3_windows": ("qwen3", transformers.Qwen3ForCausalLM, transformers.Qwen3Config(
         **TINY, num_key_value_heads=2, head_dim=8, use_sliding_window=True, sliding_window=WINDOW,
         max_window_layers=2)),

@@ -1,5 +1,7 @@
 """Every schedule, and PP x FSDP, against the same model trained in one process (same seed, same
-global batch): losses, gradient norms, final parameters and buffers agree to fp32 rounding (1e-5)."""
+global batch): losses, gradient norms, final parameters and buffers agree to fp32 rounding (1e-5).
+Each also with a model whose last stage applies the embedding again (shared_with_last_stage): its
+copies' gradients sum, the norm counts the weight once, and the copies stay one weight."""
 
 import csv
 
@@ -53,6 +55,25 @@ class TinyLM(nn.Module):
         return self.output(h) if self.output is not None else h
 
 
+class SharedLM(TinyLM):
+    """TinyLM whose output adds the tied projection by the embedding, which the last stage so
+    holds a copy of."""
+
+    shared_with_last_stage = ("tok_embeddings",)
+
+    def forward(self, tokens):
+        h = tokens if tokens.is_floating_point() else self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h)
+        if self.output is None:
+            return h
+        h = self.norm(h)
+        return self.output(h) + F.linear(h, self.tok_embeddings.weight)
+
+
+MODELS = {"untied": TinyLM, "shared": SharedLM}
+
+
 def loss_fn(logits, labels):
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
@@ -62,9 +83,9 @@ def batches():
     return [torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g) for _ in range(STEPS)]
 
 
-def reference():
+def reference(model_cls):
     torch.manual_seed(0)
-    model = TinyLM()
+    model = model_cls()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     losses, norms = [], []
     for batch in batches():
@@ -81,9 +102,9 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _train(mesh, schedule, dp_rank=0, dp=1, fsdp_mesh=None, reshard=False, csv_file=None):
+def _train(mesh, model_cls, schedule, dp_rank=0, dp=1, fsdp_mesh=None, reshard=False, csv_file=None):
     torch.manual_seed(0)
-    model = TinyLM()
+    model = model_cls()
     inputs, n_layers, outputs = model_parts_names(model)
     parts = even_split(stage_count(mesh.size(), schedule, n_layers), n_layers, inputs=inputs, outputs=outputs)
 
@@ -97,6 +118,7 @@ def _train(mesh, schedule, dp_rank=0, dp=1, fsdp_mesh=None, reshard=False, csv_f
     pipe = build_pipeline(model, mesh, "cpu", parts=parts, schedule=schedule, n_microbatches=MICROBATCHES,
                           loss_fn=loss_fn, parallelize=parallelize, schedule_csv=csv_file)
     params = [p for part in pipe.parts for p in part.parameters()]
+    copies = {id(p) for p in pipe.shared_copies()}
     opt = torch.optim.SGD(params, lr=0.5)
     losses, norms = [], []
     for batch in batches():
@@ -106,13 +128,18 @@ def _train(mesh, schedule, dp_rank=0, dp=1, fsdp_mesh=None, reshard=False, csv_f
         total = torch.zeros(()) if loss is None else loss.detach().clone()
         dist.all_reduce(total)
         losses.append(total.item() / dp)
-        squares = sum((_full(p.grad) ** 2).sum() for p in params if p.grad is not None)
+        squares = sum((_full(p.grad) ** 2).sum() for p in params if p.grad is not None and id(p) not in copies)
         squares = torch.as_tensor(squares, dtype=torch.float32)
         dist.all_reduce(squares, group=mesh.get_group())  # full grads: each stage's own, once per pp rank
         norms.append(squares.sqrt().item())
         opt.step()
         opt.zero_grad()
-    state = {k: _full(v).detach() for part in pipe.parts for k, v in part.state_dict().items()}
+    state = {}
+    for part in pipe.parts:  # a shared module's copies are one weight: the last stage's must equal the first's
+        for key, value in part.state_dict().items():
+            if key in state:
+                torch.testing.assert_close(_full(value), state[key], rtol=0, atol=0, msg=key)
+            state[key] = _full(value).detach()
     if fsdp_mesh is not None:  # each data-parallel rank saw its share of the batch
         for key in [k for k in state if k.endswith(".seen")]:
             dist.all_reduce(state[key], group=fsdp_mesh.get_group())
@@ -121,28 +148,31 @@ def _train(mesh, schedule, dp_rank=0, dp=1, fsdp_mesh=None, reshard=False, csv_f
 
 def _every_schedule(rank, world_size, csv_file):
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("pp",))
-    results = {name: _train(mesh, name) for name in SCHEDULES}
-    results["csv"] = _train(mesh, "1F1B", csv_file=csv_file)
+    results = {(model, name): _train(mesh, cls, name) for model, cls in MODELS.items() for name in SCHEDULES}
+    results["untied", "csv"] = _train(mesh, TinyLM, "1F1B", csv_file=csv_file)
     return results
 
 
 def _with_fsdp(rank, world_size, reshard):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp_shard"))
     dp_rank = mesh["dp_shard"].get_local_rank()
-    return {name: _train(mesh["pp"], name, dp_rank, 2, mesh["dp_shard"], reshard)
-            for name in ("1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")}
+    return {(model, name): _train(mesh["pp"], cls, name, dp_rank, 2, mesh["dp_shard"], reshard)
+            for model, cls in MODELS.items() for name in ("1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")}
 
 
-def _check(results_by_rank, expected):
-    ref_losses, ref_norms, ref_state = expected
-    names = results_by_rank[0].keys()
-    for name in names:
+def _check(results_by_rank):
+    expected = {model: reference(cls) for model, cls in MODELS.items()}
+    for name in results_by_rank[0]:
+        ref_losses, ref_norms, ref_state = expected[name[0]]
         state = {}
         for rank_results in results_by_rank:
             losses, norms, part_state = rank_results[name]
             assert losses == pytest.approx(ref_losses, rel=TOL), name
             assert norms == pytest.approx(ref_norms, rel=TOL), name
-            state.update(part_state)
+            for key, value in part_state.items():  # the two pp ranks' copies of a shared module: one weight
+                if key in state:
+                    torch.testing.assert_close(value, state[key], rtol=0, atol=0, msg=f"{name} {key}")
+                state[key] = value
         assert state.keys() == ref_state.keys(), name  # names survive the cut
         for key, value in ref_state.items():
             torch.testing.assert_close(state[key], value, rtol=TOL, atol=TOL, msg=f"{name} {key}")
@@ -155,8 +185,8 @@ def test_every_schedule_matches_one_process(tmp_path):
     csv_file = tmp_path / "1f1b.csv"
     with open(csv_file, "w", newline="") as f:
         csv.writer(f).writerows(rows)
-    _check(run_on_ranks(_every_schedule, 2, str(csv_file)), reference())
+    _check(run_on_ranks(_every_schedule, 2, str(csv_file)))
 
 
 def test_pp2_x_fsdp2_matches_one_process_without_reshard_after_forward():
-    _check(run_on_ranks(_with_fsdp, 4, False), reference())
+    _check(run_on_ranks(_with_fsdp, 4, False))

@@ -26,6 +26,7 @@ def banner(plan: JobPlan, model: ParallelModel, peak: float, tokenizer, data_sou
         f"  dtype: {plan.precision.describe()} | AC {ac.mode}{f' ({ac.selective_option})' if ac.mode == 'selective' else ''} | "
         f"compile {'on' if plan.compile.blocks or plan.loss.compiled else 'off'}",
         f"  attention: {plan.attention.describe()}",
+        *([f"  fault tolerance: {plan.fault_tolerance.describe()}"] if plan.fault_tolerance.enabled else []),
         f"  lr: {opt.name} {opt.lr:g}, {opt.warmup_steps} warm-up steps, {opt.decay_type} decay "
         f"over {decay} to {opt.min_lr_factor:g}x | groups {opt.describe_groups()}",
         f"  MFU against {peak:,.1f} TFLOP/s, attention FLOPs "

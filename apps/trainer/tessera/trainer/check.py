@@ -74,6 +74,7 @@ def describe(plan: JobPlan) -> str:
         f"  model       {total:,} parameters; {per_rank:,} per rank ({degrees})",
         f"  meshes      {plan.meshes.describe()}",
         *([f"  pipeline    {plan.pipeline.describe()}"] if plan.pipeline else []),
+        *([f"  replicas    {plan.fault_tolerance.describe()}"] if plan.fault_tolerance.enabled else []),
         f"  batch       {batch.local} sequences x {batch.dp} data-parallel x {batch.accumulation} micro-batches = "
         f"{batch.global_size} x {batch.seq_len} tokens per step; {batch.tokens_per_device:,.0f} tokens per device",
         f"  compute     {plan.precision.describe()} "

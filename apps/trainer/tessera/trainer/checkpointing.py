@@ -5,6 +5,7 @@ Hugging Face export (with config.json and the tokenizer's files, see hf_assets).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -66,10 +67,13 @@ class Checkpointer:
     """
 
     def __init__(self, config: JobConfig, plan, parts: list[nn.Module], optimizers: list[list[torch.optim.Optimizer]],
-                 scheduler, dataloader, rank: int, pp_group=None, tokenizer=None) -> None:
+                 scheduler, dataloader, rank: int, pp_group=None, tokenizer=None, extra_states: dict | None = None,
+                 writes: Callable[[], bool] = lambda: True) -> None:
         """parts: the model, or this rank's pipeline stages (the optimizers of each); pp_group:
         the pipeline's process group, which a Hugging Face export gathers the stages over;
-        tokenizer: the run's, whose bos/eos ids an export's config.json states."""
+        tokenizer: the run's, whose bos/eos ids an export's config.json states; extra_states:
+        more state a checkpoint holds (fault tolerance's semi-sync state); writes: whether this
+        job writes the checkpoints (of fault tolerance's replica groups, one writes them)."""
         self.config = config.checkpoint
         spec, args = plan.spec, plan.model_args
         self.spec, self.args, self.parts, self.rank, self.pp_group = spec, args, parts, rank, pp_group
@@ -88,7 +92,9 @@ class Checkpointer:
             # key a one-process run writes, so any data-parallel layout loads any other's.
             "dataloader": RankLocalState(dataloader, "dp_rank_0"),
             "rng": rng_state(rank),
+            **(extra_states or {}),
         }
+        self.writes = writes
         self.manager = None
         self.last_saved: Path | None = None  # the newest checkpoint this run wrote (the run's summary names it)
         if self.config.enable or self.config.create_seed_checkpoint:
@@ -177,7 +183,7 @@ class Checkpointer:
         """Saves when due (every interval, the last step, step 1 with enable_first_step_checkpoint);
         never with load_only."""
         self.train_state.step = step
-        if self.manager is None or self.config.load_only:
+        if self.manager is None or self.config.load_only or not self.writes():
             return
         first = step == 1 and self.config.enable_first_step_checkpoint and not self.manager.due(step, last_step)
         if first or self.manager.due(step, last_step):
@@ -207,6 +213,8 @@ class Checkpointer:
         self.train_state.step = step
         if self.manager is None or not self.config.enable or self.config.load_only:
             return False
+        if not self.writes():
+            return True  # another replica group writes it
         self._check_finite(step)
         if self.manager.save(step):
             self.last_saved = self.folder / f"step-{step}"
@@ -227,9 +235,11 @@ class Checkpointer:
         note = hf_export_note(self.spec, self.args)
         if note:
             self._say(f"warning: {note}")
-        exported = export_hf(self.parts, final, lambda state_dict: self.spec.hf_adapter.to_hf(state_dict, self.args),
+        adapter = self.spec.hf_adapter
+        group = getattr(adapter, "export_group", None)  # model tensors HF fuses into one (Llama 4's experts)
+        exported = export_hf(self.parts, final, lambda state_dict: adapter.to_hf(state_dict, self.args),
                              dtype=EXPORT_DTYPES[self.config.export_dtype], pp_group=self.pp_group,
-                             extra_files=self.hf_files)
+                             extra_files=self.hf_files, together=group and (lambda key: group(key, self.args)))
         self._say(f"Hugging Face export written to {final}" if exported else f"{final} already exists, kept as it is (exports are never overwritten)")
 
     def save_failed(self) -> bool:

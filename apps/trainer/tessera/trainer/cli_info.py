@@ -13,19 +13,19 @@ from pathlib import Path
 import tomllib
 
 from tessera.trainer.config import ConfigError, JobConfig, get_key
-from tessera.trainer.schema import OLDER_TORCHTITAN, TESSERA, declared
+from tessera.trainer.schema import NEWER_TORCHTITAN, OLDER_TORCHTITAN, TESSERA, declared
 
-TRAINER_VERSION = "0.16.0"
+TRAINER_VERSION = "0.18.0"
 LIBRARIES = ("mesh", "models", "data", "fsdp", "tp", "pp", "cp", "ep", "ckpt", "float8", "optim")
 
-USAGE = """usage: trainer [--nproc N] [--check [--check_world_size N] [--check_device cpu|cuda]] [--job.config_file F]
-               [--section.key VALUE ...]
+USAGE = """usage: trainer [--nproc N [--hosts H0,H1,... --node_rank R --port P] [--max_restarts K]]
+               [--check [--check_world_size N] [--check_device cpu|cuda]] [--job.config_file F] [--section.key VALUE ...]
        trainer --help [SECTION]    the config keys (of one section), their defaults and meanings
        trainer --version           versions of the trainer, its libraries, torch, and the git commit"""
 
 
 # How the README's key table names a key's origin (none: torchtitan 0.2.2's name).
-_ORIGIN_NOTES = {TESSERA: "Tessera", OLDER_TORCHTITAN: "torchtitan 0.1 name"}
+_ORIGIN_NOTES = {TESSERA: "Tessera", OLDER_TORCHTITAN: "torchtitan 0.1 name", NEWER_TORCHTITAN: "torchtitan main's name"}
 
 
 def config_keys() -> list[str]:

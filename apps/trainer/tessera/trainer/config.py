@@ -25,12 +25,14 @@ from tessera.ckpt import ASYNC_MODES, EXPORT_DTYPES
 from tessera.data import parse_mixture
 from tessera.fsdp import MIXED_PRECISION_DTYPES, RESHARD_POLICIES
 from tessera.models import AC_MODES
+from tessera.models.moe import CAPACITY_OVERFLOW
 from tessera.trainer.converters import converter_sections, registered_converters
 from tessera.trainer.errors import ConfigError, user_input
 from tessera.trainer.faults import FAULT_KINDS
 from tessera.trainer.float8_converter import Float8, Quantize  # importing it registers the float8 converters
 from tessera.trainer.lr_schedule import DECAY_TYPES
-from tessera.trainer.schema import OLDER_TORCHTITAN, TESSERA, check_declared, declared, get_key, key, table
+from tessera.trainer.schema import (NEWER_TORCHTITAN, OLDER_TORCHTITAN, TESSERA, check_declared, declared, get_key, key,
+                                    table)
 
 # What other modules import from here (ConfigError and user_input live in tessera.trainer.errors).
 __all__ = ["CHOICES", "ConfigError", "JobConfig", "get_key", "load_config", "note", "parse_overrides", "to_dict",
@@ -39,8 +41,6 @@ __all__ = ["CHOICES", "ConfigError", "JobConfig", "get_key", "load_config", "not
 # Why keys are refused, where several share a reason.
 _FIXED_SCHEMA = "Tessera's config schema is fixed; register models and converters with experimental.custom_import"
 _NO_EP = "not yet: expert-parallel options beyond expert_parallel_degree are being built (issue 11)"
-_NO_FT = ("torchft is not part of Tessera; it restarts from checkpoints instead "
-          "(torchrun --max-restarts, SLURM requeue: see the trainer README)")
 _ESTIMATE = "the trainer trains; for a dry run use `bazel run //tools/estimate -- --job.config_file ...`"
 
 
@@ -185,6 +185,15 @@ class Training:
 
 
 @dataclasses.dataclass
+class Loss:
+    """[loss], torchtitan main's (after 0.2.2): the weight of DeepSeek-V3's multi-token prediction."""
+
+    mtp_scale: float = key(
+        0.3, "weight of the multi-token-prediction loss (the mean over its depths) added to the next-token loss; "
+        "models with MTP modules only", bound=">= 0", origin=NEWER_TORCHTITAN)
+
+
+@dataclasses.dataclass
 class Parallelism:
     data_parallel_replicate_degree: int = key(1, "DDP / HSDP replicas")
     data_parallel_shard_degree: int = key(-1, "FSDP shards; -1: the ranks left over by the other degrees")
@@ -221,6 +230,14 @@ class Parallelism:
     expert_parallel_comm_backend: str = key(
         "standard", "all-to-all implementation: standard",
         refused="only 'standard' (all_to_all_single): DeepEP is not part of Tessera")
+    # GShard's / Megatron's drop-and-pad (Megatron: moe_expert_capacity_factor); torchtitan has no such key
+    expert_capacity_factor: float | None = key(
+        None, "unset: dropless MoE dispatch (exact; under expert parallel one host read per MoE layer); a number: "
+        "each expert takes at most ceil(factor x slots / experts) of a layer's routed slots on each rank, static "
+        "shapes with no host read (compiles whole), the rest per expert_capacity_overflow", bound="> 0", origin=TESSERA)
+    expert_capacity_overflow: str = key(
+        "drop", "slots over capacity: drop (lowest routing weights first) or reroute (once, to the token's next "
+        "best expert with room)", choices=CAPACITY_OVERFLOW, origin=TESSERA)
 
 
 @dataclasses.dataclass
@@ -246,10 +263,10 @@ class Checkpoint:
     enable_first_step_checkpoint: bool = key(False, "also save after step 1")
     load_only: bool = key(False, "resume from checkpoints but never save")
     initial_load_in_hf_quantized: bool = key(
-        False, "the initial HF checkpoint holds quantized weights",
-        refused="quantized Hugging Face checkpoints are not supported; load a bf16/fp32 one")
+        False, "the initial HF checkpoint holds quantized weights, dequantised on load (GPT-OSS's MXFP4 experts)")
     enable_ft_dataloader_checkpoints: bool = key(
-        True, "with fault tolerance: checkpoint the data loader per replica", refused=_NO_FT)
+        True, "with fault_tolerance.enable: each replica group records its data loader's position after every step "
+        "(under folder/ft-replica-<id>), so a restarted group neither repeats nor skips its data")
 
 
 @dataclasses.dataclass
@@ -336,13 +353,37 @@ class MemoryEstimation:
 
 @dataclasses.dataclass
 class FaultTolerance:
-    enable: bool = key(False, "torchft replica groups that survive a failed replica", refused=_NO_FT)
-    process_group: str = key("gloo", "torchft's process group backend", refused=_NO_FT)
-    process_group_timeout_ms: int = key(10000, "torchft's process group timeout", refused=_NO_FT)
-    replica_id: int = key(0, "this replica group's id", refused=_NO_FT)
-    group_size: int = key(0, "replica groups", refused=_NO_FT)
-    min_replica_size: int = key(1, "replicas needed to continue", refused=_NO_FT)
-    semi_sync_method: str | None = key(None, "local SGD / DiLoCo", refused=_NO_FT)
+    """torchft (torchtitan 0.2.2's [fault_tolerance], the semi-sync keys from its FT extension's
+    config): replica groups that train on while one of them fails and restarts (see
+    tessera.trainer.fault_tolerance)."""
+
+    enable: bool = key(
+        False, "torchft replica groups: each an FSDP/TP/PP job of its own, gradients averaged across the groups "
+        "by torchft; a failed group restarts and recovers live from a healthy one (launch with --nproc, or a "
+        "Lighthouse in TORCHFT_LIGHTHOUSE)")
+    process_group: str = key("gloo", "backend of the replica groups' process group: gloo or nccl",
+                             choices=("gloo", "nccl"))
+    process_group_timeout_ms: int = key(
+        10000, "the replica groups' collectives time out after this many ms (a lost group ends the step, which is retried)",
+        bound=">= 1")
+    replica_id: int = key(0, "this replica group's id, 0 to group_size - 1 (the launcher sets it)", bound=">= 0")
+    group_size: int = key(0, "the number of replica groups (their data shares); --nproc N starts N / group_size ranks "
+                             "per group", bound=">= 0")
+    min_replica_size: int = key(1, "groups that must take part for a step (or sync) to count", bound=">= 1")
+    semi_sync_method: str | None = key(
+        None, "none (average gradients every step), local_sgd (average weights every sync_steps) or diloco "
+        "(outer Nesterov SGD on the averaged weight deltas, per fragment)", choices=(None, "local_sgd", "diloco"))
+    sync_steps: int = key(5, "semi-sync: inner steps between synchronisations", bound=">= 1")
+    should_quantize: bool = key(False, "semi-sync: quantize the averaged tensors (torchft's triton kernels, CUDA)")
+    fragment_sync_delay: int = key(
+        0, "diloco: inner steps between starting a fragment's average and applying it (Streaming DiLoCo's tau)",
+        bound=">= 0")
+    fragment_update_alpha: float = key(
+        0.0, "diloco: weights after a sync = lerp(global, local, alpha); 0 keeps the global ones", bound="within [0, 1]")
+    module_fqns_per_model_fragment: list[list[str]] = key(
+        [], "diloco: the module names of each fragment (on the command line: fragments split by ';', names by ',')")
+    num_fragments: int = key(
+        1, "diloco: fragments the model is cut into (like pipeline stages), synced in turn", bound=">= 1")
 
 
 @dataclasses.dataclass
@@ -400,7 +441,9 @@ class Debug:
     fault_at_step: int = key(
         0, "inject a fault before this step (0: never), on the first attempt only: tests recovery", bound=">= 0",
         origin=TESSERA)
-    fault_rank: int = key(0, "the rank that fails", bound=">= 0", origin=TESSERA)
+    fault_rank: int = key(
+        0, "the rank that fails (with fault tolerance counted across the replica groups: group g's rank r is "
+        "g x ranks per group + r)", bound=">= 0", origin=TESSERA)
     fault_kind: str = key(
         "crash", "crash (exit at once, as if killed) or stall (stop answering)", choices=FAULT_KINDS, origin=TESSERA)
 
@@ -412,6 +455,7 @@ class JobConfig:
     optimizer: Optimizer = table(Optimizer)
     lr_scheduler: LRScheduler = table(LRScheduler)
     training: Training = table(Training)
+    loss: Loss = table(Loss)
     parallelism: Parallelism = table(Parallelism)
     checkpoint: Checkpoint = table(Checkpoint)
     activation_checkpoint: ActivationCheckpoint = table(ActivationCheckpoint)

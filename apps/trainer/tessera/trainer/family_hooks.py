@@ -17,10 +17,16 @@ class FamilyHooks:
 
     def __init__(self, plan: JobPlan, parts: list[nn.Module], meshes: Meshes) -> None:
         hooks = plan.spec.step_hooks
+        # what each forward's loss is multiplied by before backward: a pipeline divides it among its micro-batches too
+        scale = plan.loss.scale / (plan.pipeline.microbatches if plan.pipeline is not None else 1)
         for part in parts:  # the family divides its own whole-on-every-tp-rank losses by tp
-            hooks.set_loss_scale(part, plan.loss.scale, plan.dims.tp)
+            hooks.set_loss_scale(part, scale, plan.dims.tp)
+            if plan.loss.mtp_scale is not None:
+                hooks.set_mtp_scale(part, plan.loss.mtp_scale * scale)
             if plan.experts.force_load_balance:
                 hooks.force_load_balance(part)
+            if plan.experts.capacity_factor is not None:
+                hooks.set_expert_capacity(part, plan.experts.capacity_factor, plan.experts.capacity_overflow)
         self._after = hooks.after_optimizer_step
         # ranks whose tokens differ: their expert loads add up (a model-parallel rank sees its peers')
         self._group = meshes.loss.get_group() if meshes.loss is not None else None
@@ -31,12 +37,15 @@ class FamilyHooks:
 
     def metrics(self) -> dict[str, float]:
         """Per reported layer: the fewest and most tokens an expert got in the last step, and
-        max / mean (1 = balanced)."""
+        max / mean (1 = balanced); with a capacity factor also the slots it dropped."""
         if not self._latest:
             return {}
-        names = list(self._latest)
+        names = [name for name in self._latest if not name.endswith("/dropped")]
+        dropped = [name for name in self._latest if name.endswith("/dropped")]
         loads = torch.stack([self._latest[name].float() for name in names])
         rows = torch.stack([loads.min(dim=1).values, loads.max(dim=1).values, loads.max(dim=1).values / loads.mean(dim=1)])
-        values = rows.t().tolist()  # one host read for every layer
-        return {f"moe/{name}/{kind}": value for name, row in zip(names, values)
-                for kind, value in zip(("load_min", "load_max", "imbalance"), row)}
+        values = torch.cat([rows.t().flatten(), *(self._latest[name].float().view(1) for name in dropped)]).tolist()
+        # one host read for every layer
+        metrics = {f"moe/{name}/{kind}": values[3 * i + j] for i, name in enumerate(names)
+                   for j, kind in enumerate(("load_min", "load_max", "imbalance"))}
+        return metrics | {f"moe/{name}": value for name, value in zip(dropped, values[3 * len(names):])}

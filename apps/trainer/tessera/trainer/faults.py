@@ -148,11 +148,15 @@ class StopSignals:
     """SIGTERM / SIGUSR1 (what SLURM and Kubernetes send ahead of a kill) ask the run to stop
     after the current step with a checkpoint: `received` names the signal, and the loop shares it
     with `any_rank` so every rank saves at the same step. ``grace_s`` after the signal the process
-    exits 1 regardless: a stuck save must not outlive the scheduler's grace period."""
+    exits 1 regardless: a stuck save must not outlive the scheduler's grace period. `active`: the
+    run's instance, through which fault tolerance's replica groups stop at the same step too."""
+
+    active: "StopSignals | None" = None
 
     def __init__(self, grace_s: int) -> None:
         self.grace_s = grace_s
         self.received: str | None = None
+        StopSignals.active = self
         self._previous = {}
         if threading.current_thread() is threading.main_thread():  # handlers live in the main thread only
             self._previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
@@ -173,3 +177,5 @@ class StopSignals:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
+        if StopSignals.active is self:
+            StopSignals.active = None

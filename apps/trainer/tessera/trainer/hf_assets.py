@@ -11,7 +11,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from tessera.ckpt.hf import INDEX_FILE, SINGLE_FILE
+from tessera.ckpt.hf import INDEX_FILE, SINGLE_FILE, hf_tensor_names, quantized_weights
 from tessera.data import hf_tokenizer_files, tokenizer_file
 from tessera.models import ARGS_FILE, CONFIG_FILE, ModelSpec, args_record, read_hf_config
 from tessera.trainer.config import ConfigError, JobConfig, user_input
@@ -37,7 +37,15 @@ def flavor_args(config: JobConfig, spec: ModelSpec):
         raise ConfigError(f"model.flavor {FROM_HF_CONFIG!r} needs model.hf_assets_path, a Hugging Face model folder with {CONFIG_FILE}")
     file = Path(config.model.hf_assets_path) / CONFIG_FILE
     with user_input():
-        return spec.hf_config.args_from_config(read_hf_config(file), str(file))
+        args = spec.hf_config.args_from_config(read_hf_config(file), str(file))
+        fit, initial = getattr(spec.hf_config, "fit_to_weights", None), initial_load_folder(config)
+        if fit is not None and config.checkpoint.initial_load_in_hf and initial is not None and _holds_weights(initial[1]):
+            args = fit(args, set(hf_tensor_names(initial[1])))  # modules config.json names but the weights lack
+        return args
+
+
+def _holds_weights(folder: Path) -> bool:
+    return (folder / SINGLE_FILE).is_file() or (folder / INDEX_FILE).is_file()
 
 
 def initial_load_folder(config: JobConfig) -> tuple[str, Path] | None:
@@ -51,25 +59,64 @@ def initial_load_folder(config: JobConfig) -> tuple[str, Path] | None:
     return None
 
 
-def check_hf_weights(config: JobConfig, spec: ModelSpec, args) -> None:
-    """A Hugging Face folder the run loads holds safetensors, and its config.json (when it has
-    one) describes the run's model, vocabulary from the tokenizer included: a mismatch names
-    the first differing field before any worker starts. A missing folder is _check_paths' job.
-    With last_save_in_hf, a model no config.json can state (custom MoE routing) fails here too."""
+def check_hf_weights(config: JobConfig, spec: ModelSpec, args) -> list[str]:
+    """A Hugging Face folder the run loads holds safetensors, quantized only where
+    initial_load_in_hf_quantized says so, and its config.json (when it has one) describes the
+    run's model, vocabulary from the tokenizer included: a mismatch names the first differing
+    field before any worker starts. A missing folder is _check_paths' job. With last_save_in_hf,
+    a model no config.json can state (custom MoE routing) fails here too. Returns warnings."""
     if config.checkpoint.last_save_in_hf and spec.hf_config is not None:
         with user_input():
             spec.hf_config.config_from_args(args)
+    formats = _quantized_formats(config, spec)
     initial = initial_load_folder(config)
     if not config.checkpoint.initial_load_in_hf or initial is None or not initial[1].is_dir():
-        return
+        return []
     key, folder = initial
-    if not (folder / SINGLE_FILE).is_file() and not (folder / INDEX_FILE).is_file():
+    if not _holds_weights(folder):
         raise ConfigError(f"{key} {folder} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
-    if spec.hf_config is None or not (folder / CONFIG_FILE).is_file():
-        return
-    target = f"{spec.name}/{config.model.flavor} (vocabulary from the tokenizer)"
+    warnings = _check_quantized(config, spec, formats, key, folder)
+    if spec.hf_config is not None and (folder / CONFIG_FILE).is_file():
+        target = f"{spec.name}/{config.model.flavor} (vocabulary from the tokenizer)"
+        source = str(folder / CONFIG_FILE)
+        with user_input():
+            stated = read_hf_config(folder)
+            spec.hf_config.check_config(args, stated, source, target)
+            left_out = spec.mtp_layers(spec.hf_config.args_from_config(stated, source)) - spec.mtp_layers(args)
+        if config.model.flavor == FROM_HF_CONFIG and left_out > 0:
+            warnings.append(f"{source} names {left_out} multi-token-prediction module(s) whose weights {folder} does "
+                            "not hold (transformers saves none): the run trains without them")
+    return warnings
+
+
+def _quantized_formats(config: JobConfig, spec: ModelSpec) -> tuple[str, ...]:
+    """The quantized formats the family's adapter dequantises (``quantized_formats``);
+    initial_load_in_hf_quantized is refused for a family with none, and without initial_load_in_hf."""
+    formats = tuple(getattr(spec.hf_adapter, "quantized_formats", ()))
+    ckpt = config.checkpoint
+    if ckpt.initial_load_in_hf_quantized and not formats:
+        raise ConfigError(f"checkpoint.initial_load_in_hf_quantized: model {spec.name} cannot load quantized Hugging "
+                          "Face weights (its adapter dequantises no format); load a bf16/fp32 checkpoint")
+    if ckpt.initial_load_in_hf_quantized and not ckpt.initial_load_in_hf:
+        raise ConfigError("checkpoint.initial_load_in_hf_quantized needs checkpoint.initial_load_in_hf = true")
+    return formats
+
+
+def _check_quantized(config: JobConfig, spec: ModelSpec, formats: tuple[str, ...], key: str, folder: Path) -> list[str]:
+    """Quantized weights in the folder (MXFP4's blocks + scales: tessera.ckpt.quantized_weights)
+    need initial_load_in_hf_quantized, which without any is a warning."""
     with user_input():
-        spec.hf_config.check_config(args, read_hf_config(folder), str(folder / CONFIG_FILE), target)
+        quantized = quantized_weights(folder)
+    wanted = config.checkpoint.initial_load_in_hf_quantized
+    if quantized and not wanted:
+        what = f"{key} {folder} holds {len(quantized)} quantized weights ({quantized[0]}_blocks + _scales, MXFP4)"
+        if not formats:
+            raise ConfigError(f"{what}, which model {spec.name} cannot dequantise: load a bf16/fp32 checkpoint")
+        raise ConfigError(f"{what}: set checkpoint.initial_load_in_hf_quantized = true to dequantise them on load")
+    if wanted and not quantized:
+        return [f"checkpoint.initial_load_in_hf_quantized is set, but {key} {folder} holds no quantized weights: "
+                "they load as stored"]
+    return []
 
 
 def _token_ids(config: JobConfig, tokenizer) -> dict:

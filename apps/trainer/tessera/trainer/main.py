@@ -1,10 +1,15 @@
-"""Command line: `trainer [--nproc N] [--check [--check_world_size N] [--check_device D]] [--job.config_file F]
-[--section.key value ...]`, `trainer --help [SECTION]`, `trainer --version`.
+"""Command line: `trainer [--nproc N [--hosts H0,H1,... --node_rank R --port P] [--max_restarts K]]
+[--check [--check_world_size N] [--check_device D]] [--job.config_file F] [--section.key value ...]`,
+`trainer --help [SECTION]`, `trainer --version`.
 
 Bad input ends with one line on stderr naming the culprit and exit status 2; a bug keeps its
 traceback. `--nproc N` starts N local worker processes through torch's own launcher (torchrun's
 engine) once the job plan has checked the config for N ranks; under `torchrun` or `srun torchrun`
-leave it out. `--check` prints the job plan for `--check_world_size` (else `--nproc`, else
+leave it out. On several nodes each runs `--nproc N --hosts H0,H1,... --node_rank R` (R defaults to
+SLURM_NODEID; `--port P`, default 29500, on H0), and with fault tolerance `--nproc` starts the
+replica groups and torchft's Lighthouse (tessera.trainer.launch). `--max_restarts K`: torchrun's
+restarts of a replica group that dies (default 3), or without fault tolerance of the whole job
+(default 0). `--check` prints the job plan for `--check_world_size` (else `--nproc`, else
 torchrun's WORLD_SIZE, else 1) ranks on `--check_device` (cpu or cuda; cuda when
 `--check_world_size` is given, since that plans a cluster's job, else this host's device) and
 exits 0 without building the model. Output cut short by a closed pipe (`--check | head -1`) ends
@@ -40,12 +45,21 @@ def _positive_int(name: str, value: str | None) -> int | None:
     return None if value is None else int(value)
 
 
-def _launch_local(nproc: int, argv: list[str], grace_s: int) -> int:
+def _count(name: str, value: str | None) -> int | None:
+    if value is not None and not value.isdigit():
+        raise ConfigError(f"{name} {value!r} must be a non-negative integer")
+    return None if value is None else int(value)
+
+
+def _launch_local(nproc: int, argv: list[str], grace_s: int, rendezvous: tuple[str, ...] = ("--standalone",),
+                  max_restarts: int = 0) -> int:
     """Runs this same program on nproc local ranks (rendezvous on a free localhost port). A stop
     signal reaches every rank, which saves and exits 0 (faults.StopSignals); the launcher waits
     for that up to the ranks' own grace, plus a margin, before killing them. An error the ranks
     report (bad input every rank finds, a diverged run) is printed once, here, with its exit
-    status; a rank that crashed printed its own traceback."""
+    status; a rank that crashed printed its own traceback. `rendezvous`: torchrun's options for
+    this node among several (tessera.trainer.launch); `max_restarts`: torchrun's restarts of the
+    ranks after one failed (each attempt with a rendezvous store of its own, pytorch#135712)."""
     import logging
     import tempfile
 
@@ -55,8 +69,10 @@ def _launch_local(nproc: int, argv: list[str], grace_s: int) -> int:
     os.environ["TESSERA_LAUNCHER_PID"] = str(os.getpid())  # the ranks die with this process (faults.py)
     # torchrun's own default for several ranks per node, set here without its four-line banner
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if max_restarts:
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     launcher_args = get_args_parser().parse_args([
-        "--standalone", f"--nproc_per_node={nproc}", f"--shutdown_timeout={grace_s + 30}",
+        *rendezvous, f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}", f"--shutdown_timeout={grace_s + 30}",
         f"--signals_to_handle=SIGINT,SIGHUP,SIGQUIT,{','.join(sig.name for sig in STOP_SIGNALS)}",
         "--no-python", sys.executable, "-m", "tessera.trainer.main", *argv,
     ])
@@ -125,6 +141,15 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         nproc, argv = _take_option(argv, "--nproc")
         nproc = _positive_int("--nproc", nproc)
+        hosts, argv = _take_option(argv, "--hosts")
+        node_rank, argv = _take_option(argv, "--node_rank")
+        port, argv = _take_option(argv, "--port")
+        max_restarts, argv = _take_option(argv, "--max_restarts")
+        for flag, value in (("--hosts", hosts), ("--node_rank", node_rank), ("--port", port), ("--max_restarts", max_restarts)):
+            if value is not None and nproc is None:
+                raise ConfigError(f"{flag} needs --nproc")
+        node_rank, port = _count("--node_rank", node_rank), _positive_int("--port", port)
+        max_restarts = _count("--max_restarts", max_restarts)
         check, argv = _take_option(argv, "--check", takes_value=False)
         check_world_size, argv = _take_option(argv, "--check_world_size")
         check_world_size = _positive_int("--check_world_size", check_world_size)
@@ -139,8 +164,11 @@ def main(argv: list[str] | None = None) -> int:
 
         if check is not None:
             from tessera.trainer.check import describe
+            from tessera.trainer.ft_plan import group_world_size
 
-            world_size = check_world_size or nproc or int(os.environ.get("WORLD_SIZE", "1"))
+            # --nproc and --check_world_size count the whole job's ranks: with fault tolerance, its replica groups'
+            world_size = group_world_size(check_world_size or nproc, config) if check_world_size or nproc else \
+                int(os.environ.get("WORLD_SIZE", "1"))
             device = check_device or ("cuda" if check_world_size else None)
             try:
                 plan = make_plan(config, world_size, device, check_only=True)
@@ -151,8 +179,20 @@ def main(argv: list[str] | None = None) -> int:
             _print_for_a_reader(describe(plan))
             return 0
         if nproc is not None:
-            make_plan(config, nproc)  # every config error once, before any worker starts
-            return _launch_local(nproc, argv, config.job.stop_grace_seconds)
+            from tessera.trainer import launch
+            from tessera.trainer.ft_plan import group_world_size
+
+            host_list, node = launch.node_layout([h for h in (hosts or "").split(",") if h], node_rank)
+            one_group = launch.GROUP_LAUNCHER_ENV in os.environ  # launching a replica group's ranks alone
+            world = nproc * len(host_list)
+            # every config error once, before any worker starts (with fault tolerance: for one replica group)
+            make_plan(config, world if one_group else group_world_size(world, config))
+            restarts = 3 if max_restarts is None else max_restarts
+            port = port or launch.DEFAULT_PORT
+            if config.fault_tolerance.enable and not one_group:
+                return launch.launch_replica_groups(nproc, host_list, node, port, restarts, argv, config)
+            return _launch_local(nproc, argv, config.job.stop_grace_seconds, launch.rendezvous(host_list, port, "job"),
+                                 restarts if config.fault_tolerance.enable else (max_restarts or 0))
         from tessera.trainer.train import train
 
         die_with_launcher()

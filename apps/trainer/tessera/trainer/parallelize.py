@@ -82,7 +82,9 @@ def parallelize(model: nn.Module, plan: JobPlan, meshes: Meshes | None) -> nn.Mo
     if plan.compile.blocks:
         if plan.tensor_parallel.async_tp:  # the plan checked CUDA, TP and compile
             tp.enable_async_tp(meshes.tp, plan.device, compile_enabled=True)
-        apply_compile(model, backend=plan.compile.backend, memory_budget=ac.memory_budget, pareto_dir=ac.pareto_dir)
+        # expert-parallel experts get FSDP hooks of their own inside the block, where dynamo breaks the graph
+        apply_compile(model, backend=plan.compile.backend, memory_budget=ac.memory_budget, pareto_dir=ac.pareto_dir,
+                      fullgraph=not (experts and dims.fsdp_enabled))
         if dims.tp_enabled:
             _copy_first_block_input(model)
     if ac.mode == "offload":  # hooks around the blocks, compiled or not
@@ -166,6 +168,8 @@ def build_parallel_model(plan: JobPlan, meshes: Meshes | None, loss_fn: LossFn) 
         torch.manual_seed(seed)
     for part in parts:
         materialise(part, plan)
+    if pipeline is not None:  # stages initialised apart (off CPU) hold differing copies of a shared module
+        pipeline.copy_shared_weights()
     if isinstance(loss_fn, ChunkedCrossEntropy):
         loss_fn.bind(parts)
     return ParallelModel(parts, pipeline)

@@ -23,8 +23,10 @@ from tessera.fsdp import MIXED_PRECISION_DTYPES
 from tessera.mesh import MeshLayout, ParallelDims, device_type, mesh_layout, resolve_parallel_dims
 from tessera.models import ModelSpec, RunLayout, choose_kernel, get_model_spec, plain_causal
 from tessera.trainer.chunked_loss import hidden_output_style
-from tessera.trainer.config import ActivationCheckpoint, ConfigError, JobConfig, Optimizer, user_directory, user_input
+from tessera.trainer.config import (ActivationCheckpoint, ConfigError, JobConfig, Loss, Optimizer, user_directory,
+                                    user_input)
 from tessera.trainer.converters import ModelConverter, build_converters
+from tessera.trainer.ft_plan import FaultTolerancePlan, fault_tolerance_plan
 from tessera.trainer.hf_assets import check_hf_weights, flavor_args, initial_load_folder
 from tessera.trainer.param_groups import resolve_groups
 from tessera.trainer.sub_plans import (AttentionPlan, BatchPlan, CheckpointingPlan, CompilePlan, ExpertPlan, FsdpPlan,
@@ -58,6 +60,7 @@ class JobPlan:
     compile: CompilePlan
     optimizer: OptimizerPlan
     loss: LossPlan
+    fault_tolerance: FaultTolerancePlan  # torchft replica groups (enabled False: none)
     flops_per_token: float
     seed: int  # debug.seed: weights, data order, dropout
     dataset: str | None  # None: the embedded corpus
@@ -142,13 +145,15 @@ def make_plan(config: JobConfig, world_size: int, device: str | None = None, *, 
     _check_layout(config, dims, device, attention)
     _check_checkpoint(config, spec, world_size)
     _check_paths(config, notes if check_only else None)
-    check_hf_weights(config, spec, args)
+    hf_warnings = check_hf_weights(config, spec, args)
     dataset = _source_or_note(lambda: dataset_source(training), notes if check_only else None)
     validation = _source_or_note(lambda: _validation_source(config), notes if check_only else None) if config.validation.enable else None
-    batch, pipeline = _batch(config, dims), _pipeline(config, spec, meta_model, dims, device)
+    fault_tolerance = fault_tolerance_plan(config, dims, meta_model, device, notes if check_only else None)
+    batch, pipeline = _batch(config, dims, fault_tolerance.groups), _pipeline(config, spec, args, meta_model, dims, device)
+    mtp_scale = _multi_token_prediction(config, spec, args)
     loss_parallel = dims.tp_enabled and not par.disable_loss_parallel
     optimizer, warnings = _optimizer(config, spec, meta_model)
-    warnings += _check_converters(config, spec, converters, meta_model)
+    warnings += _check_converters(config, spec, converters, meta_model) + hf_warnings
     _check_chunked_loss(config, converters, meta_model)
     if config.activation_checkpoint.mode == "offload" and device == "cpu":
         warnings.append("activation_checkpoint.mode offload on a CPU copies the activations within host memory: "
@@ -160,14 +165,15 @@ def make_plan(config: JobConfig, world_size: int, device: str | None = None, *, 
         fsdp=FsdpPlan(pipeline.reshard_after_forward if pipeline else par.fsdp_reshard_after_forward,
                       training.enable_cpu_offload, par.fsdp_reduce_every_microbatch),
         tensor_parallel=TensorParallelPlan(styles, par.enable_async_tensor_parallel),
-        pipeline=pipeline, experts=ExpertPlan(config.debug.moe_force_load_balance),
+        pipeline=pipeline, experts=ExpertPlan(config.debug.moe_force_load_balance, par.expert_capacity_factor,
+                                              par.expert_capacity_overflow),
         attention=attention, checkpointing=_checkpointing(config),
         compile=CompilePlan(_compiles(config, "model"), config.compile.backend), optimizer=optimizer,
         # a compiled cross-entropy of vocab-sharded logits bypasses loss parallel (torch 2.13: the
         # local shard's loss, 2.6 instead of 8.2 on the debug model), so it stays eager there
         loss=LossPlan(loss_parallel, _compiles(config, "loss") and not loss_parallel,
-                      1 / batch.accumulation, training.loss_chunk_size),
-        flops_per_token=_flops_per_token(config, spec, args), seed=config.debug.seed,
+                      1 / batch.accumulation, training.loss_chunk_size, mtp_scale),
+        fault_tolerance=fault_tolerance, flops_per_token=_flops_per_token(config, spec, args), seed=config.debug.seed,
         dataset=dataset, validation_dataset=validation, notes=tuple(notes), warnings=tuple(warnings),
     )
 
@@ -289,15 +295,16 @@ def _flops_per_token(config: JobConfig, spec: ModelSpec, args) -> float:
     return total - (total - spec.flops_per_token(args, 0)) / 2
 
 
-def _batch(config: JobConfig, dims: ParallelDims) -> BatchPlan:
-    local, global_ = config.training.local_batch_size, config.training.global_batch_size
-    if global_ > 0 and global_ % (local * dims.dp):
+def _batch(config: JobConfig, dims: ParallelDims, replica_groups: int = 1) -> BatchPlan:
+    """replica_groups: fault tolerance's groups, each dims.dp data-parallel ranks of its own."""
+    local, global_, dp = config.training.local_batch_size, config.training.global_batch_size, dims.dp * replica_groups
+    if global_ > 0 and global_ % (local * dp):
         raise ConfigError(
             f"training.global_batch_size {global_} is not a multiple of local_batch_size * data-parallel degree = "
-            f"{local} * {dims.dp}"
+            f"{local} * {dp}" + (f" ({dims.dp} per replica group x {replica_groups} groups)" if replica_groups > 1 else "")
         )
-    accumulation = global_ // (local * dims.dp) if global_ > 0 else 1
-    return BatchPlan(local, dims.dp, accumulation, config.training.seq_len, dims.tp * dims.cp * dims.pp)
+    accumulation = global_ // (local * dp) if global_ > 0 else 1
+    return BatchPlan(local, dp, accumulation, config.training.seq_len, dims.tp * dims.cp * dims.pp)
 
 
 def _meta_model(spec: ModelSpec, args) -> torch.nn.Module:
@@ -353,7 +360,22 @@ def _check_chunked_loss(config: JobConfig, converters, meta_model: Callable[[], 
                               "keep it unconverted or set loss_chunk_size 0")
 
 
-def _pipeline(config: JobConfig, spec: ModelSpec, meta_model: Callable[[], torch.nn.Module], dims: ParallelDims,
+def _multi_token_prediction(config: JobConfig, spec: ModelSpec, args) -> float | None:
+    """loss.mtp_scale where the model has multi-token-prediction modules (ModelSpec.mtp_layers),
+    else None; the key means nothing without them."""
+    model = f"{spec.name}/{config.model.flavor}"
+    if not spec.mtp_layers(args):
+        if config.loss.mtp_scale != Loss().mtp_scale:
+            raise ConfigError(f"loss.mtp_scale weighs multi-token prediction, which {model} does not have "
+                              "(DeepSeek-V3's: a *_mtp flavor, or num_nextn_predict_layers in config.json)")
+        return None
+    if config.training.loss_chunk_size:
+        raise ConfigError(f"training.loss_chunk_size with multi-token prediction ({model}) is not supported yet: its "
+                          "modules project their own whole logits; set loss_chunk_size 0")
+    return config.loss.mtp_scale
+
+
+def _pipeline(config: JobConfig, spec: ModelSpec, args, meta_model: Callable[[], torch.nn.Module], dims: ParallelDims,
               device: str) -> PipelinePlan | None:
     """The stages, micro-batches and FSDP resharding of a pipelined run, every choice checked."""
     par = config.parallelism
@@ -361,7 +383,9 @@ def _pipeline(config: JobConfig, spec: ModelSpec, meta_model: Callable[[], torch
         return None
     model = meta_model()  # the module names to cut at, following tessera.pp's conventions
     inputs, n_layers, outputs = pp.model_parts_names(model)
-    first = {id(p) for name in inputs for p in model.get_submodule(name).parameters()}
+    # a module the last stage also runs (shared_with_last_stage: a tied embedding) gets a copy there
+    shared = getattr(model, "shared_with_last_stage", ())
+    first = {id(p) for name in inputs if name not in shared for p in model.get_submodule(name).parameters()}
     if any(id(p) in first for name in outputs for p in model.get_submodule(name).parameters()):
         raise ConfigError(f"model.flavor {config.model.flavor} ties the output to the embedding, which pipeline stages "
                           "cannot share; use pipeline_parallel_degree 1 for it")
@@ -380,6 +404,12 @@ def _pipeline(config: JobConfig, spec: ModelSpec, meta_model: Callable[[], torch
         else:
             pp.check_split(parts, n_layers, **names)
             pp.check_stage_count(len(parts), dims.pp, schedule, f"the stage split names {len(parts)} stages")
+    # the multi-token-prediction modules (the last blocks) use the output projection, which the last stage holds
+    stray = [f"layers.{i}" for i in range(n_layers - spec.mtp_layers(args), n_layers) if f"layers.{i}" not in parts[-1]]
+    if stray:
+        raise ConfigError(f"pipeline stages: multi-token prediction's {stray[0]} must be on the last stage, with the "
+                          "output projection it uses: lower pipeline_parallel_last_stage_less_layers, or name it in "
+                          "module_fqns_per_model_part's last stage")
     try:
         pp.check_backend(schedule, device)
     except ValueError as e:
@@ -465,6 +495,8 @@ def _check_family(config: JobConfig, spec: ModelSpec, args, dims: ParallelDims, 
 def _check_expert_parallel(config: JobConfig, spec: ModelSpec, args, dims: ParallelDims) -> None:
     if config.debug.moe_force_load_balance and not spec.n_experts(args):
         raise ConfigError(f"debug.moe_force_load_balance: {spec.name}/{config.model.flavor} has no experts")
+    if config.parallelism.expert_capacity_factor is not None and not spec.n_experts(args):
+        raise ConfigError(f"parallelism.expert_capacity_factor: {spec.name}/{config.model.flavor} has no experts")
     etp = config.parallelism.expert_tensor_parallel_degree
     if etp not in (1, dims.tp):  # torchtitan 0.2: etp = tp (experts split like the rest) or 1 (tp joins ep)
         raise ConfigError(f"parallelism.expert_tensor_parallel_degree {etp} must be 1 or tensor_parallel_degree {dims.tp}")
@@ -518,9 +550,6 @@ def _check_layout(config: JobConfig, dims: ParallelDims, device: str, attention:
             raise ConfigError("context_parallel_rotate_method alltoall runs torch's ring on the flash kernel, which takes no "
                               "document mask (model.attn_mask_type block_causal), no window, chunk or sink layers, and on "
                               "CUDA no fp32 (training.mixed_precision_param float32): use allgather")
-        if _compiles(config, "model"):
-            raise ConfigError("compile.enable with context_parallel_degree > 1 is not supported yet: the context-parallel "
-                              "attention's collectives break the compiled block's graph")
     if config.parallelism.enable_async_tensor_parallel:
         # an inductor pass over symmetric memory, which only CUDA has; elsewhere it would do nothing
         missing = [what for what, ok in (("CUDA", device == "cuda"), ("tensor_parallel_degree > 1", dims.tp_enabled),

@@ -12,11 +12,12 @@ from collections.abc import Iterator
 
 from tessera.trainer.errors import ConfigError
 
-# Where a key's name comes from: torchtitan 0.2.2's JobConfig, Tessera, or an older torchtitan
-# name still read.
+# Where a key's name comes from: torchtitan 0.2.2's JobConfig, Tessera, an older torchtitan name
+# still read, or a newer torchtitan's (its main branch, after 0.2.2).
 TORCHTITAN = "torchtitan 0.2.2"
 TESSERA = "tessera"
 OLDER_TORCHTITAN = "torchtitan 0.1"
+NEWER_TORCHTITAN = "torchtitan main"
 
 # A bound: its test and its error ("{}": the value).
 BOUNDS = {

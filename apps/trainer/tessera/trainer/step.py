@@ -27,6 +27,7 @@ from tessera import cp, fsdp, pp, tp
 from tessera.trainer.chunked_loss import ChunkedCrossEntropy
 from tessera.trainer.faults import TrainingError
 from tessera.trainer.plan import JobPlan
+from tessera.trainer.replica_sync import ALONE, ReplicaSync
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # (inputs, labels, **model_kwargs) of one micro-batch -> its detached loss, already divided by
@@ -73,6 +74,12 @@ def micro_batch_loss(loss_fn: LossFn, plan: JobPlan) -> LossFn:
     return lambda out, labels: loss_fn(out, labels) * scale
 
 
+def _training_labels(plan: JobPlan, labels: torch.Tensor) -> dict:
+    """The model's own keyword for the labels: a model with multi-token prediction trains its
+    modules on them inside its forward (ModelSpec.mtp_layers); validation passes none."""
+    return {"labels": labels} if plan.loss.mtp_scale is not None else {}
+
+
 def plain_forward_backward(model: nn.Module, loss_fn: LossFn, plan: JobPlan) -> ForwardBackward:
     """The whole model on every rank of a data-parallel (and tensor-parallel) group."""
     autocast, step_loss = compute_context(plan), micro_batch_loss(loss_fn, plan)
@@ -81,7 +88,7 @@ def plain_forward_backward(model: nn.Module, loss_fn: LossFn, plan: JobPlan) -> 
         # loss parallel's cross-entropy backward only works inside its context, too
         with tp.loss_parallel_context(plan.loss.parallel):
             with autocast():
-                loss = step_loss(model(inputs, **model_kwargs), labels)
+                loss = step_loss(model(inputs, **_training_labels(plan, labels), **model_kwargs), labels)
             loss.backward()
         return plain_value(loss)
 
@@ -135,8 +142,9 @@ def pipelined_forward_backward(pipeline: pp.Pipeline, plan: JobPlan, pp_mesh) ->
     autocast = compute_context(plan)
 
     def forward_backward(inputs: torch.Tensor, labels: torch.Tensor, **model_kwargs) -> torch.Tensor:
+        kwargs = _stage_kwargs(inputs, plan, {**_training_labels(plan, labels), **model_kwargs})
         with tp.loss_parallel_context(plan.loss.parallel), autocast():
-            loss = pipeline.run(inputs, labels, **_stage_kwargs(inputs, plan, model_kwargs))
+            loss = pipeline.run(inputs, labels, **kwargs)
         return _from_last_stage(loss, plan.device, pp_mesh)
 
     return forward_backward
@@ -232,9 +240,15 @@ class SkippedSteps:
 def make_train_step(
     parts: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer], scheduler, forward_backward: ForwardBackward,
     plan: JobPlan, post_optimizer_hooks: Sequence[Callable[[nn.Module], None]] = (), pp_mesh=None,
+    shared_copies: Sequence[torch.Tensor] = (), replicas: ReplicaSync = ALONE,
 ) -> Callable[[Iterator[tuple[torch.Tensor, torch.Tensor]]], StepResult]:
     """parts: the model or this rank's pipeline stages, one optimizer each; pp_mesh (pipeline
-    parallel) joins the stages' gradient norms.
+    parallel) joins the stages' gradient norms; shared_copies: the last stage's copies of modules
+    it shares with the first (tessera.pp's Pipeline.shared_copies), whose weights the norm counts
+    once, at the first stage, and which are clipped alike; replicas: fault tolerance's replica
+    groups (tessera.trainer.replica_sync), which average the gradients and the loss before
+    clipping and decide whether the step counts: a step that does not leaves the optimizers and
+    the lr schedule as they were.
 
     A non-finite gradient norm skips the optimizer step: parameters, moments and step counts stay
     as they were (one bad batch must not poison the weights). Fused optimizers decide that on
@@ -244,7 +258,8 @@ def make_train_step(
     the norm's finiteness each step and leave the step and the hooks out on the host."""
     sync = gradient_sync(parts, plan)
     accumulation, max_norm, device = plan.batch.accumulation, plan.optimizer.max_norm, plan.device
-    params = [p for part in parts for p in part.parameters()]
+    copies = {id(p) for p in shared_copies}
+    params = [p for part in parts for p in part.parameters() if id(p) not in copies]
     on_device = all(optimizer.defaults.get("fused") for optimizer in optimizers)
 
     def train_step(batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
@@ -253,19 +268,24 @@ def make_train_step(
             sync(micro == accumulation - 1)  # reduce gradients after the last micro-batch (see gradient_sync)
             inputs, labels = next(batches)
             loss += forward_backward(inputs.to(device), labels.to(device))
+        loss = replicas.average([*params, *shared_copies], loss)
         grad_norm = fsdp.clip_grad_norm_(params, max_norm, pp_mesh=pp_mesh, error_if_nonfinite=False)
+        if shared_copies:  # the same coefficient as their first-stage twins, which hold the same gradients
+            torch.nn.utils.clip_grads_with_norm_(shared_copies, max_norm, grad_norm)
         lr = scheduler.get_last_lr()[0]
         skipped = (~torch.isfinite(grad_norm)).float()
         if on_device:
             for optimizer in optimizers:
                 optimizer.found_inf = skipped
-        if on_device or not skipped.item():
+        counts = replicas.commit()
+        if counts and (on_device or not skipped.item()):
             for optimizer in optimizers:
                 optimizer.step()
             for hook in post_optimizer_hooks:
                 for part in parts:
                     hook(part)
-        scheduler.step()
+        if counts:
+            scheduler.step()
         for optimizer in optimizers:
             optimizer.zero_grad(set_to_none=True)
         return StepResult(loss, grad_norm, lr, skipped)

@@ -67,6 +67,8 @@ class TensorParallelPlan:
 @dataclasses.dataclass(frozen=True)
 class ExpertPlan:
     force_load_balance: bool  # route tokens round-robin (benchmarks)
+    capacity_factor: float | None = None  # None: dropless; else each expert's capacity, in even shares of the slots
+    capacity_overflow: str = "drop"  # what becomes of the slots over capacity: drop or reroute
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,3 +194,5 @@ class LossPlan:
     compiled: bool  # never under loss parallel: a compiled loss would see only its vocabulary shard
     scale: float  # each micro-batch's share of the step's mean loss: 1 / accumulation
     chunk_size: int = 0  # tokens per chunk of the chunked loss (tessera.trainer.chunked_loss); 0: whole logits
+    # loss.mtp_scale of a model with multi-token prediction, whose forward then takes the labels; None: none
+    mtp_scale: float | None = None

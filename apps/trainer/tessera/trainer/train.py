@@ -29,6 +29,7 @@ from tessera.trainer.checkpointing import Checkpointer
 from tessera.trainer.config import JobConfig, to_dict, user_input
 from tessera.trainer.data_wiring import data_source, datasets, tokenising_peers, training_loader, user_batches
 from tessera.trainer.family_hooks import FamilyHooks
+from tessera.trainer.fault_tolerance import replica_group
 from tessera.trainer.faults import (
     StopSignals, any_rank, inject_fault, stalled_collective, tighten_timeouts,
 )
@@ -119,14 +120,18 @@ def _train(plan: JobPlan, info) -> list[dict]:
     tokenizer = load_tokenizer(tokenizer_source(config))
     with user_input():
         train_sets, weights, val_dataset = datasets(plan, say=info.rank == 0)
-        loader = training_loader(plan, train_sets, weights, tokenizer, dp_rank, dp, peers)
+        # with fault tolerance each replica group reads its own share
+        loader = training_loader(plan, train_sets, weights, tokenizer, *plan.fault_tolerance.data_shard(dp_rank, dp), peers)
 
     loss_fn = build_loss(plan)
     model = build_parallel_model(plan, meshes, loss_fn)
     optimizers = build_optimizers(model.parts, plan.optimizer)
     scheduler = optimizers.scheduler
-    checkpointer = Checkpointer(config, plan, model.parts, optimizers.per_part, scheduler, loader, info.rank,
-                                pp_group=meshes.pp.get_group() if meshes.pp is not None else None, tokenizer=tokenizer)
+    replicas = replica_group(plan, info.rank, info.world_size, model.parts, loader)  # fault tolerance: torchft
+    checkpointer = Checkpointer(replicas.checkpoint_config(config), plan, model.parts, optimizers.per_part, scheduler,
+                                loader, info.rank, pp_group=meshes.pp.get_group() if meshes.pp is not None else None,
+                                tokenizer=tokenizer, extra_states=replicas.checkpoint_states(),
+                                writes=replicas.writes_checkpoints)
     with user_input():
         if config.checkpoint.create_seed_checkpoint:
             checkpointer.save_seed()
@@ -135,9 +140,10 @@ def _train(plan: JobPlan, info) -> list[dict]:
 
     forward_backward, evaluate = step_functions(model.parts, model.pipeline, loss_fn, plan, meshes, tokenizer.bos_id)
     family = FamilyHooks(plan, model.parts, meshes)
-    train_step = make_train_step(
+    train_step = replicas.steps(make_train_step(
         model.parts, optimizers.all, scheduler, forward_backward, plan, (*plan.post_optimizer_hooks, family), pp_mesh=meshes.pp,
-    )
+        shared_copies=model.pipeline.shared_copies() if model.pipeline is not None else (), replicas=replicas.sync,
+    ))
     logger = MetricLogger(
         training.steps, metric_sinks(config, dump, info.rank, is_logging_rank),
         color=not config.metrics.disable_color_printing and sys.stdout.isatty() and not os.environ.get("NO_COLOR"),
@@ -168,6 +174,7 @@ def _train(plan: JobPlan, info) -> list[dict]:
     run_validation = validation_runner(model, evaluate, val_dataset, plan, tokenizer, dp_rank, meshes.loss, peers, logger,
                                        is_logging_rank) if config.validation.enable else None
 
+    start_step = replicas.join(checkpointer, start_step)  # a replica group behind its peers recovers from them
     history, step = [], start_step
     # the per-step flags travel over gloo in host memory: no wait for the device's queued work
     host_group = (None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")) if dist.is_initialized() else None
@@ -181,7 +188,8 @@ def _train(plan: JobPlan, info) -> list[dict]:
             timer.restart()
             for step in range(start_step + 1, training.steps + 1):
                 collect_garbage(step, training, is_logging_rank)
-                inject_fault(config.debug, info.rank, step, config.comm.train_timeout_seconds)
+                inject_fault(config.debug, plan.fault_tolerance.job_rank(info.rank, info.world_size), step,
+                             config.comm.train_timeout_seconds)
                 result = train_step(batches)
                 skips.add(result)  # ordinary steps read nothing back from the device: only log steps do
                 if profiler is not None:
@@ -226,6 +234,7 @@ def _train(plan: JobPlan, info) -> list[dict]:
         stop.close()
         logger.close()
         checkpointer.close()
+        replicas.close()
     if info.rank == 0:
         print(run_summary(history, step - start_step, plan.batch.global_tokens, time.perf_counter() - started,
                           checkpointer.last_saved), flush=True)

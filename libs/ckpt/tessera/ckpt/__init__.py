@@ -2,7 +2,7 @@
 
 from tessera.ckpt.dcp_io import load_into
 from tessera.ckpt.formats import check_state_dict, dcp_to_torch_save, read_dcp, torch_save_to_dcp, write_dcp
-from tessera.ckpt.hf import export_hf, import_hf, load_hf, save_hf
+from tessera.ckpt.hf import export_hf, hf_tensor_names, import_hf, load_hf, quantized_weights, save_hf
 from tessera.ckpt.manager import ASYNC_MODES, EXPORT_DTYPES, CheckpointManager
 from tessera.ckpt.states import ModelState, OptimizerState, RankLocalState, rng_state
 
@@ -19,6 +19,8 @@ __all__ = [
     "import_hf",
     "load_hf",
     "load_into",
+    "hf_tensor_names",
+    "quantized_weights",
     "read_dcp",
     "rng_state",
     "save_hf",

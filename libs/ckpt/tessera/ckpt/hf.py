@@ -44,6 +44,10 @@ Plan = list[tuple[str, list[str]]]  # (file name, tensor names in it), in writin
 # HF name -> (model key, index) when the HF tensor is ``model_tensor[index]`` of a tensor stacked
 # on dim 0 (e.g. ``lambda name: spec.hf_adapter.stacked_slice(name, args)``), else None.
 Stacked = Callable[[str], tuple[str, int] | None]
+# Model key -> the name of the group of model tensors ``to_hf`` converts in one call (a layer's
+# experts w1 and w3, which HF fuses into one tensor: ``spec.hf_adapter.export_group``), or None
+# for a tensor converted alone.
+Together = Callable[[str], str | None]
 # Suffixes of the HF tensors that hold one weight together (MXFP4: the 4-bit blocks, their scales).
 COMPANIONS = ("_blocks", "_scales")
 
@@ -205,6 +209,19 @@ def _groups(names: list[str]) -> dict[str, tuple[str, ...]]:
     return groups
 
 
+def hf_tensor_names(folder: str | os.PathLike) -> list[str]:
+    """The tensor names a Hugging Face folder holds, from the file headers only."""
+    return [name for shapes in _file_shapes(Path(folder)).values() for name in shapes]
+
+
+def quantized_weights(folder: str | os.PathLike) -> list[str]:
+    """The weights a Hugging Face folder stores quantised as companions (``COMPANIONS``: MXFP4's
+    ``<name>_blocks`` + ``<name>_scales``), by ``<name>``, from the file headers only: what a
+    loader must dequantise (the adapter's job, ``import_hf`` hands it both)."""
+    names = hf_tensor_names(folder)
+    return [members[0].removesuffix(COMPANIONS[0]) for members in _groups(names).values() if len(members) > 1]
+
+
 def _convert_names(tensors: dict[str, torch.Tensor], groups: dict[str, tuple[str, ...]], convert: Convert,
                    source: str) -> dict[str, dict[str, torch.Tensor]]:
     """What ``convert`` makes of each group of tensors (``_groups``): first name -> {converted
@@ -359,16 +376,31 @@ def _whole(value: torch.Tensor | None, meta: torch.Tensor, owner: int, stages: _
     return full
 
 
-def _gathered(model_state: dict[str, torch.Tensor], metas: dict[str, torch.Tensor], owners: dict[str, int],
-              keys: list[str], to_hf: Convert, dtype: torch.dtype | None, stages: _Stages,
-              keep: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    """The model's tensors in HF names as CPU tensors of ``dtype`` on the writer (``keep``); every
-    rank walks the same keys in the same order, since the gathers are collective."""
+def _export_groups(keys: list[str], together: Together | None) -> dict[str, tuple[str, ...]]:
+    """The model tensors converted together (``together``), by their first key; the rest alone."""
+    groups, first = {}, {}
     for key in keys:
-        full = _whole(model_state.get(key), metas[key], owners[key], stages)
+        name = together(key) if together is not None else None
+        if name is None:
+            groups[key] = (key,)
+        elif name in first:
+            groups[first[name]] += (key,)
+        else:
+            first[name], groups[key] = key, (key,)
+    return groups
+
+
+def _gathered(model_state: dict[str, torch.Tensor], metas: dict[str, torch.Tensor], owners: dict[str, int],
+              groups: list[tuple[str, ...]], to_hf: Convert, dtype: torch.dtype | None, stages: _Stages,
+              keep: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's tensors in HF names as CPU tensors of ``dtype`` on the writer (``keep``), one
+    group (``_export_groups``) at a time; every rank walks the same keys in the same order, since
+    the gathers are collective."""
+    for keys in groups:
+        fulls = {key: _whole(model_state.get(key), metas[key], owners[key], stages) for key in keys}
         if keep:
-            yield from ((name, tensor.to("cpu", dtype)) for name, tensor in to_hf({key: full}).items())
-        del full  # before the next gather: one full tensor alive at a time
+            yield from ((name, tensor.to("cpu", dtype)) for name, tensor in to_hf(fulls).items())
+        del fulls  # before the next gather: one group's full tensors alive at a time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -398,14 +430,15 @@ def _stage_metas(model_state: dict[str, torch.Tensor], pp_group) -> tuple[dict[s
 
 def export_hf(model: nn.Module | Sequence[nn.Module], folder: str | os.PathLike, to_hf: Convert, *,
               dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 10**9, pp_group=None,
-              extra_files: ExtraFiles | None = None) -> bool:
+              extra_files: ExtraFiles | None = None, together: Together | None = None) -> bool:
     """Writes ``model`` (plain or DTensor parameters) as a Hugging Face folder, cast to ``dtype``
     (default: as the model holds it). Collective. Under pipeline parallel pass this rank's stages
     (modules whose parameter names are the whole model's) and the pipeline's process group: the
     tensors of the other stages travel to rank 0, one at a time.
 
     Files are planned up front from the global shapes (``save_hf``'s layout), then filled one
-    tensor at a time: rank 0 holds at most one file's tensors (on the CPU), the others one tensor.
+    tensor at a time: rank 0 holds at most one file's tensors (on the CPU), the others one tensor
+    (the tensors ``together`` names alike: one group of them, converted in one call).
     Written to ``.<name>.tmp`` next to ``folder`` and renamed when complete, so ``folder`` is
     whole or absent (a failed write removes the tmp folder; its OSError names ``folder``).
     Returns False, writing nothing, when ``folder`` already exists.
@@ -422,11 +455,12 @@ def export_hf(model: nn.Module | Sequence[nn.Module], folder: str | os.PathLike,
         model_state.update(get_model_state_dict(part))
     metas, owners, stages = _stage_metas(model_state, pp_group)
     cast = {key: meta.to(dtype) if dtype else meta for key, meta in metas.items()}
-    hf_metas = _convert_names(cast, {key: (key,) for key in cast}, to_hf, f"Hugging Face export {final}")
+    groups = _export_groups(list(cast), together)
+    hf_metas = _convert_names(cast, groups, to_hf, f"Hugging Face export {final}")
     sizes = {name: _nbytes(meta) for names in hf_metas.values() for name, meta in names.items()}
     plan = _shard_plan(sizes, max_shard_bytes)
-    keys = [key for key, names in hf_metas.items() if names]
-    tensors = _gathered(model_state, metas, owners, keys, to_hf, dtype, stages, writer)
+    kept = [groups[first] for first, names in hf_metas.items() if names]
+    tensors = _gathered(model_state, metas, owners, kept, to_hf, dtype, stages, writer)
     tmp = final.with_name(f".{final.name}.tmp")
     try:
         if writer:

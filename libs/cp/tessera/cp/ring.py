@@ -10,6 +10,13 @@ upgrade that changes them fails libs/cp's ring tests, not a run.
 
 Grouped-query attention: only the kv_heads K/V heads travel the ring; they are repeated to the
 query heads at each kernel call and their gradients summed back over each group.
+
+Forward and backward are custom ops (``tessera_cp::ring_attention`` and its backward), which
+torch.compile keeps whole as single nodes of a block's graph: traced into, torch 2.13's ring
+backward fails dynamo ("An intermediate tensor ... created inside a higher-order op subgraph
+aliases an input or output": dynamo speculates an autograd.Function's backward as a subgraph, and
+the ring's merging appends to Python lists; pytorch/pytorch#121386 tracks torch.compile with ring
+attention). The process group travels by name.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import contextlib
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor.experimental._context_parallel import _attention as torch_ring
 
 from tessera.mesh import fold_kv_heads, repeat_kv_heads
@@ -58,30 +66,74 @@ def _backward_kernel(device_type: str):
     return kernel
 
 
-# CUDA's flash kernel returns what its backward needs besides out and logsumexp; the CPU one does not.
-_CUDA_REST = ("cum_seq_q", "cum_seq_k", "max_q", "max_k", "philox_seed", "philox_offset")
+def _flash_rest(query: torch.Tensor, key: torch.Tensor) -> dict:
+    """What CUDA's flash backward takes besides out and logsumexp, as its forward returns it
+    without dropout (no sequence offsets, RNG state unused); the CPU kernel takes none."""
+    if query.device.type == "cpu":
+        return {}
+    unused = torch.empty((), dtype=torch.long)
+    return {"cum_seq_q": None, "cum_seq_k": None, "max_q": query.shape[2], "max_k": key.shape[2],
+            "philox_seed": unused, "philox_offset": unused}
 
 
-class _Ring(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, group: dist.ProcessGroup, rotate_method: str, load_balance: bool):
-        device = q.device.type
-        with _ring_options(rotate_method, load_balance):
-            out, lse, *rest = torch_ring._templated_ring_attention(
-                group, 2, _forward_kernel(device), q, k, v, is_causal=True, dropout_p=0.0)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.rotate_method, ctx.load_balance = group, rotate_method, load_balance
-        ctx.rest = {} if device == "cpu" else dict(zip(_CUDA_REST, rest))
-        return out
+def _fresh(outputs, inputs) -> tuple[torch.Tensor, ...]:
+    """The outputs contiguous and sharing memory with no input and no other output, as a custom
+    op must return them (the flash kernels return [batch, seq, heads, dim] layouts; the ring hands
+    dK and dV back as views of one buffer). Judged by storage, which a dispatch mode below
+    autograd (tools/estimate's byte counter) cannot hide, unlike ``_base``."""
+    taken, fresh = {t.untyped_storage().data_ptr() for t in inputs}, []
+    for t in outputs:
+        if t.untyped_storage().data_ptr() in taken or not t.is_contiguous():
+            t = t.clone(memory_format=torch.contiguous_format)
+        taken.add(t.untyped_storage().data_ptr())
+        fresh.append(t)
+    return tuple(fresh)
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
-        with _ring_options(ctx.rotate_method, ctx.load_balance):
-            dq, dk, dv, *_ = torch_ring._templated_ring_attention_backward(
-                ctx.group, 2, _backward_kernel(q.device.type), grad_out, "grad_out", q, k, v, out, lse,
-                is_causal=True, dropout_p=0.0, **ctx.rest)
-        return dq, dk, dv, None, None, None
+
+@torch.library.custom_op("tessera_cp::ring_attention", mutates_args=())
+def _ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str, rotate_method: str,
+          load_balance: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    with _ring_options(rotate_method, load_balance):
+        out, lse, *_ = torch_ring._templated_ring_attention(
+            _resolve_process_group(group_name), 2, _forward_kernel(q.device.type), q, k, v, is_causal=True,
+            dropout_p=0.0)
+    return _fresh((out, lse), (q, k, v))
+
+
+@_ring.register_fake
+def _(q, k, v, group_name, rotate_method, load_balance):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("tessera_cp::ring_attention_backward", mutates_args=())
+def _ring_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, group_name: str, rotate_method: str,
+                   load_balance: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    with _ring_options(rotate_method, load_balance):
+        dq, dk, dv, *_ = torch_ring._templated_ring_attention_backward(
+            _resolve_process_group(group_name), 2, _backward_kernel(q.device.type), grad_out, "grad_out", q, k, v,
+            out, lse, is_causal=True, dropout_p=0.0, **_flash_rest(q, k))
+    return _fresh((dq, dk, dv), (grad_out, q, k, v, out, lse))
+
+
+@_ring_backward.register_fake
+def _(grad_out, q, k, v, out, lse, group_name, rotate_method, load_balance):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _save(ctx, inputs, output):
+    q, k, v, ctx.group_name, ctx.rotate_method, ctx.load_balance = inputs
+    ctx.save_for_backward(q, k, v, *output)
+
+
+def _ring_grad(ctx, grad_out, grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = _ring_backward(grad_out.contiguous(), q, k, v, out, lse, ctx.group_name, ctx.rotate_method,
+                                ctx.load_balance)
+    return dq, dk, dv, None, None, None
+
+
+_ring.register_autograd(_ring_grad, setup_context=_save)
 
 
 class RingAttention:
@@ -100,4 +152,4 @@ class RingAttention:
         self.group, self.rotate_method, self.load_balance = group, rotate_method, load_balance
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return _Ring.apply(q, k, v, self.group, self.rotate_method, self.load_balance)
+        return _ring(q, k, v, self.group.group_name, self.rotate_method, self.load_balance)[0]

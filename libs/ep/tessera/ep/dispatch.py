@@ -15,6 +15,13 @@ all E of them. Forward, per layer:
    caller's rows in the caller's order.
 
 Gloo (torch 2.13) runs variable-split ``all_to_all_single`` as NCCL does, so both use one path.
+
+The host read is the dropless exchange's price: ``all_to_all_single`` takes its split sizes as
+Python ints on every backend (torch 2.13 has no device-side splits), and a layer's counts are
+known only after the previous layer ran, so it is one read per MoE layer per forward. With a
+capacity per expert (the MoE layer's capacity-factor dispatch: x holds E groups of C rows) the
+splits are equal and known from the shapes: ``dispatch_equal`` / ``combine_equal`` exchange
+without counts, without a host read, and compile whole.
 """
 
 from dataclasses import dataclass
@@ -62,3 +69,20 @@ def combine(out: torch.Tensor, exchange: Exchange, group: dist.ProcessGroup) -> 
     order the caller passed them to ``dispatch``."""
     by_source = torch.zeros_like(out).index_copy(0, exchange.order, out)
     return all_to_all_single_autograd(by_source, exchange.send, exchange.recv, group)
+
+
+def dispatch_equal(x: torch.Tensor, n_local: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """x [E * C, dim]: C rows for each of the E global experts (rank r's experts are
+    [r * n_local, (r + 1) * n_local)) -> [n_local * ep * C, dim]: this rank's experts' rows from
+    every rank, grouped by local expert (ep * C rows each). Equal splits: no counts, no host read."""
+    ep = dist.get_world_size(group)
+    received = all_to_all_single_autograd(x.contiguous(), None, None, group)  # [ep (source), n_local, C, dim]
+    return received.view(ep, n_local, -1, x.shape[-1]).transpose(0, 1).reshape(-1, x.shape[-1])
+
+
+def combine_equal(out: torch.Tensor, n_local: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """The local experts' output as ``dispatch_equal`` grouped it -> [E * C, dim] in the caller's
+    layout."""
+    ep = dist.get_world_size(group)
+    by_source = out.view(n_local, ep, -1, out.shape[-1]).transpose(0, 1).reshape(-1, out.shape[-1])
+    return all_to_all_single_autograd(by_source, None, None, group)

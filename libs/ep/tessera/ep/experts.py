@@ -4,7 +4,9 @@ The seam (``tessera.models.moe.GroupedExperts`` follows it): ``forward(x, num_to
 takes the routed rows sorted by expert (x [N, dim], the first ``num_tokens_per_expert[0]`` rows
 for expert 0, ...; counts [E] long) and returns [N, dim] row for row; every parameter of the
 module is stacked over the experts on dim 0, and the module reads the number of experts from
-its weights, so one holding a dim-0 slice runs its local experts as is.
+its weights, so one holding a dim-0 slice runs its local experts as is. Counts None means E
+equal groups of rows (a capacity per expert): then the exchange has equal splits, needs no
+counts and reads nothing on the host.
 
 ``apply_ep`` keeps that signature: callers still pass their own rows and counts over all E
 experts. Parameters become DTensors ``Shard(0)`` on the 1-D ep mesh (rank r holds experts
@@ -23,17 +25,22 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from tessera.ep.degrees import check_ep_degree
 from tessera.mesh import local_parameters, swapped_class
-from tessera.ep.dispatch import combine, dispatch, plan_exchange
+from tessera.ep.dispatch import combine, combine_equal, dispatch, dispatch_equal, plan_exchange
 
 def _local_view(grad_divisor: int):
-    """A DTensor parameter seen as its local shard (differentiably: gradients reach the DTensor
+    """A DTensor parameter seen as its local experts (differentiably: gradients reach the DTensor
     as Shard(0) DTensors, divided by ``grad_divisor``). Under FSDP these are the unsharded
-    parameters FSDP has just gathered."""
+    parameters FSDP has just gathered. A parameter tensor parallel split first, on (ep, tp),
+    stays a DTensor on the tp mesh, which the module's tensor-parallel forward views its own way
+    (a tp-replicated one's gradient summed over the tp ranks' shares, as without ep)."""
     def view(param: DTensor) -> torch.Tensor:
         local = param.to_local()
         if grad_divisor != 1 and local.requires_grad:
             local.register_hook(lambda grad: grad / grad_divisor)
-        return local
+        mesh = param.device_mesh
+        if mesh.ndim == 1:
+            return local
+        return DTensor.from_local(local, mesh[mesh.mesh_dim_names[1:]], param.placements[1:], run_check=False)
     return view
 
 
@@ -47,10 +54,34 @@ def _row_share(x: torch.Tensor, counts: torch.Tensor, rank: int, size: int):
     return x[lo:hi], ends.clamp(lo, hi) - (ends - counts).clamp(lo, hi), (lo, n - hi)
 
 
+def _equal_groups_forward(module: nn.Module, cls: type, x: torch.Tensor, group) -> torch.Tensor:
+    """E groups of C rows (counts None): equal splits both ways, no counts exchanged. With rows
+    split over the tp ranks each sends C / tp rows of every expert (its slice of each group) and
+    gets zeros for the others' (the layer's reduce-scatter sums the shares)."""
+    n_experts = next(iter(module.parameters())).shape[0]
+    n_local = n_experts // module.ep_mesh.size()
+    split = module.ep_split_rows
+    groups = x.view(n_experts, -1, x.shape[-1])
+    capacity = groups.shape[1]
+    if split is not None:
+        share = capacity // split.size()
+        lo = split.get_local_rank() * share
+        groups = groups[:, lo:lo + share]
+    data_parallel = module.ep_mesh.size() // (split.size() if split is not None else 1)
+    with local_parameters(module, _local_view(data_parallel if module.ep_divides_grads else 1)):
+        out = combine_equal(cls.forward(module, dispatch_equal(groups.reshape(-1, x.shape[-1]), n_local, group), None),
+                            n_local, group)
+    if split is None:
+        return out
+    return F.pad(out.view(n_experts, -1, x.shape[-1]), (0, 0, lo, capacity - lo - share)).view(x.shape)
+
+
 def _ep_forward(cls: type):
     """A forward that exchanges rows between the ep ranks around ``cls.forward``."""
     def forward(self, x, num_tokens_per_expert):
         group = self.ep_mesh.get_group()
+        if num_tokens_per_expert is None:
+            return _equal_groups_forward(self, cls, x, group)
         n_counts, n_experts = num_tokens_per_expert.shape[0], next(iter(self.parameters())).shape[0]
         if n_counts != n_experts:
             raise ValueError(f"expert parallel: {n_counts} token counts for {n_experts} experts")
@@ -100,6 +131,8 @@ def apply_ep(experts: nn.Module | Iterable[nn.Module], ep_mesh: DeviceMesh | Non
         _shard(module, ep_mesh)
         module.ep_divides_grads = divide_grads_by_ep
         module.ep_split_rows = split_rows_over
+        # equal groups (a capacity per expert) split over those ranks in equal slices
+        module.capacity_multiple = split_rows_over.size() if split_rows_over is not None else 1
     return modules
 
 

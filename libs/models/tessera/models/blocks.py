@@ -115,10 +115,16 @@ def apply_activation_checkpointing(
 
 
 def apply_compile(model: nn.Module, backend: str = "inductor", *, memory_budget: float | None = None,
-                  pareto_dir: str | None = None) -> None:
+                  pareto_dir: str | None = None, fullgraph: bool = True) -> None:
     """Compile each block of ``model.layers`` on its own (``fullgraph=True``): the blocks are
     identical, so one graph is compiled and reused for all, and hooks that FSDP puts around each
     block (all-gather before, reshard after) stay outside the compiled regions.
+
+    ``fullgraph=False`` where a block holds a module with FSDP hooks of its own (expert-parallel
+    experts sharded over their own mesh): dynamo cannot trace FSDP2's hooks (torch 2.13 runs them
+    under ``torch._dynamo.disable``), so the block breaks there: the code before and after the
+    experts' call compiles as graphs of its own, and the experts' forward (the expert-parallel
+    exchange with it) as a frame of its own, whole where its shapes are static.
 
     ``memory_budget`` (0 to 1): the blocks' activation memory kept, as a fraction between
     recomputing everything the partitioner may (0) and its default choice (1): the min-cut
@@ -129,7 +135,7 @@ def apply_compile(model: nn.Module, backend: str = "inductor", *, memory_budget:
     if memory_budget is not None:
         backend = _with_budget(backend, memory_budget, pareto_dir)
     for name, block in model.layers.named_children():
-        model.layers.register_module(name, torch.compile(block, fullgraph=True, backend=backend))
+        model.layers.register_module(name, torch.compile(block, fullgraph=fullgraph, backend=backend))
 
 
 def _with_budget(backend: str, memory_budget: float, pareto_dir: str | None):

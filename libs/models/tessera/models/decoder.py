@@ -74,6 +74,8 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self._tie_output()
+        # tessera.pp: a tied output projection is the embedding's weight, so a pipeline's last stage keeps a copy
+        self.shared_with_last_stage = ("tok_embeddings",) if tie_embeddings else ()
         # Not persistent: derived from args, so checkpoints need not carry it.
         self.register_buffer("rope", self.rope_table(), persistent=False)
         self._rope_dtype = self.rope.dtype
@@ -128,8 +130,9 @@ class Decoder(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens [B, T] -> logits [B, T, vocab]. A stage without ``tok_embeddings`` takes hidden
-        states [B, T, dim]; without ``norm``/``output`` it returns hidden states.
+        """tokens [B, T] -> logits [B, T, vocab]. A later pipeline stage takes hidden states
+        [B, T, dim] instead (floating point: the last one may hold a copy of ``tok_embeddings``,
+        tessera.pp's ``shared_with_last_stage``); without ``norm``/``output`` it returns hidden states.
 
         positions: position ids (long, [T] or [B, T], each < ``max_seq_len``) of the T tokens,
         default 0..T-1; a rank holding a later part of a sequence passes that part's ids, and so
@@ -138,14 +141,22 @@ class Decoder(nn.Module):
         count documents, so they never decrease along a row); attention then stays within a
         document (block-causal). None: each layer's own mask alone.
         """
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        h, rope, attention = self._inputs(tokens, positions, document_ids)
+        for layer in self.layers.values():
+            h = layer(h, rope=rope, attention=attention)
+        return self._head(h)
+
+    def _inputs(self, tokens: torch.Tensor, positions: torch.Tensor | None,
+                document_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
+        """(the first block's input, the RoPE rows of the positions, the step's AttentionBatch)."""
+        h = tokens if tokens.is_floating_point() else self.tok_embeddings(tokens)
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=self.rope.device)
         # Indexed here, from the tokens: under sequence parallel h already holds only this rank's
         # shard of the sequence, while attention sees (and rotates) all T tokens.
         rope = self.rope[positions]
-        attention = attention_batch(self.layers, document_ids, positions.shape[-1], h.device)
-        for layer in self.layers.values():
-            h = layer(h, rope=rope, attention=attention)
+        return h, rope, attention_batch(self.layers, document_ids, positions.shape[-1], h.device)
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h

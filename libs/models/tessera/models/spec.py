@@ -27,6 +27,14 @@ def _no_force(model: nn.Module) -> None:
     pass
 
 
+def _no_mtp_scale(model: nn.Module, scale: float) -> None:
+    pass
+
+
+def _no_capacity(model: nn.Module, factor: float | None, overflow: str) -> None:
+    pass
+
+
 @dataclass(frozen=True)
 class RunLayout:
     """What a family may refuse a run for (``ModelSpec.refusals``): the parallel degrees, the
@@ -62,14 +70,26 @@ class StepHooks:
     after_optimizer_step(model, group) -> {name: tensor}: after every optimizer step, on every
         rank, for the model or each pipeline stage; ``group`` spans the ranks that see different
         tokens (data and context parallel; None alone). Returns readings for metrics (MoE: each
-        layer's tokens per expert), read by the trainer at log steps only.
+        layer's tokens per expert; with a capacity factor also ``<layer>/dropped``, the slots it
+        dropped, [] long), read by the trainer at log steps only.
     force_load_balance(model): a debugging switch for benchmarks: MoE routers send tokens to
         experts round-robin, so every expert gets the same load.
+    set_mtp_scale(model, scale): once after building, for a model with multi-token prediction
+        (``ModelSpec.mtp_layers``): the factor its loss (the mean over the depths) gets in
+        backward, the MTP weight (torchtitan's ``loss.mtp_scale``) times the factor the trainer
+        applies to each micro-batch's loss. That loss is computed as the main one is (under
+        tensor parallel, loss-parallel logits), so it takes no division by tp.
+    set_expert_capacity(model, factor, overflow): once after building: MoE layers dispatch with
+        a capacity of ``factor`` times their even share of the routed slots per expert (static
+        shapes; ``overflow`` "drop" or "reroute" says what becomes of the slots over it), or
+        dropless with ``factor`` None.
     """
 
     set_loss_scale: Callable[[nn.Module, float, int], None] = _no_loss_scale
     after_optimizer_step: Callable[[nn.Module, Any], dict] = _no_step
     force_load_balance: Callable[[nn.Module], None] = _no_force
+    set_mtp_scale: Callable[[nn.Module, float], None] = _no_mtp_scale
+    set_expert_capacity: Callable[[nn.Module, float | None, str], None] = _no_capacity
 
 
 NO_STEP_HOOKS = StepHooks()
@@ -99,9 +119,14 @@ class ModelSpec:
     hf_adapter: object with ``to_hf(state_dict, args)`` and ``from_hf(state_dict, args)``
         converting state dicts to and from Hugging Face names, or None. A family whose tensors
         stack several HF tensors on dim 0 (MoE experts) adds ``stacked_slice(hf_name, args)`` ->
-        (key, index) or None, so that a streaming import places them one at a time; a format
-        that cannot hold all of the trained state adds ``export_note(args)`` -> one line saying
-        what an export loses, or None, which exporters print.
+        (key, index) or None, so that a streaming import places them one at a time; one whose
+        ``to_hf`` fuses several model tensors into one HF tensor (Llama 4's experts) adds
+        ``export_group(key, args)`` -> the fused tensor's name or None, so that a streaming
+        export hands them over together; one whose ``from_hf`` dequantises adds
+        ``quantized_formats`` (e.g. ("mxfp4",), transformers' quant_method names), which lets a
+        trainer load a quantized checkpoint; a format that cannot hold all of the trained state
+        adds ``export_note(args)`` -> one line saying what an export loses, or None, which
+        exporters print.
     hf_config: object turning a Hugging Face ``config.json`` dict into args and back, or None:
         ``args_from_config(config, source)``, ``config_from_args(args, *, dtype=None,
         bos_token_id=None, eos_token_id=None)``, and ``check_config(args, config, source, target)``
@@ -112,8 +137,12 @@ class ModelSpec:
         the attribute name ``experts`` that follow the expert seam (``tessera.models.moe``);
         expert parallelism splits them.
     refusals: (args, RunLayout) -> ((what, why), ...): layouts the family cannot train and why
-        (MoE layers under TP with compile); a job plan stops on the first with one line
+        (MLA under context parallel); a job plan stops on the first with one line
         "<what> is not supported yet for <model>/<flavor>: <why>".
+    mtp_layers: args -> multi-token-prediction modules (0: none), the last blocks of ``layers``.
+        With any, the model's forward takes the micro-batch's next-token labels as ``labels=``
+        ([B, T]) in training and adds their loss to the gradients itself, at the scale
+        ``StepHooks.set_mtp_scale`` gives; a pipeline keeps those blocks on its last stage.
     attention_kinds: args -> the distinct (mask, has sinks) pairs of the model's layers
         (``tessera.models.attention.InnerAttention``'s mask and sinks), so a job plan chooses
         kernels and the context-parallel exchange without building the model; default: plain
@@ -130,6 +159,7 @@ class ModelSpec:
     hf_config: Any = None
     step_hooks: "StepHooks" = dataclasses.field(default_factory=lambda: NO_STEP_HOOKS)
     n_experts: Callable[[Any], int] = lambda args: 0
+    mtp_layers: Callable[[Any], int] = lambda args: 0
     attention_kinds: Callable[[Any], tuple[tuple[AttentionMask, bool], ...]] = _causal_layers
     refusals: Callable[[Any, RunLayout], tuple[tuple[str, str], ...]] = _no_refusals
 

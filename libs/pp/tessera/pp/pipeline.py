@@ -12,7 +12,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, _PipelineScheduleRuntime
 
-from tessera.pp.split import keep_only
+from tessera.pp.shared import SharedCopies, shared_modules
+from tessera.pp.split import keep_only, model_parts_names
 from tessera.pp.stages import schedule_class, stage_ids
 
 
@@ -29,24 +30,39 @@ class Pipeline:
     has_last: bool
     owners: list[int]  # the pp rank running each stage
     group: dist.ProcessGroup
+    shared: SharedCopies  # this rank's copies of the modules shared with the last stage
 
-    def run(self, inputs: torch.Tensor, labels: torch.Tensor, **kwargs) -> torch.Tensor | None:
+    def run(self, inputs: torch.Tensor, labels: torch.Tensor, /, **kwargs) -> torch.Tensor | None:
         """One pass of the whole batch through the pipeline, forward and backward; returns the
         sum of the micro-batch losses on the rank holding the last stage, else None.
 
         Every pp rank calls it; inputs go in on the first stage, labels on the last. kwargs go
-        to every stage's forward, split along dim 0 like the inputs.
+        to every stage's forward, split along dim 0 like the inputs (a model's own ``labels=``
+        too: the arguments before them are positional only). The copies of modules
+        shared with the last stage leave with their gradients summed (tessera.pp.shared).
         """
         losses: list[torch.Tensor] | None = [] if self.has_last else None
         target = labels if self.has_last else None
         args = (inputs.contiguous(),) if self.has_first else ()  # torch 2.11 checks each micro-batch's strides
         kwargs = {k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        kept = self.shared.set_aside_grads()
         self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+        self.shared.sum_grads(kept)
         return torch.stack(losses).sum() if self.has_last else None
+
+    def shared_copies(self) -> list[nn.Parameter]:
+        """The parameters of this rank's last-stage copies of shared modules: a gradient norm
+        counts them out (their first-stage twins count), and clips them alike."""
+        return self.shared.last_copies()
+
+    def copy_shared_weights(self) -> None:
+        """The last stage's copies take the first stage's weights; call it where the stages were
+        initialised apart (each its own seed), before training. Every pp rank calls it."""
+        self.shared.copy_weights()
 
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], **kwargs) -> torch.Tensor | None:
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], /, **kwargs) -> torch.Tensor | None:
         """loss_fn(output, labels) of the whole batch, forward only, on the last stage's rank
         (else None). Runs the stages in order, without micro-batches or a schedule: the
         schedules' forward-only mode fails for stages that hand activations to one another on
@@ -128,6 +144,8 @@ def build_pipeline(
     ones this pp rank runs, applies `parallelize` (TP, AC, FSDP, ...) to each, and builds the
     named schedule over them, or runs the actions a CSV file lays out (one row per pp rank, in
     torch's action notation, e.g. "0F0,0F1,0B0"; stages placed as the named schedule places them).
+    The last stage also keeps a copy of the inputs the model names in ``shared_with_last_stage``
+    (tessera.pp.shared).
 
     loss_fn(output, labels) is the mean loss of one micro-batch; it is divided by
     n_microbatches here, so the micro-batch losses (and gradients) sum to the batch mean, as
@@ -136,9 +154,11 @@ def build_pipeline(
     pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
     cls = schedule_class(schedule)
     local = stage_ids(pp_rank, pp, len(parts), schedule)
+    shared = shared_modules(model, model_parts_names(model, layers)[0])
+    last = len(parts) - 1
     modules, stages = [], []
     for stage_id in local:
-        part = parallelize(keep_only(model, parts[stage_id], layers))
+        part = parallelize(keep_only(model, [*parts[stage_id], *(shared if stage_id == last else ())], layers))
         modules.append(part)
         stages.append(_BufferKeepingStage(part, stage_id, len(parts), torch.device(device), group=pp_mesh.get_group()))
 
@@ -152,5 +172,8 @@ def build_pipeline(
     if schedule_csv:
         runner._load_csv(schedule_csv)
     owners = [rank for stage in range(len(parts)) for rank in range(pp) if stage in stage_ids(rank, pp, len(parts), schedule)]
+    part_of, ends = dict(zip(local, modules)), (owners[0], owners[last])
+    peer = ends[1 - ends.index(pp_rank)] if pp_rank in ends and ends[0] != ends[1] else None  # the other copy's rank
+    copies = SharedCopies(shared, part_of.get(0), part_of.get(last), peer, pp_mesh.get_group())
     return Pipeline(runner, modules, stages, any(s.is_first for s in stages), any(s.is_last for s in stages), owners,
-                    pp_mesh.get_group())
+                    pp_mesh.get_group(), copies)

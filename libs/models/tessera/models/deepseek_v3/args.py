@@ -16,6 +16,10 @@ class DeepSeekV3Args:
     ones (the key's rotated part shared by all heads); values have ``v_head_dim``. The first
     ``n_dense_layers`` blocks have a dense SwiGLU of ``inter_dim``, the others an MoE layer.
 
+    ``num_mtp_layers`` multi-token-prediction modules (``mtp.py``; Hugging Face's
+    ``num_nextn_predict_layers``, torchtitan's name) follow the ``n_layers`` blocks as blocks
+    ``n_layers .. n_layers + num_mtp_layers - 1`` of ``layers``, where Hugging Face stores them.
+
     ``yarn`` (``tessera.models.rotary.YarnScaling``) applies to the rotary part of MLA when
     ``max_seq_len`` exceeds its ``original_max_position_embeddings``, as in DeepSeek's reference
     code (and torchtitan): pretraining at the original context uses plain RoPE, a longer run
@@ -39,8 +43,11 @@ class DeepSeekV3Args:
     yarn: YarnScaling | None = field(default_factory=YarnScaling)
     max_seq_len: int = 163840
     depth_init: bool = True
+    num_mtp_layers: int = 0
 
     def __post_init__(self):
+        if self.num_mtp_layers < 0:
+            raise ValueError(f"DeepSeekV3Args: num_mtp_layers={self.num_mtp_layers} must be >= 0")
         if not 0 <= self.n_dense_layers <= self.n_layers:
             raise ValueError(f"DeepSeekV3Args: n_dense_layers={self.n_dense_layers} is not in "
                              f"0..n_layers={self.n_layers}")

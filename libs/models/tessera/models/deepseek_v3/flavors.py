@@ -4,9 +4,13 @@
 
 All MoE flavors balance load without auxiliary loss (bias step 1e-3, as DeepSeek-V3 and
 torchtitan); "671B" adds the sequence-wise balance loss with DeepSeek-V3's alpha = 1e-4. The
-multi-token-prediction module of DeepSeek-V3 is not part of the model. The trainer overrides
-``max_seq_len`` (its seq_len: YaRN applies above 4096) and may override ``vocab_size``.
+flavors named "_mtp" add one multi-token-prediction module ("debugmodel_mtp": torchtitan's
+``deepseek_v3_debugmodel_mtp``); the others have none, like torchtitan's (DeepSeek-V3's own module
+comes with ``from_hf_config``). The trainer overrides ``max_seq_len`` (its seq_len: YaRN applies
+above 4096) and may override ``vocab_size``.
 """
+
+import dataclasses
 
 from tessera.models.deepseek_v3.args import DeepSeekV3Args, YarnScaling
 from tessera.models.moe import MoEArgs
@@ -54,3 +58,5 @@ deepseek_v3_flavors: dict[str, DeepSeekV3Args] = {
         q_lora_rank=1536, **_MLA, yarn=_V3_YARN, max_seq_len=163840,
     ),
 }
+deepseek_v3_flavors["debugmodel_mtp"] = dataclasses.replace(deepseek_v3_flavors["debugmodel"], num_mtp_layers=1)
+deepseek_v3_flavors["tiny_mtp"] = dataclasses.replace(deepseek_v3_flavors["tiny"], num_mtp_layers=1)

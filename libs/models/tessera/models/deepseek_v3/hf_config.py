@@ -7,8 +7,11 @@ best expert) or "greedy" (V2-Lite: softmax, no groups). YaRN comes from ``rope_s
 (``mscale_all_dim`` is YarnScaling's mscale; a different ``mscale`` would scale the rotary
 features themselves and is refused). Shape keys are required; others take transformers'
 defaults. The MoE balance settings are training choices no config.json states: they keep
-``MoEArgs``' defaults. Multi-token prediction layers (``num_nextn_predict_layers``) are not part
-of the model (the adapter skips their weights).
+``MoEArgs``' defaults. ``num_nextn_predict_layers`` is ``num_mtp_layers``, the multi-token
+prediction modules (DeepSeek's configs state 1 with its weights; transformers writes its default 1
+but saves no such weights: ``fit_to_weights`` leaves out the modules a folder's weights lack). A
+model without modules loads a checkpoint with them as before (the adapter skips their weights),
+so ``check_config`` compares the count only for a model with some.
 """
 
 import dataclasses
@@ -29,6 +32,7 @@ _COMPARED = (
     ("n_shared_experts", "moe.n_shared_experts"), ("scoring_func", "moe.score_func"),
     ("norm_topk_prob", "moe.route_norm"), ("routed_scaling_factor", "moe.route_scale"),
     ("n_group", "moe.n_groups"), ("topk_group", "moe.topk_groups"), ("topk_method", "moe.group_score_top"),
+    ("num_nextn_predict_layers", "num_mtp_layers"),
 )
 _SUPPORTED = {"hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False, "rope_interleave": True,
               "moe_layer_freq": 1}
@@ -117,6 +121,7 @@ def args_from_config(config: dict, source: str = "config.json") -> DeepSeekV3Arg
             rope_theta=theta,
             yarn=yarn,
             max_seq_len=config_value(config, "max_position_embeddings", int, source, default=4096),
+            num_mtp_layers=config.get("num_nextn_predict_layers") or 0,
         )
     except ValueError as e:
         raise ValueError(f"{source}: {e}") from None
@@ -173,12 +178,26 @@ def config_from_args(args: DeepSeekV3Args, *, dtype: str | None = None, bos_toke
         "rope_scaling": yarn,
         "tie_word_embeddings": False,
         "attention_bias": False,
+        "num_nextn_predict_layers": args.num_mtp_layers,
     }
     extra = {"torch_dtype": dtype, "bos_token_id": bos_token_id, "eos_token_id": eos_token_id}
     return config | {key: value for key, value in extra.items() if value is not None}
 
 
+def fit_to_weights(args: DeepSeekV3Args, names: set[str]) -> DeepSeekV3Args:
+    """``args`` without the multi-token-prediction modules when a folder of weights (tensor
+    ``names``) holds none of them: transformers writes ``num_nextn_predict_layers`` 1 in every
+    DeepSeek-V3 config.json it saves, and no module's weights."""
+    first = f"model.layers.{args.n_layers}."
+    if args.num_mtp_layers and not any(name.startswith(first) for name in names):
+        return dataclasses.replace(args, num_mtp_layers=0)
+    return args
+
+
 def check_config(args: DeepSeekV3Args, config: dict, source: str, target: str) -> None:
     """``config`` describes the architecture of ``args`` (called ``target``): the first difference
     is a ValueError naming the config.json key and both values."""
-    compare_configs(args_from_config(config, source), args, _COMPARED, source, target)
+    found = args_from_config(config, source)
+    if not args.num_mtp_layers:  # the adapter skips the checkpoint's modules
+        found = dataclasses.replace(found, num_mtp_layers=0)
+    compare_configs(found, args, _COMPARED, source, target)

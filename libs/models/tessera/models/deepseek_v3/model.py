@@ -3,8 +3,9 @@ attention with decoupled RoPE, dense SwiGLU in the first blocks, mixture of expe
 
 Module names: the decoder's (``tessera.models.decoder``), and per block ``attention.{wq | wq_a,
 q_norm, wq_b}``, ``attention.{wkv_a, kv_norm, wkv_b, wo}``, ``feed_forward.{w1,w2,w3}`` (dense
-blocks) or ``moe.{router.gate, experts, shared_experts}``. Heads are reshaped with ``-1``, so
-linears holding fewer local heads (tensor parallel) work unchanged.
+blocks) or ``moe.{router.gate, experts, shared_experts}``, and in the multi-token-prediction
+blocks (``layers.<n_layers + k - 1>``) also ``enorm``, ``hnorm``, ``eh_proj``, ``mtp_norm``. Heads
+are reshaped with ``-1``, so linears holding fewer local heads (tensor parallel) work unchanged.
 """
 
 import torch
@@ -13,8 +14,9 @@ from torch import nn
 from tessera.models.attention import AttentionBatch, InnerAttention
 from tessera.models.decoder import BASE_INIT_STD, Decoder, TransformerBlock, depth_init_std
 from tessera.models.deepseek_v3.args import DeepSeekV3Args
+from tessera.models.deepseek_v3.mtp import MTP_SCALE, MTPBlock, mtp_loss
 from tessera.models.feed_forward import FeedForward
-from tessera.models.moe import MoE
+from tessera.models.moe import MoE, attach_aux_loss
 from tessera.models.rotary import apply_rope_interleaved, rope_table, yarn_frequencies
 
 
@@ -77,17 +79,44 @@ class Attention(nn.Module):
 
 
 def _block(layer_id: int, args: DeepSeekV3Args) -> TransformerBlock:
+    """Block ``layer_id``; from ``n_layers`` on, the multi-token-prediction modules (MoE, like
+    the blocks before them)."""
     dense = layer_id < args.n_dense_layers
     ffn = FeedForward(args.dim, args.inter_dim) if dense else MoE(args.dim, args.moe)
-    return TransformerBlock(args.dim, args.norm_eps, Attention(args), ffn,
-                            depth_init_std(layer_id, args.n_layers, args.depth_init))
+    block = TransformerBlock if layer_id < args.n_layers else MTPBlock
+    return block(args.dim, args.norm_eps, Attention(args), ffn, depth_init_std(layer_id, args.n_layers, args.depth_init))
 
 
 class DeepSeekV3(Decoder):
-    """DeepSeek-V2/V3 decoder: tokens [B, T] -> logits [B, T, vocab_size] (see ``Decoder``)."""
+    """DeepSeek-V2/V3 decoder: tokens [B, T] -> logits [B, T, vocab_size] (see ``Decoder``), with
+    ``args.num_mtp_layers`` multi-token-prediction modules after the blocks (``mtp.py``)."""
 
     def __init__(self, args: DeepSeekV3Args):
-        super().__init__(args, [_block(i, args) for i in range(args.n_layers)])
+        super().__init__(args, [_block(i, args) for i in range(args.n_layers + args.num_mtp_layers)])
+        # the factor of L_MTP / lambda in backward: lambda times the trainer's loss scale (set_mtp_scale)
+        self.mtp_scale = MTP_SCALE
+        if args.num_mtp_layers:  # tessera.pp: the modules embed tokens again, so the last stage keeps a copy
+            self.shared_with_last_stage = ("tok_embeddings",)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """As ``Decoder.forward``; with ``labels`` [B, T] (training) the multi-token-prediction
+        modules this model or stage holds run too, and their loss reaches the gradients through
+        the logits' backward (``attach_aux_loss``, scale ``mtp_scale``), leaving the logits and
+        the training loss the main model's."""
+        h, rope, attention = self._inputs(tokens, positions, document_ids)
+        mtp = [layer for key, layer in self.layers.items() if int(key) >= self.args.n_layers]
+        for key, layer in self.layers.items():
+            if int(key) < self.args.n_layers:
+                h = layer(h, rope=rope, attention=attention)
+        logits = self._head(h)
+        if labels is None or not mtp:
+            return logits
+        loss = mtp_loss(h, labels, mtp, self.tok_embeddings, self.output, rope=rope, attention=attention,
+                        document_ids=document_ids)
+        # on the logits, beside the head rather than below it: a pipeline's split backward (zero-bubble,
+        # DualPipeV) takes the output projection's two uses apart only when neither lies on the other's path
+        return attach_aux_loss(logits, loss, self.mtp_scale)
 
     def rope_table(self) -> torch.Tensor:
         a = self.args

@@ -1,10 +1,14 @@
 """Model spec of the DeepSeek-V2/V3 family."""
 
+import dataclasses
+
+from torch import nn
+
 from tessera.models.deepseek_v3 import hf_adapter, hf_config
 from tessera.models.deepseek_v3.args import DeepSeekV3Args
 from tessera.models.deepseek_v3.flavors import deepseek_v3_flavors
 from tessera.models.deepseek_v3.model import DeepSeekV3
-from tessera.models.moe.balance import MOE_STEP_HOOKS, moe_refusals
+from tessera.models.moe.balance import MOE_STEP_HOOKS
 from tessera.models.moe.sharding import moe_tp_plan
 from tessera.models.spec import ModelSpec, RunLayout
 
@@ -30,6 +34,12 @@ TP_PLAN = {
     "layers.*.feed_forward.w2": "rowwise",
     "layers.*.feed_forward.w3": "colwise",
     **moe_tp_plan("layers.*.moe"),
+    # multi-token prediction: its projection runs on the sequence shard with a replicated weight,
+    # as a norm does (tessera.tp's role; the block hands its output on as the local shard)
+    "layers.*.enorm": "norm",
+    "layers.*.hnorm": "norm",
+    "layers.*.eh_proj": "norm",
+    "layers.*.mtp_norm": "norm",
     "norm": "norm",
     "output": "vocab_output",
 }
@@ -46,21 +56,25 @@ def attention_params(args: DeepSeekV3Args) -> int:
 
 def active_params(args: DeepSeekV3Args) -> int:
     """Parameters a token's forward multiplies by: all but the token embedding and the routed
-    experts it is not sent to (the output projection counts)."""
+    experts it is not sent to (the output projection counts), and each multi-token-prediction
+    module's block, projection and norms with the output projection it runs again."""
     a, moe = args, args.moe
     expert = 3 * a.dim * moe.hidden_dim
     moe_layer = a.dim * moe.n_experts + (moe.n_shared_experts + moe.top_k) * expert
-    blocks = a.n_layers * (attention_params(a) + 2 * a.dim)
-    blocks += a.n_dense_layers * 3 * a.dim * a.inter_dim + (a.n_layers - a.n_dense_layers) * moe_layer
-    return blocks + a.dim + a.dim * a.vocab_size
+    blocks = a.n_layers + a.num_mtp_layers  # the modules' blocks are MoE blocks
+    params = blocks * (attention_params(a) + 2 * a.dim)
+    params += a.n_dense_layers * 3 * a.dim * a.inter_dim + (blocks - a.n_dense_layers) * moe_layer
+    params += a.num_mtp_layers * (2 * a.dim * a.dim + 3 * a.dim + a.dim * a.vocab_size)
+    return params + a.dim + a.dim * a.vocab_size
 
 
 def flops_per_token(args: DeepSeekV3Args, seq_len: int) -> float:
-    """6 * active_params + 6 * n_layers * n_heads * (qk_head_dim + v_head_dim) * seq_len: 2 FLOPs
+    """6 * active_params + 6 * blocks * n_heads * (qk_head_dim + v_head_dim) * seq_len: 2 FLOPs
     per active weight forward, 4 backward; attention's QK^T (qk_head_dim wide) and scores @ V
     (v_head_dim wide) cost 2 FLOPs per feature and key, times 3 for forward + backward, over the
-    full sequence (ignoring the causal mask)."""
-    attention = 6 * args.n_layers * args.n_heads * (args.qk_head_dim + args.v_head_dim) * seq_len
+    full sequence (ignoring the causal mask), in the n_layers blocks and the MTP modules' blocks."""
+    blocks = args.n_layers + args.num_mtp_layers
+    attention = 6 * blocks * args.n_heads * (args.qk_head_dim + args.v_head_dim) * seq_len
     return 6 * active_params(args) + attention
 
 
@@ -77,15 +91,26 @@ def _n_experts(args) -> int:
     return args.moe.n_experts
 
 
+def _mtp_layers(args) -> int:
+    return args.num_mtp_layers
+
+
+def set_mtp_scale(model: nn.Module, scale: float) -> None:
+    model.mtp_scale = scale
+
+
 def refusals(args: DeepSeekV3Args, layout: RunLayout) -> tuple[tuple[str, str], ...]:
-    moe = moe_refusals(_n_experts)(args, layout)
+    if layout.cp > 1 and args.num_mtp_layers:
+        # as torchtitan's: each module reads the tokens after a position, which another rank's shard holds
+        return (("context_parallel_degree > 1", "multi-token prediction's later tokens cross the "
+                                                "context-parallel shards of a sequence"),)
     if layout.cp > 1 and args.qk_head_dim != args.v_head_dim:
         # seen on torch 2.13, CPU: torch's ring attention raises inside its kernel for value heads
         # narrower than the query/key heads
-        return (*moe, ("context_parallel_degree > 1", f"MLA's value heads ({args.v_head_dim}) differ from its "
-                                                      f"query/key heads ({args.qk_head_dim}), which context parallel "
-                                                      "attention cannot take"))
-    return moe
+        return (("context_parallel_degree > 1", f"MLA's value heads ({args.v_head_dim}) differ from its "
+                                                f"query/key heads ({args.qk_head_dim}), which context parallel "
+                                                "attention cannot take"),)
+    return ()
 
 
 deepseek_v3_spec = ModelSpec(
@@ -97,7 +122,8 @@ deepseek_v3_spec = ModelSpec(
     tp_divisible=tp_divisible,
     hf_adapter=hf_adapter,
     hf_config=hf_config,
-    step_hooks=MOE_STEP_HOOKS,
+    step_hooks=dataclasses.replace(MOE_STEP_HOOKS, set_mtp_scale=set_mtp_scale),
     refusals=refusals,
     n_experts=_n_experts,
+    mtp_layers=_mtp_layers,
 )

@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass, field
 
+from tessera.models.layer_sets import kept_layers
 from tessera.models.moe import MoEArgs
 from tessera.models.rotary import YarnScaling
 
@@ -29,6 +30,7 @@ class GptOssArgs:
     Hugging Face's half-split layout, YaRN-scaled at every length (``yarn``; None: plain).
     Every block's feed-forward is an MoE layer (``moe``) whose experts are the clamped SwiGLU
     ``(clamp(up, +-swiglu_limit) + 1) * g * sigmoid(swiglu_alpha g)``, g = ``min(gate, swiglu_limit)``.
+    Window layer indices from ``n_layers`` on are dropped (``tessera.models.layer_sets``).
     """
 
     vocab_size: int = 2048
@@ -53,10 +55,7 @@ class GptOssArgs:
             raise ValueError(f"GptOssArgs: n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"GptOssArgs: head_dim={self.head_dim} must be even for RoPE")
-        if list(self.window_layers) != sorted(set(self.window_layers)) or not all(
-                0 <= i < self.n_layers for i in self.window_layers):
-            raise ValueError(f"GptOssArgs: window_layers={self.window_layers} are not increasing layer indices "
-                             f"below n_layers={self.n_layers}")
+        kept_layers(self, "window_layers")
 
     @property
     def softmax_scale_factor(self) -> float:

@@ -26,6 +26,9 @@ _PER_LAYER = {
     **{f"moe.experts.{name}": f"mlp.experts.{name}" for name in _EXPERTS},
 }
 _BLOCKS, _SCALES = "_blocks", "_scales"
+# The quantisation formats from_hf dequantises (transformers' quant_method names): what lets a
+# trainer load a quantized checkpoint (checkpoint.initial_load_in_hf_quantized).
+quantized_formats = ("mxfp4",)
 
 
 def to_hf(state_dict: dict[str, torch.Tensor], args: GptOssArgs) -> dict[str, torch.Tensor]:

@@ -5,7 +5,7 @@ from tessera.models.gpt_oss.args import GptOssArgs
 from tessera.models.gpt_oss.flavors import gpt_oss_flavors
 from tessera.models.gpt_oss.model import GptOss
 from tessera.models.masks import AttentionMask, window_layer
-from tessera.models.moe.balance import MOE_STEP_HOOKS, moe_refusals
+from tessera.models.moe.balance import MOE_STEP_HOOKS
 from tessera.models.moe.sharding import moe_tp_plan
 from tessera.models.spec import ModelSpec
 
@@ -77,7 +77,6 @@ gpt_oss_spec = ModelSpec(
     hf_adapter=hf_adapter,
     hf_config=hf_config,
     step_hooks=MOE_STEP_HOOKS,
-    refusals=moe_refusals(_n_experts),
     n_experts=_n_experts,
     attention_kinds=attention_kinds,
 )

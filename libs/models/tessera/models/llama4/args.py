@@ -3,6 +3,7 @@
 from dataclasses import dataclass
 
 from tessera.models.llama.args import RopeScaling
+from tessera.models.layer_sets import kept_layers
 from tessera.models.moe import MoEArgs
 
 
@@ -23,9 +24,7 @@ class Llama4Args:
     without weight) and, in ``chunked_layers``, see only keys of their own chunk of
     ``attention_chunk_size`` tokens. Feed-forward: an MoE layer (``moe``: routed experts and
     one shared expert, each ``moe.hidden_dim`` wide) in ``moe_layers``, elsewhere a dense SwiGLU
-    of ``hidden_dim``. Layer indices from ``n_layers`` on are dropped, so a model cut to its first
-    layers (``dataclasses.replace(args, n_layers=n)``, as the estimator's traces cut it) keeps
-    their pattern.
+    of ``hidden_dim``. Layer indices from ``n_layers`` on are dropped (``tessera.models.layer_sets``).
     """
 
     vocab_size: int = 2048
@@ -57,10 +56,7 @@ class Llama4Args:
         if self.head_dim % 2:
             raise ValueError(f"Llama4Args: head_dim={self.head_dim} must be even for RoPE")
         for name in ("moe_layers", "nope_layers", "chunked_layers"):
-            layers = getattr(self, name)
-            if list(layers) != sorted(set(layers)) or not all(isinstance(i, int) and i >= 0 for i in layers):
-                raise ValueError(f"Llama4Args: {name}={layers} are not increasing layer indices")
-            object.__setattr__(self, name, tuple(i for i in layers if i < self.n_layers))  # frozen
+            kept_layers(self, name)
         if self.chunked_layers and self.attention_chunk_size is None:
             raise ValueError(f"Llama4Args: chunked_layers={self.chunked_layers} need an attention_chunk_size")
         if not self.chunked_layers:  # no layer uses it

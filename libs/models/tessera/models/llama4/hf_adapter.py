@@ -8,8 +8,9 @@ MoE layer's routed experts fused, as its ``Llama4TextExperts`` multiplies x @ W:
 ``feed_forward.experts.gate_up_proj`` [E, dim, 2 hidden] (gate columns, then up) and
 ``down_proj`` [E, hidden, dim] (``save_pretrained`` writes them so, like the released
 checkpoints). ``from_hf`` converts each HF tensor alone (one fused tensor gives w1 and w3), so
-loaders stream them; ``to_hf`` needs a layer's w1 and w3 in one call to fuse them. HF's router
-has no bias: ``to_hf`` drops ``expert_bias`` (``export_note``), ``from_hf`` starts it at zero.
+loaders stream them; ``to_hf`` needs a layer's w1 and w3 in one call to fuse them
+(``export_group`` names them for streaming exporters). HF's router has no bias: ``to_hf`` drops
+``expert_bias`` (``export_note``), ``from_hf`` starts it at zero.
 """
 
 import re
@@ -60,6 +61,15 @@ def to_hf(state_dict: dict[str, torch.Tensor], args: Llama4Args) -> dict[str, to
             raise ValueError(f"to_hf: {prefix}.gate_up_proj fuses layers.{layer}.moe.experts.w1 and w3: "
                              "pass both in one call")
     return out
+
+
+def export_group(key: str, args: Llama4Args) -> str | None:
+    """The HF tensor a model tensor is fused into with others, which ``to_hf`` needs in one call
+    (a layer's experts w1 and w3: ``gate_up_proj``); None for a tensor that converts alone."""
+    match = _EXPERT.fullmatch(key)
+    if match is None or match[2] == "w2":
+        return None
+    return f"model.layers.{match[1]}.feed_forward.experts.gate_up_proj"
 
 
 def from_hf(state_dict: dict[str, torch.Tensor], args: Llama4Args) -> dict[str, torch.Tensor]:

@@ -4,7 +4,7 @@ from tessera.models.llama4 import hf_adapter, hf_config
 from tessera.models.llama4.args import Llama4Args
 from tessera.models.llama4.flavors import llama4_flavors
 from tessera.models.llama4.model import Llama4, layer_mask
-from tessera.models.moe.balance import MOE_STEP_HOOKS, moe_refusals
+from tessera.models.moe.balance import MOE_STEP_HOOKS
 from tessera.models.moe.sharding import moe_tp_plan
 from tessera.models.spec import ModelSpec
 
@@ -69,7 +69,6 @@ llama4_spec = ModelSpec(
     hf_adapter=hf_adapter,
     hf_config=hf_config,
     step_hooks=MOE_STEP_HOOKS,
-    refusals=moe_refusals(_n_experts),
     n_experts=_n_experts,
     attention_kinds=lambda args: tuple(dict.fromkeys((layer_mask(args, i), False) for i in range(args.n_layers))),
 )

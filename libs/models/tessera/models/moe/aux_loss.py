@@ -34,12 +34,15 @@ def sequence_balance_loss(scores: torch.Tensor, experts: torch.Tensor) -> torch.
 class _AttachAuxLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out: torch.Tensor, loss: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale, ctx.loss_dtype = scale, loss.dtype
-        return out.view_as(out)
+        ctx.scale = scale
+        ctx.save_for_backward(loss)  # a scalar; its gradient takes its kind (a DTensor under loss parallel)
+        # the same values without a copy, and not an autograd view: FSDP warns when a module returns one
+        return out.detach()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad, torch.full((), ctx.scale, dtype=ctx.loss_dtype, device=grad.device), None
+        loss, = ctx.saved_tensors
+        return grad, torch.full_like(loss, ctx.scale), None
 
 
 def attach_aux_loss(out: torch.Tensor, loss: torch.Tensor, scale: float) -> torch.Tensor:

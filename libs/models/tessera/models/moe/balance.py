@@ -1,16 +1,15 @@
 """What a training loop calls on a model's MoE layers: the auxiliary-loss-free bias update (a
-post-optimizer hook), the aux-loss scale, expert-load readings for metrics, and the layouts an
-MoE family refuses."""
-
-from collections.abc import Callable
+post-optimizer hook), the aux-loss scale, the dispatch's capacity, expert-load and dropped-slot
+readings for metrics."""
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from tessera.models.module_names import unwrapped_name
+from tessera.models.moe.capacity import CAPACITY_OVERFLOW
 from tessera.models.moe.layer import MoE
-from tessera.models.spec import RunLayout, StepHooks
+from tessera.models.spec import StepHooks
 
 
 def moe_layers(model: nn.Module) -> dict[str, MoE]:
@@ -40,25 +39,46 @@ def update_expert_bias(model: nn.Module, group: dist.ProcessGroup | None = None)
 
     group: the ranks whose tokens count together (every rank that routes different tokens: the
     data-parallel and context-parallel ranks); their counts are summed with one all-reduce so
-    every rank applies the same update. Returns the loads used, per layer ([E] long), for metrics.
+    every rank applies the same update. Returns the loads used, per layer ([E] long), for metrics,
+    and for layers with a capacity factor the slots they dropped (``<layer>/dropped``, [] long),
+    summed over ``group`` in the same all-reduce; those counts restart too.
     """
     layers = moe_layers(model)
     if not layers:
         return {}
-    loads = torch.stack([layer.tokens_per_expert for layer in layers.values()])
+    # each layer's loads and dropped slots in one row, so one all-reduce sums them all
+    counts = torch.stack([torch.cat([layer.tokens_per_expert, layer.dropped_slots.view(1)]) for layer in layers.values()])
     if group is not None:
-        dist.all_reduce(loads, group=group)
-    for load, layer in zip(loads, layers.values()):
+        dist.all_reduce(counts, group=group)
+    loads, dropped = counts[:, :-1], counts[:, -1]
+    readings = {}
+    for name, load, lost, layer in zip(layers, loads, dropped, layers.values()):
+        readings[name] = load
+        if layer.capacity_factor is not None:
+            readings[f"{name}/dropped"] = lost
         load = load.float()
         layer.expert_bias += layer.args.bias_update_rate * torch.sign(load.mean() - load)
         layer.tokens_per_expert.zero_()
-    return dict(zip(layers, loads))
+        layer.dropped_slots.zero_()
+    return readings
 
 
 def force_load_balance(model: nn.Module) -> None:
     """Every MoE router of ``model`` routes round-robin (``TopKRouter.force_load_balance``)."""
     for layer in moe_layers(model).values():
         layer.router.force_load_balance = True
+
+
+def set_expert_capacity(model: nn.Module, factor: float | None, overflow: str = "drop") -> None:
+    """Every MoE layer of ``model`` dispatches with capacity ``factor`` (``capacity.py``: each
+    expert takes at most ceil(factor * slots / E) slots, the rest dropped or rerouted as
+    ``overflow`` says) or, ``factor`` None, dropless."""
+    if overflow not in CAPACITY_OVERFLOW:
+        raise ValueError(f"expert capacity overflow {overflow!r} is not one of {CAPACITY_OVERFLOW}")
+    if factor is not None and factor <= 0:
+        raise ValueError(f"expert capacity factor {factor} must be > 0")
+    for layer in moe_layers(model).values():
+        layer.capacity_factor, layer.capacity_overflow = factor, overflow
 
 
 def set_aux_loss_scale(model: nn.Module, scale: float, tp: int = 1) -> None:
@@ -70,19 +90,6 @@ def set_aux_loss_scale(model: nn.Module, scale: float, tp: int = 1) -> None:
         layer.aux_loss_scale = scale / tp
 
 
-def moe_refusals(n_experts) -> Callable:
-    """ModelSpec.refusals of an MoE family whose flavors may be dense (``n_experts(args)`` 0)."""
-
-    def refusals(args, layout: RunLayout) -> tuple[tuple[str, str], ...]:
-        if n_experts(args) and layout.tp > 1 and layout.compile:
-            # measured (torch 2.13, CPU): the experts' token counts are data-dependent sizes, and
-            # the backward of their tensor-parallel shards cannot guard on them inside the compiled block
-            return (("compile.enable with tensor_parallel_degree > 1", "its MoE layers fail to compile under TP"),)
-        return ()
-
-    return refusals
-
-
 # ModelSpec.step_hooks of the MoE families: the balance loss's scale, the router-bias update.
 MOE_STEP_HOOKS = StepHooks(set_loss_scale=set_aux_loss_scale, after_optimizer_step=update_expert_bias,
-                           force_load_balance=force_load_balance)
+                           force_load_balance=force_load_balance, set_expert_capacity=set_expert_capacity)

@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass
 
+from tessera.models.layer_sets import kept_layers
 from tessera.models.moe import MoEArgs
 
 
@@ -12,7 +13,8 @@ class Qwen3Args:
     ``head_dim`` is its own hyper-parameter (not dim / n_heads). With ``moe`` set every block's
     feed-forward is an MoE layer (Qwen3-MoE), otherwise a SwiGLU of ``hidden_dim``. The layers
     in ``window_layers`` attend to a sliding window of ``sliding_window`` keys (Hugging Face's
-    "sliding_attention" layers), the others globally.
+    "sliding_attention" layers), the others globally; indices from ``n_layers`` on are dropped
+    (``tessera.models.layer_sets``).
     """
 
     vocab_size: int = 2048
@@ -36,10 +38,6 @@ class Qwen3Args:
             raise ValueError(f"Qwen3Args: n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"Qwen3Args: head_dim={self.head_dim} must be even for RoPE")
-        if list(self.window_layers) != sorted(set(self.window_layers)) or not all(
-                0 <= i < self.n_layers for i in self.window_layers):
-            raise ValueError(f"Qwen3Args: window_layers={self.window_layers} are not increasing layer indices "
-                             f"below n_layers={self.n_layers}")
-        if bool(self.window_layers) != (self.sliding_window is not None):
-            raise ValueError(f"Qwen3Args: window_layers={self.window_layers} and sliding_window={self.sliding_window} "
-                             "go together")
+        kept_layers(self, "window_layers")
+        if self.window_layers and self.sliding_window is None:
+            raise ValueError(f"Qwen3Args: window_layers={self.window_layers} need a sliding_window")

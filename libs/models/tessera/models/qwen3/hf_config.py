@@ -132,7 +132,7 @@ def config_from_args(args: Qwen3Args, *, dtype: str | None = None, bos_token_id=
         "vocab_size": args.vocab_size,
         "tie_word_embeddings": args.tie_embeddings,
         "attention_bias": False,
-        "use_sliding_window": args.sliding_window is not None,
+        "use_sliding_window": bool(args.window_layers),
         "sliding_window": args.sliding_window,
     }
     if args.moe is None:

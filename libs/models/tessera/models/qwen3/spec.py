@@ -5,7 +5,7 @@ from tessera.models.qwen3 import hf_adapter, hf_config
 from tessera.models.qwen3.args import Qwen3Args
 from tessera.models.qwen3.flavors import qwen3_flavors
 from tessera.models.qwen3.model import Qwen3
-from tessera.models.moe.balance import MOE_STEP_HOOKS, moe_refusals
+from tessera.models.moe.balance import MOE_STEP_HOOKS
 from tessera.models.moe.sharding import moe_tp_plan
 from tessera.models.masks import window_layer
 from tessera.models.spec import ModelSpec
@@ -81,7 +81,6 @@ qwen3_spec = ModelSpec(
     hf_adapter=hf_adapter,
     hf_config=hf_config,
     step_hooks=MOE_STEP_HOOKS,
-    refusals=moe_refusals(_n_experts),
     n_experts=_n_experts,
     attention_kinds=lambda args: tuple(dict.fromkeys((window_layer(i, args.sliding_window, args.window_layers), False)
                                                     for i in range(args.n_layers))),

@@ -1,0 +1,182 @@
+"""Fault tolerance without restarts (torchft, issue 30), on CPU over gloo: `--nproc 2
+--fault_tolerance.enable true --fault_tolerance.group_size 2` runs two replica groups of one rank
+and torchft's Lighthouse. A group whose rank is killed (debug.fault_at_step) restarts and
+recovers live from the other, which never stops; a stop signal stops every group at one step,
+and the whole job resumes from that checkpoint exactly; a group may be a pipeline (two groups of
+two stages log the losses of the 2 x 2 job); with LocalSGD the groups train apart and end equal
+after the last sync.
+
+What the loss curves must equal, by torchft's semantics:
+- per-step averaging: until the kill both groups log the same loss (the mean over both groups'
+  batches); while the killed group is away the survivor trains alone, exactly as that group
+  resumed alone from the checkpoint before the kill (same steps, same losses); from the recovery
+  on both groups again log one loss, each group reading its own data where it left it.
+- DiLoCo: each group logs its own loss (inner steps on its own data); the survivor's losses, from
+  the checkpoint before the kill to the sync after the one where the other group comes back,
+  equal the survivor resumed alone from that checkpoint: its syncs average its own weight deltas
+  only, and at the recovery sync the other group holds a copy of the survivor's.
+In both, the groups end with bit-identical weights (the logged sha256 of every rank's shards).
+"""
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+SMALL = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--metrics.log_freq", "1",
+         "--metrics.disable_color_printing", "true"]
+FT = ["--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2"]
+STEPS = 60  # the survivor must still be training when the killed group is back (a restart takes seconds)
+ENV = {key: value for key, value in os.environ.items() if key != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+# a dead group is noticed after 1 s without a heartbeat (torchft's default is 5 s)
+ENV.update(PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1", TESSERA_LIGHTHOUSE_ARGS="--heartbeat_timeout_ms 1000")
+
+
+def command(dump, *args):
+    return [sys.executable, "-m", "tessera.trainer.main", *SMALL, "--job.dump_folder", str(dump), *args]
+
+
+def run(dump, *args, env=ENV):
+    """The run's output, stdout and stderr together."""
+    result = subprocess.run(command(dump, *args), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            timeout=900)
+    assert result.returncode == 0, result.stdout[-5000:]
+    return result.stdout
+
+
+def logged(stdout, group=None):
+    """[(step, 'loss X grad_norm Y')] in order, of one replica group (None: a run without groups)."""
+    prefix = "" if group is None else rf"\[replica {group}\] "
+    return [(int(step), values) for step, values in
+            re.findall(rf"^{prefix}step +(\d+)/\d+ +(loss +\S+ +grad_norm +\S+)", stdout, re.M)]
+
+
+def digests(stdout):
+    return dict(re.findall(r"^\[replica \d\] fault tolerance: replica group (\d) ends at step \d+, weights sha256 (\w+)$",
+                           stdout, re.M))
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def alone(faulty_dump, tmp_path, load_step, *args):
+    """Group 0 by itself (one process, its own Lighthouse) resumed from the faulty run's
+    checkpoint of `load_step`: the survivor's steps while the other group was away."""
+    dump = tmp_path / "alone"
+    shutil.copytree(faulty_dump, dump)
+    port = free_port()
+    script = Path(sys.executable).parent / "torchft_lighthouse"  # the wheel's console script
+    lighthouse = subprocess.Popen([sys.executable, str(script), "--min_replicas", "1", "--bind", f"[::]:{port}"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        return run(dump, *args, *FT, "--checkpoint.load_step", str(load_step), "--checkpoint.load_only", "true",
+                   env={**ENV, "TORCHFT_LIGHTHOUSE": f"http://localhost:{port}"})
+    finally:
+        lighthouse.terminate()
+        lighthouse.wait()
+
+
+def check_recovery(out, kill_step, every=1):
+    """The survivor (group 0) never restarted nor went back; group 1 logged its steps up to the
+    kill, then from the step it recovered at; one recovery line; equal final weights. Returns
+    (survivor's steps, group 1's, the recovery step)."""
+    survivor, restarted = logged(out, 0), logged(out, 1)
+    assert [step for step, _ in survivor] == list(range(1, STEPS + 1))
+    assert "[replica 1] debug: injected fault: rank 1 crashes before step %d (debug.fault_at_step)" % kill_step in out
+    recoveries = re.findall(r"^\[replica 1\] fault tolerance: replica group 1 recovered live from replica group 0 at step "
+                            rf"(\d+) \(weights, optimizer, lr schedule: .*\); its data resumes after its step {kill_step - 1}$",
+                            out, re.M)
+    assert len(recoveries) == 1, out[-4000:]
+    recovered = int(recoveries[0])
+    assert kill_step <= recovered < STEPS - every and recovered % every == 0  # the survivor trained alone meanwhile
+    assert [step for step, _ in restarted] == [*range(1, kill_step), *range(recovered + 1, STEPS + 1)]
+    final = digests(out)
+    assert final.keys() == {"0", "1"} and final["0"] == final["1"]
+    return dict(survivor), dict(restarted), recovered
+
+
+def test_a_killed_group_recovers_live_while_the_other_trains_on(tmp_path):
+    args = [*FT, "--training.steps", str(STEPS), "--checkpoint.enable", "true", "--checkpoint.interval", "3",
+            "--checkpoint.keep_latest_k", "0"]
+    out = run(tmp_path / "faulty", "--nproc", "2", *args, "--debug.fault_at_step", "4", "--debug.fault_rank", "1")
+    survivor, restarted, recovered = check_recovery(out, kill_step=4)
+    assert "[replica 0] fault tolerance: replica group 0: from step 4, 1 of 2 replica groups train" in out
+    assert f"[replica 0] fault tolerance: replica group 0: from step {recovered + 1}, 2 of 2 replica groups train" in out
+    # both groups log the mean over the groups that trained: the same numbers, before and after
+    assert all(restarted[step] == survivor[step] for step in restarted)
+    by_itself = dict(logged(alone(tmp_path / "faulty", tmp_path, 3, *args)))
+    assert all(survivor[step] == by_itself[step] for step in range(4, recovered + 1))
+    assert survivor[recovered + 1] != by_itself[recovered + 1]  # the other group is back
+
+
+def test_with_diloco_a_killed_group_recovers_live_at_the_next_sync(tmp_path):
+    args = [*FT, "--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "4",
+            "--training.steps", str(STEPS), "--checkpoint.enable", "true", "--checkpoint.interval", "4",
+            "--checkpoint.keep_latest_k", "0"]
+    out = run(tmp_path / "faulty", "--nproc", "2", *args, "--debug.fault_at_step", "6", "--debug.fault_rank", "1")
+    survivor, restarted, recovered = check_recovery(out, kill_step=6, every=4)
+    assert survivor[1] != restarted[1]  # each group its own data and loss
+    # each group checkpoints itself (the groups differ between syncs); the survivor from its step 4 alone
+    by_itself = dict(logged(alone(tmp_path / "faulty", tmp_path, 4, *args)))
+    # the sync the group recovers at averages the survivor's weight deltas with their copy: the
+    # survivor's next inner steps are still its own; the sync after differs
+    assert all(survivor[step] == by_itself[step] for step in range(5, recovered + 5))
+    assert survivor[recovered + 5] != by_itself[recovered + 5]
+
+
+def test_a_stop_signal_stops_every_group_at_one_step_and_the_job_resumes_exactly(tmp_path):
+    # the lr schedule's horizon fixed, whatever training.steps each run is given
+    args = [*FT, "--checkpoint.enable", "true", "--checkpoint.interval", "100", "--lr_scheduler.total_steps", "100"]
+    dump, log = tmp_path / "stopped", tmp_path / "stopped.log"
+    with open(log, "w") as out:
+        launcher = subprocess.Popen(command(dump, "--nproc", "2", *args, "--training.steps", "100"), env=ENV,
+                                    stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while not re.search(r"^\[replica 1\] step +3/", log.read_text(), re.M):
+        assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.05)
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(timeout=300) == 0, log.read_text()[-3000:]
+    stopped = re.findall(r"^\[replica (\d)\] stopped by (SIGTERM|a stop signal to another replica group) after step (\d+)",
+                         log.read_text(), re.M)
+    assert len(stopped) == 2 and stopped[0][2] == stopped[1][2], stopped  # the same step
+    at = int(stopped[0][2])
+    assert "replica groups [0, 1] stopped by SIGTERM" in log.read_text()
+    assert (dump / "checkpoint" / f"step-{at}" / ".metadata").is_file()  # written once, by group 0
+    resumed = run(dump, "--nproc", "2", *args, "--training.steps", str(at + 3))
+    assert f"[replica 1] checkpoint: loaded {dump / 'checkpoint' / f'step-{at}'}; training continues after step {at}" in resumed
+    uninterrupted = run(tmp_path / "uninterrupted", "--nproc", "2", *args, "--training.steps", str(at + 3))
+    for group in (0, 1):
+        assert logged(resumed, group) == logged(uninterrupted, group)[at:]
+    assert digests(resumed) == digests(uninterrupted)
+
+
+def test_a_replica_group_may_be_a_pipeline(tmp_path):
+    """Two groups of a 2-stage pipeline log the losses of one job of 2 data-parallel x 2 stages,
+    and end with equal weights (each rank averages its stage's shards with its twin's)."""
+    pipeline = ["--parallelism.pipeline_parallel_degree", "2", "--training.steps", "4"]
+    groups = run(tmp_path / "groups", "--nproc", "4", *FT, *pipeline)
+    job = run(tmp_path / "job", "--nproc", "4", *pipeline)
+    for group in (0, 1):
+        assert logged(groups, group) == logged(job)
+    final = digests(groups)
+    assert final.keys() == {"0", "1"} and final["0"] == final["1"]
+
+
+def test_local_sgd_averages_the_groups_weights_at_every_sync(tmp_path):
+    """Each group trains on its own data (its own losses); the sync at the last step averages the
+    weights, so the groups end equal."""
+    out = run(tmp_path / "local_sgd", "--nproc", "2", *FT, "--fault_tolerance.semi_sync_method", "local_sgd",
+              "--fault_tolerance.sync_steps", "3", "--training.steps", "6")
+    assert all(a != b for (_, a), (_, b) in zip(logged(out, 0), logged(out, 1)))
+    final = digests(out)
+    assert final.keys() == {"0", "1"} and final["0"] == final["1"]
