@@ -4,15 +4,16 @@
 at ``offs``) by its own matrix. torch 2.13 runs it for any dtype in eager mode (on CPU one matmul
 per group in C++, bit for bit the per-expert loop's; on CUDA CUTLASS for bfloat16 from compute
 capability 9.0, else a C++ loop that reads the offsets on the host), but its meta function, which
-compile traces, takes bfloat16 only. ``grouped_mm`` calls it directly in eager mode and for
-bfloat16 (so inductor and torchao's low-precision wrappers see the aten op), and compiled in
-other dtypes through the custom op ``tessera::grouped_mm``: the same kernel, with a shape
-function for any dtype and its backward as two more grouped matmuls (the input's gradient by the
-transposed weights, each group's weight gradient ``a_g^T grad_g``: the 2-D x 2-D form,
-``[groups, k, n]``). Eager mode keeps torch's own autograd: measured (torch 2.13, fp32), the
-custom op's backward under DualPipeV's split backward left the last stage's experts a different
-optimizer step than one process's (test_mtp_train's DualPipeV case); compiled pipelines with
-fp32 experts are not covered by a test yet. The kernel
+compile and tools/estimate's fake tensors trace, takes bfloat16 only.
+
+``grouped_mm`` calls the aten op, with torch's autograd, on real tensors and in bfloat16 (so
+inductor and torchao's low-precision wrappers see it); traced in other dtypes it goes through
+the custom op ``tessera::grouped_mm``: the same kernel, with a shape function for any dtype and
+its backward as two more grouped matmuls (the input's gradient by the transposed weights, each
+group's weight gradient ``a_g^T grad_g``: the 2-D x 2-D form, ``[groups, k, n]``). Eager mode
+keeps torch's autograd because, measured (torch 2.13, fp32), the custom op's backward under
+DualPipeV's split backward gave the last stage's experts another optimizer step than one
+process's (test_mtp_train); compiled pipelines with fp32 experts have no test yet. The kernel
 wants 16-byte rows: features that are not (test-sized models) are zero-padded to them.
 
 Under autocast the operands are cast to its dtype first, as autocast casts a matmul's: torch
@@ -22,6 +23,7 @@ experts in fp32 while every other matmul of the model ran in bf16.
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 
 
 @torch.library.custom_op("tessera::grouped_mm", mutates_args=())
@@ -64,7 +66,7 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
     if k % align or n % align:  # zero features add nothing
         a = F.pad(a, (0, -k % align))
         return grouped_mm(a, F.pad(b, (0, -n % align, 0, -k % align)), offs)[:, :n]
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or a.device.type == "meta" or is_fake(a):  # traced: shapes by its meta function
         return torch._grouped_mm(a, b, offs=offs) if a.dtype == torch.bfloat16 else _grouped_mm(a, b, offs)
     out = torch._grouped_mm(a, b, offs=offs)
     if out.requires_grad:  # its backward takes no strided gradient (a sum's expanded one)
