@@ -462,8 +462,10 @@ class ReplicaGroup:
             for t in tensors:
                 t.copy_(flat[offset:offset + t.numel()].view_as(t))
                 offset += t.numel()
-        if stop is not None and stop.received is None and stopping.item() > 0:
-            stop.received = "a stop signal to another replica group"
+        if stop is not None:  # the loop stops on what every group saw here, not on a signal come since
+            stop.agreed = stopping.item() > 0
+            if stop.agreed and stop.received is None:
+                stop.received = "a stop signal to another replica group"
         return loss.reshape(())
 
     def commit(self) -> bool:

@@ -149,17 +149,24 @@ class StopSignals:
     after the current step with a checkpoint: `received` names the signal, and the loop shares it
     with `any_rank` so every rank saves at the same step. ``grace_s`` after the signal the process
     exits 1 regardless: a stuck save must not outlive the scheduler's grace period. `active`: the
-    run's instance, through which fault tolerance's replica groups stop at the same step too."""
+    run's instance, through which fault tolerance's replica groups stop at the same step too: they
+    exchange the flag in each step's all-reduce and set `agreed`, which then decides (a signal
+    that arrives after that exchange counts at the next step, in every group alike)."""
 
     active: "StopSignals | None" = None
 
     def __init__(self, grace_s: int) -> None:
         self.grace_s = grace_s
         self.received: str | None = None
+        self.agreed: bool | None = None  # set by replica groups each step: whether any of them was signalled
         StopSignals.active = self
         self._previous = {}
         if threading.current_thread() is threading.main_thread():  # handlers live in the main thread only
             self._previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
+
+    def requested(self) -> bool:
+        """Whether the run stops after this step."""
+        return self.agreed if self.agreed is not None else self.received is not None
 
     def _handle(self, signum: int, frame) -> None:
         if self.received is None:

@@ -208,7 +208,7 @@ def _train(plan: JobPlan, info) -> list[dict]:
                 if config.validation.enable and (step == 1 or step % config.validation.freq == 0):
                     history.append(run_validation(step))
                     timer.restart()
-                stopping, save_failed = any_rank(host_group, stop.received is not None, checkpointer.save_failed())
+                stopping, save_failed = any_rank(host_group, stop.requested(), checkpointer.save_failed())
                 if save_failed:
                     checkpointer.close()  # every rank raises the background save's error now, not a save later
                 if step < training.steps and stopping:
