@@ -66,7 +66,7 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
     if k % align or n % align:  # zero features add nothing
         a = F.pad(a, (0, -k % align))
         return grouped_mm(a, F.pad(b, (0, -n % align, 0, -k % align)), offs)[:, :n]
-    if torch.compiler.is_compiling() or a.device.type == "meta" or is_fake(a):  # traced: shapes by its meta function
+    if torch.compiler.is_compiling() or device == "meta" or is_fake(a):  # traced: shapes by its meta function
         return torch._grouped_mm(a, b, offs=offs) if a.dtype == torch.bfloat16 else _grouped_mm(a, b, offs)
     out = torch._grouped_mm(a, b, offs=offs)
     if out.requires_grad:  # its backward takes no strided gradient (a sum's expanded one)
