@@ -13,6 +13,10 @@
   interleaved repeats, median tokens/s per rank and the ratio Tessera / torchtitan; `--model
   deepseek_v3` (torchtitan's deepseek_v3 debug TOML, 2 processes: EP 2 x FSDP 2) or qwen3 (its
   debugmodel_moe). The output ends with one line per run shape: `ratio <model> <dtype> <nproc>: <x>`.
+- `--peer --long_context`: block-causal training at `--seqs` (8k, 16k) with CP 2 on the llama3
+  debug model, one sequence per step: Tessera's tokens/s per rank and peak memory against
+  torchtitan's same job (its block-causal path is FlexAttention, flavor debugmodel_flex_attn),
+  and its plain causal SDPA under CP 2, or the exception each of torchtitan's runs ends with.
 - `--profile`: where one step goes (profile_split.py), Tessera's and (with the peer) torchtitan's,
   for `--model` too (MoE: routing, permutation and the routed experts apart).
 - MoE dispatch: `--variants tessera,capacity,ep2,ep2_capacity --model.name deepseek_v3
@@ -21,6 +25,7 @@
   bazel run //tools/bench -- [--steps 30] [--warmup 3] [--repeats 1] [--variants bare,tessera,...] [--section.key value ...]
   long sequences, cp 1 vs 2: --variants tessera,cp2,cp2_alltoall --training.seq_len 8192 --training.local_batch_size 1
   bazel run //tools/bench -- --peer [--model llama3|deepseek_v3|qwen3] [--peer_root DIR] [--dtypes float32,bfloat16] [--nprocs 1,2] [--repeats 2] [--steps 30] [--seq_len 256]
+  bazel run //tools/bench -- --peer --long_context [--seqs 8192,16384] [--steps 4] [--warmup 1]
   bazel run //tools/bench -- --profile [--model llama3|deepseek_v3|qwen3] [--peer_root DIR] [--dtypes float32,bfloat16]
 """
 
@@ -269,7 +274,8 @@ def run_peer(known) -> None:
     print(f"model {known.model}, seq_len {known.seq_len}, local batch 8, {known.steps} steps; load average "
           f"{os.getloadavg()[0]:.2f}", flush=True)
     print(f"{'dtype':9} {'procs':>5} {'torchtitan tok/s/rank':>22} {'tessera tok/s/rank':>19} {'ratio':>6}  "
-          f"{'per CPU-s: titan':>16} {'tessera':>8} {'ratio':>6}  runs (titan | tessera)")
+          f"{'per CPU-s: titan':>16} {'tessera':>8} {'ratio':>6}  {'peak GiB: titan':>15} {'tessera':>7}  "
+          "runs (titan | tessera)")
     tokens_per_step = known.seq_len * 8
     for nproc in map(int, known.nprocs.split(",")):
         for dtype in known.dtypes.split(","):
@@ -283,8 +289,10 @@ def run_peer(known) -> None:
             titan_cpu, tessera_cpu = (statistics.median(x["tpcs"] or 0 for x in runs[w]) for w in ("torchtitan", "tessera"))
             cpu_ratio = f"{tessera_cpu / titan_cpu:>5.2f}x" if titan_cpu else "    -"
             cells = " | ".join(", ".join(f"{x['tps']:,.0f}" for x in runs[w]) for w in ("torchtitan", "tessera"))
+            titan_peak, tessera_peak = (max(x["peak"] or 0 for x in runs[w]) for w in ("torchtitan", "tessera"))
             print(f"{dtype:9} {nproc:>5} {titan:>22,.0f} {tessera:>19,.0f} {tessera / titan:>5.2f}x  "
-                  f"{titan_cpu:>16,.0f} {tessera_cpu:>8,.0f} {cpu_ratio}  {cells}  (load {os.getloadavg()[0]:.2f})",
+                  f"{titan_cpu:>16,.0f} {tessera_cpu:>8,.0f} {cpu_ratio}  {titan_peak:>15.2f} {tessera_peak:>7.2f}  "
+                  f"{cells}  (load {os.getloadavg()[0]:.2f})",
                   flush=True)
             ratios.append(f"ratio {known.model} {dtype} {nproc}: {tessera / titan:.2f} (per CPU-second: "
                           f"{tessera_cpu / titan_cpu if titan_cpu else float('nan'):.2f})")
@@ -294,6 +302,38 @@ def run_peer(known) -> None:
     print(f"(median tokens/s per rank over steps {first}..{known.steps} of each run, median of {known.repeats} "
           f"interleaved runs; logs in {out})")
     print("\n".join(ratios))
+
+
+def run_long_context(known) -> None:
+    """Block-causal at each of --seqs with CP 2, one sequence per step: Tessera, then torchtitan's
+    block-causal (FlexAttention) and causal (SDPA) under the same layout, each figure or the
+    exception its run ended with."""
+    import tempfile
+
+    from peer import failure_reason, launch, parse, peak_memory_gib
+
+    root = _peer_or_exit(known.peer_root, needed=True)
+    out = Path(tempfile.mkdtemp(prefix="bench-long-"))
+    cp2 = ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.context_parallel_degree", "2"]
+    runs = {"tessera block-causal": ("tessera", ["--model.attn_mask_type", "block_causal"]),
+            "torchtitan block-causal (flex)": ("torchtitan", ["--model.flavor", "debugmodel_flex_attn"]),
+            "torchtitan causal (sdpa)": ("torchtitan", [])}
+    print(f"llama3 debugmodel, fp32, CP 2, local batch 1, {known.steps} steps (median tokens/s per rank over steps "
+          f"{known.warmup + 1}..{known.steps}); load average {os.getloadavg()[0]:.2f}", flush=True)
+    for seq in map(int, known.seqs.split(",")):
+        for name, (which, flags) in runs.items():
+            folder = out / f"{name.split(' (')[0].replace(' ', '_')}_{seq}"
+            try:
+                text = launch(which, root, "float32", 2, known.steps, folder, [*cp2, *flags], seq_len=seq, local_batch=1)
+            except RuntimeError:
+                print(f"seq {seq:>6,}  {name:31} fails: {failure_reason((folder / 'output.log').read_text())}", flush=True)
+                continue
+            figures = parse(which, text, known.warmup + 1)
+            peak = peak_memory_gib(which, text)
+            print(f"seq {seq:>6,}  {name:31} {figures['tps']:>8,.0f} tokens/s per rank, peak "
+                  f"{peak if peak is not None else float('nan'):.2f} GiB RSS, final loss {figures['loss']:.4f} "
+                  f"(load {os.getloadavg()[0]:.2f})", flush=True)
+    print(f"(logs in {out})")
 
 
 def run_profile(known, overrides: list[str]) -> None:
@@ -319,9 +359,10 @@ def run_profile(known, overrides: list[str]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=3,
-                        help="steps left out of the timing, rounded up to a log step (metrics.log_freq)")
+    parser.add_argument("--steps", type=int, help="steps per run (default 30; --long_context: 4)")
+    parser.add_argument("--warmup", type=int,
+                        help="steps left out of the timing, rounded up to a log step (metrics.log_freq); "
+                             "default 3 (--long_context: 1)")
     parser.add_argument("--repeats", type=int, default=1, help="interleaved runs of each variant (medians)")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--peer", action="store_true", help="Tessera vs torchtitan 0.2.2 (needs PEER_ROOT)")
@@ -332,8 +373,15 @@ def main() -> int:
     parser.add_argument("--model", default="llama3", choices=("llama3", "deepseek_v3", "qwen3"),
                         help="--peer / --profile: the model both stacks train (peer.py's MODELS)")
     parser.add_argument("--seq_len", type=int, default=256, help="--peer / --profile: tokens per sequence")
+    parser.add_argument("--long_context", action="store_true",
+                        help="--peer: block-causal with CP 2 at --seqs, Tessera vs torchtitan")
+    parser.add_argument("--seqs", default="8192,16384", help="--long_context: sequence lengths")
     parser.add_argument("--measure", choices=sorted(VARIANTS), help=argparse.SUPPRESS)
     known, overrides = parser.parse_known_args()
+    if known.long_context and not known.peer:
+        parser.error("--long_context is a --peer comparison: add --peer")
+    known.steps = known.steps or (4 if known.long_context else 30)
+    known.warmup = (1 if known.long_context else 3) if known.warmup is None else known.warmup
     if known.steps <= known.warmup:
         parser.error("--steps must exceed --warmup")
     unknown = [v for v in known.variants.split(",") if v not in VARIANTS]
@@ -355,7 +403,9 @@ def main() -> int:
             result = measure_tessera([*overrides, *layout], known.steps, known.warmup, VARIANTS[known.measure][1])
         print(json.dumps(result))
         return 0
-    if known.peer:
+    if known.long_context:
+        run_long_context(known)
+    elif known.peer:
         run_peer(known)
     elif known.profile:
         run_profile(known, overrides)

@@ -49,17 +49,17 @@ def peer_root(path: str | None) -> Path | None:
 # model -> (torchtitan's TOML under run022/train_configs, flags both stacks get, whether it is MoE)
 MODELS = {
     "llama3": ("debug_model.toml", ["--activation_checkpoint.mode", "none"], False),
-    "deepseek_v3": ("deepseek_v3_debug_model.toml", ["--activation_checkpoint.mode", "none"], True),
+    "deepseek_v3": ("deepseek_v3_debug_model.toml", [], True),
     "qwen3": ("debug_model.toml", ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe",
                                    "--activation_checkpoint.mode", "none"], True),
 }
 
 
 def _job_args(which: str, root: Path, dtype: str, nproc: int, steps: int, dump: Path, model: str = "llama3",
-              seq_len: int = int(COMMON["seq_len"])) -> list[str]:
+              seq_len: int = int(COMMON["seq_len"]), local_batch: int = int(COMMON["local_batch_size"])) -> list[str]:
     toml, flags, moe = MODELS[model]
     args = ["--job.dump_folder", str(dump), "--debug.seed", "42", "--training.seq_len", str(seq_len),
-            "--training.local_batch_size", COMMON["local_batch_size"], "--training.steps", str(steps),
+            "--training.local_batch_size", str(local_batch), "--training.steps", str(steps),
             "--training.mixed_precision_param", dtype, *flags]
     if nproc > 1:
         args += ["--parallelism.data_parallel_shard_degree", str(nproc)]
@@ -91,7 +91,8 @@ def profiling_args(which: str, step: int) -> list[str]:
 
 
 def launch(which: str, root: Path | None, dtype: str, nproc: int, steps: int, out: Path, extra: list[str] = (),
-           regions: bool = False, model: str = "llama3", seq_len: int = int(COMMON["seq_len"])) -> str:
+           regions: bool = False, model: str = "llama3", seq_len: int = int(COMMON["seq_len"]),
+           local_batch: int = int(COMMON["local_batch_size"])) -> str:
     """Runs one job under torchrun (root: the peer, needed for torchtitan; Tessera reads its
     text when there is one); returns rank 0's output (raises with its tail on failure)."""
     env = {**os.environ, "PIN": "1" if nproc > 1 else "0", "SPLIT_REGIONS": "1" if regions else "0",
@@ -109,7 +110,7 @@ def launch(which: str, root: Path | None, dtype: str, nproc: int, steps: int, ou
             env["BUILD_WORKING_DIRECTORY"] = str(root / "run022")
     command = [*torchrun, "--standalone", f"--nproc_per_node={nproc}", "--role", "rank", "--tee", "3",
                "--log-dir", str(out / "torchrun"), str(HERE / "run_one.py"), which,
-               *_job_args(which, root, dtype, nproc, steps, out / "dump", model, seq_len), *extra]
+               *_job_args(which, root, dtype, nproc, steps, out / "dump", model, seq_len, local_batch), *extra]
     proc = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True)
     text = _ANSI.sub("", proc.stdout + proc.stderr)
     (out / "output.log").write_text(text)
@@ -124,6 +125,23 @@ def launch(which: str, root: Path | None, dtype: str, nproc: int, steps: int, ou
     return "\n".join(lines)
 
 
+def failure_reason(text: str) -> str:
+    """The exception a failed run's ranks raised: the last such line of its output that is not
+    torchrun's own summary."""
+    lines = [re.sub(r"^\s*(?:\[rank\d+\]:)*\s*", "", line) for line in text.splitlines()]
+    raised = [line for line in lines if re.match(r"[\w.]+(?:Error|Exception):", line) and "ChildFailedError" not in line]
+    return raised[-1] if raised else "no exception in its output"
+
+
+_PEAK = {"tessera": re.compile(r"\(peak ([0-9.]+)\)"), "torchtitan": re.compile(r"memory:\s*([0-9.]+)GiB")}
+
+
+def peak_memory_gib(which: str, text: str) -> float | None:
+    """The last step line's peak memory (host RSS high-water mark on CPU, in both stacks)."""
+    peaks = [float(m.group(1)) for m in map(_PEAK[which].search, text.splitlines()) if m]
+    return peaks[-1] if peaks else None
+
+
 def _all_steps_logged(which: str, text: str, steps: int) -> bool:
     return any(int(m.group(1)) == steps for m in map(_STEP[which].search, text.splitlines()) if m)
 
@@ -132,7 +150,7 @@ _CPU = re.compile(r"^(?:\[rank0\]:)?cpu_s (\d+) ([0-9.]+)")
 
 
 def parse(which: str, text: str, first: int, tokens_per_step: int = 0) -> dict:
-    """Median tokens/s per rank over steps >= first, the last step's loss, the parameter count;
+    """Median tokens/s per rank over steps >= first, the last step's loss and peak memory, the parameter count;
     with ``tokens_per_step`` (a rank's) also the median tokens per CPU-second of the rank's process
     over those steps (from run_one's ``cpu_s`` lines; each step's CPU time is that between its log
     line and the one before)."""
@@ -144,7 +162,7 @@ def parse(which: str, text: str, first: int, tokens_per_step: int = 0) -> dict:
     rates = [tps for step, (_, tps) in steps.items() if step >= first]
     cpu = {int(m.group(1)): float(m.group(2)) for m in map(_CPU.search, text.splitlines()) if m}
     per_cpu_s = [tokens_per_step / (cpu[s] - cpu[s - 1]) for s in sorted(cpu) if s >= first and s - 1 in cpu]
-    return {"tps": statistics.median(rates), "loss": steps[max(steps)][0],
+    return {"tps": statistics.median(rates), "loss": steps[max(steps)][0], "peak": peak_memory_gib(which, text),
             "params": int(params.group(1).replace(",", "")) if params else None,
             "tpcs": statistics.median(per_cpu_s) if per_cpu_s and tokens_per_step else None}
 

@@ -7,6 +7,7 @@ every layout; the traced estimate is the reference."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -43,6 +44,7 @@ def float8_of(plan: JobPlan) -> Float8Options | None:
     return next((c.options for c in plan.converters if isinstance(c.options, Float8Options)), None)
 
 
+@functools.cache  # the planner asks for every layout it evaluates; an answer builds 8 meta linears
 def float8_linears(options: Float8Options | None, a) -> frozenset[str]:
     """Names within a block (and "output") of the linears the converter swaps: tessera.float8's
     own rule, on the full (pre-TP) shapes."""
@@ -213,8 +215,9 @@ def state_floor(a, tp: int, fsdp: int, pp: int, held: bool) -> float:
     least the mean share): fp32 parameters and AdamW's two moments, sharded, and the whole TP-local
     fp32 gradients when held (`held`: more than one backward a step). Lets the planner drop a
     layout before building its job plan."""
-    names = ["tok_embeddings", *(f"layers.{i}" for i in range(a.n_layers)), "norm", "output"]
-    local = sum(_local_elements(r, c, s, tp, 1) for m in names for r, c, s in _module_params(a, m)) / pp
+    ends = [p for m in ("tok_embeddings", "norm", "output") for p in _module_params(a, m)]
+    local = (sum(_local_elements(r, c, s, tp, 1) for r, c, s in ends) +
+             a.n_layers * sum(_local_elements(r, c, s, tp, 1) for r, c, s in _block_params(a))) / pp
     return 3 * F32 * local / fsdp + (F32 * local if held else 0)
 
 
@@ -477,5 +480,5 @@ def _pipeline_hops(plan: JobPlan, pp_rank: int) -> int:
     """Stage boundaries the rank sends or receives across (a V-shaped schedule's turn at the last
     rank stays on it)."""
     n, size = len(plan.pipeline.parts), plan.dims.pp
-    owner = [next(r for r in range(size) if s in pp.stage_ids(r, size, n, plan.pipeline.schedule)) for s in range(n)]
+    owner = {s: r for r in range(size) for s in pp.stage_ids(r, size, n, plan.pipeline.schedule)}
     return sum((owner[s] == pp_rank) + (owner[s + 1] == pp_rank) for s in range(n - 1) if owner[s] != owner[s + 1])

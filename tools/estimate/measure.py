@@ -27,7 +27,7 @@ def local_bytes(tensors) -> int:
 def measure_rank(rank: int, world_size: int, argv: list[str]) -> dict[str, int]:
     """Two real steps of the config `argv` on this rank (run_on_ranks' signature); the second
     step's peak live bytes (optimizer state already there), and the real bytes of this rank's
-    parameters, gradients and optimizer state."""
+    parameters, gradients (as the optimizers step them: the step drops them after) and optimizer state."""
     plan = make_plan(load_config(argv), world_size, "cpu")
     torch.manual_seed(0)
     with LiveBytes() as live:
@@ -37,6 +37,10 @@ def measure_rank(rank: int, world_size: int, argv: list[str]) -> dict[str, int]:
         optimizers = build_optimizers(model.parts, plan.optimizer)
         forward_backward = step_functions(model.parts, model.pipeline, loss_fn, plan, meshes, bos_id=NO_BOS)[0]
         step = make_train_step(model.parts, optimizers.all, optimizers.scheduler, forward_backward, plan, pp_mesh=meshes.pp)
+        grads = {}  # optimizer -> the bytes of the gradients it steps
+        for optimizer in optimizers.all:
+            optimizer.register_step_pre_hook(lambda o, args, kwargs: grads.update({o: local_bytes(
+                p.grad for group in o.param_groups for p in group["params"] if p.grad is not None)}))
         vocab, batch = plan.model_args.vocab_size, plan.batch
 
         def batches():
@@ -48,11 +52,9 @@ def measure_rank(rank: int, world_size: int, argv: list[str]) -> dict[str, int]:
         live.reset_peak()
         step(data)
         peak = live.peak
-        forward_backward(*next(data))  # once more, to read the gradients the step dropped
-    params = [p for part in model.parts for p in part.parameters()]
     return {
-        "params": local_bytes(params),
-        "grads": local_bytes(p.grad for p in params if p.grad is not None),
+        "params": local_bytes(p for part in model.parts for p in part.parameters()),
+        "grads": sum(grads.values()),
         "optimizer": local_bytes(v for o in optimizers.all for s in o.state.values() for v in s.values()),
         "peak": peak,
     }

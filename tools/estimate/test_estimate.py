@@ -98,7 +98,7 @@ def test_formula_against_whole_trace_at_scale(config, world, argv, depth, tolera
     vocabulary), cut to `depth` blocks where that keeps the comparison (every block adds the same
     bytes; the whole 70B took 136 s), deeper than trace_by_blocks' deepest cut:
     the closed form's peak against the whole model's trace, and the planner's shallow traces
-    (trace_by_blocks, extended from cuts, not the whole model) equal to it. At the debug size the
+    (trace_by_blocks' extended_from_cuts, not the whole model) equal to it. At the debug size the
     formula's errors hid each other; here they were +37 % (70B: the logits' fp32 upcast counted as
     kept, the loss's and the last block's moments added), -4 % (accumulating under TP: the
     embedding's held gradient is the whole vocabulary's), +21 % (float8 uncounted) and the shallow
@@ -114,7 +114,7 @@ def test_formula_against_whole_trace_at_scale(config, world, argv, depth, tolera
         assert f.activations == pytest.approx(whole.activations, rel=0.001)
     assert f.peak == pytest.approx(whole.peak, rel=tolerance)
     depths = _cut_depths(monkeypatch)
-    by_blocks = traced.trace_by_blocks(plan, 0)
+    by_blocks = traced.extended_from_cuts(plan, 0)
     assert max(depths) < plan.model_args.n_layers
     assert by_blocks.peak == pytest.approx(whole.peak, rel=0.001) and by_blocks.activations == pytest.approx(whole.activations, rel=0.001)
 
@@ -178,11 +178,12 @@ def test_document_masks_trace_with_the_cpu_kernel():
 def test_trace_by_blocks_matches_the_whole_trace(world, argv, monkeypatch):
     """Shallow traces extended to every block (what the planner uses for the models without a
     closed form; from cuts shallower than the model, not its whole trace) against the trace of the
-    whole model: bytes by owner, peaks, collectives exact."""
+    whole model: bytes by owner, peaks, collectives exact. (trace_by_blocks traces models this
+    shallow whole; its extended_from_cuts is what it uses for deeper ones.)"""
     plan = make_plan(load_config([*BASE, *argv]), world, "cuda", check_only=True)
     whole = traced.trace_rank(plan, 0)
     depths = _cut_depths(monkeypatch)
-    by_blocks = traced.trace_by_blocks(plan, 0)
+    by_blocks = traced.extended_from_cuts(plan, 0)
     assert max(depths) < plan.model_args.n_layers
     for field in ("params", "grads", "optimizer", "buffers", "activations", "peak", "phase_peaks", "comm", "calls"):
         assert getattr(by_blocks, field) == getattr(whole, field), field
@@ -203,7 +204,7 @@ def test_trace_by_blocks_follows_the_layer_pattern(monkeypatch):
     assert traced.layer_period(plan.model_args) == (0, 4)
     whole = traced.trace_rank(plan, 0)
     depths = _cut_depths(monkeypatch)
-    by_blocks = traced.trace_by_blocks(plan, 0)
+    by_blocks = traced.extended_from_cuts(plan, 0)
     assert depths == [2, 6, 10]
     for field in ("params", "grads", "optimizer", "buffers", "activations", "peak", "phase_peaks", "comm", "calls"):
         assert getattr(by_blocks, field) == getattr(whole, field), field

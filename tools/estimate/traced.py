@@ -17,13 +17,18 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import types
+import weakref
+from unittest import mock
 
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.common_utils import get_untyped_storages
+from torch.distributed.tensor import _sharding_prop
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from tessera import fsdp, pp
@@ -90,8 +95,8 @@ def trace_rank(plan: JobPlan, rank: int) -> RankMemory:
             for part in parts:
                 fused_rms_norms(part)
                 flex_attentions(part, attention)
-        with balanced_routing(), flex_kept(), FakeTensorMode(allow_non_fake_inputs=True), LiveBytes() as live, \
-                Collectives(group_dims(meshes), live.key) as comm, _offload_to_host(live):
+        with balanced_routing(), flex_kept(), _strided_flags_folded_once(), FakeTensorMode(allow_non_fake_inputs=True), \
+                LiveBytes() as live, Collectives(group_dims(meshes), live.key) as comm, _offload_to_host(live):
             for part in parts:
                 part.to_empty(device="cpu")
             optimizers = build_optimizers(parts, plan.optimizer).all
@@ -148,6 +153,33 @@ def _owners(live: LiveBytes, sizes: dict[int, int], params, grads, states, buffe
     owned["comm_buffers"] = sum(left.pop(k) for k in comm_keys & left.keys())
     owned["activations"] = sum(left.values())
     return owned
+
+
+@contextlib.contextmanager
+def _strided_flags_folded_once():
+    """Torch 2.13's sharding propagation of a foreach op (AdamW's step, the clipping) folds the
+    _StridedShard flags of all the op's arguments again for each of its tensors
+    (`_propagate_use_strided_shard_flag`, per child strategy): quadratic in the parameters, a fifth
+    of Llama 3 405B's whole trace. The fold reads only the flags of the arguments holding a
+    _StridedShard, in order, where a run of equal flags counts as one flag (and its fix-ups set
+    flags to its result, which leaves the result as it was), so each op's runs are found once and
+    folded for every child: the same result."""
+    fold = getattr(_sharding_prop, "_propagate_use_strided_shard_flag", None)
+    if fold is None:  # torch 2.11
+        yield
+        return
+    last: list = [lambda: None, None]  # a weak reference to the op's schema, its runs
+
+    def once(op_strategy, op_schema):
+        if last[0]() is not op_schema:  # (weak: a schema's arguments may hold tensors, which LiveBytes counts)
+            strided = [s for s in op_schema.args_spec if any(isinstance(p, _StridedShard) for p in s.placements)]
+            runs = [s for i, s in enumerate(strided) if i == 0 or
+                    s.use_strided_shard_as_shard_order != strided[i - 1].use_strided_shard_as_shard_order]
+            last[:] = weakref.ref(op_schema), types.SimpleNamespace(args_spec=tuple(runs))
+        return fold(op_strategy, last[1])
+
+    with mock.patch.object(_sharding_prop, "_propagate_use_strided_shard_flag", once):
+        yield
 
 
 @contextlib.contextmanager
@@ -232,36 +264,49 @@ def layer_period(a) -> tuple[int, int]:
 
 
 def trace_by_blocks(plan: JobPlan, rank: int) -> RankMemory:
-    """trace_rank of a deep model from shallow traces: with `d` leading blocks that differ from
-    the rest and the rest repeating every `p` blocks (layer_period), the model cut to c, c + p,
-    c + 2p, ... blocks (c the first depth from d + 2 on a whole number of periods short of
-    n_layers, so that every cut ends as the model does), each quantity (bytes by owner, each
-    phase's peak, collective bytes and calls) extended linearly from the last two cuts to all
-    n_layers: every further period adds the same parameters, shards, activations and collectives.
-    A phase's peak is the tallest of several moments, each linear in the blocks, so it bends where
-    another moment takes over (the loss's, or a block's backward with FSDP's gathered weights
-    beside it) and bends only upwards, until the moment holding every block's activations leads:
-    cuts are added until two successive steps of every phase peak agree (SLOPE_AGREEMENT) and the
-    forward-backward peak's step is at least a period's model state and activations, else the
-    whole model is traced. Two cuts were not enough: Llama 3 405B at FSDP 128 x TP 4, local 2,
-    full AC came out at 97.7 GiB from d + 2 and d + 3 against the whole trace's 35.7, and in
-    float8 at 23.4 from d + 3 and d + 4 against 35.8; at d + 1 the only uniform block is also the
-    last (DeepSeek 16B's peak 8 % low). Seconds where the whole model takes a minute (671B: 8 s
-    for three cuts against 33)."""
-    a = plan.model_args
-    if plan.pipeline is not None:
+    """trace_rank of a deep model from shallow traces (extended_from_cuts). A model no deeper than
+    its three shallowest cuts together (or too shallow for three) is traced whole: exact, and one
+    trace of no more blocks (the debug flavors' 6 against 2 + 3 + 4)."""
+    depths = _cut_depths(plan.model_args)
+    if plan.pipeline is not None or len(depths) < 3 or sum(depths[:3]) >= plan.model_args.n_layers:
         return trace_rank(plan, rank)
+    return extended_from_cuts(plan, rank)
+
+
+def _cut_depths(a) -> range:
+    """The depths extended_from_cuts may cut the model to, shallowest first."""
     d, p = layer_period(a)
     first = d + 2 + (a.n_layers - d - 2) % p
+    return range(first, min(first + MAX_CUTS * p, a.n_layers), p)
+
+
+def extended_from_cuts(plan: JobPlan, rank: int) -> RankMemory:
+    """trace_rank from shallow traces (trace_by_blocks' for a deep model): with `d` leading blocks that
+    differ from the rest and the rest repeating every `p` blocks (layer_period), the model cut to c,
+    c + p, c + 2p, ... blocks (c the first depth from d + 2 on a whole number of periods short of
+    n_layers, so that every cut ends as the model does), each quantity (bytes by owner, each phase's
+    peak, collective bytes and calls) extended linearly from the last two cuts to all n_layers:
+    every further period adds the same parameters, shards, activations and collectives. A phase's
+    peak is the tallest of several moments, each linear in the blocks, so it bends where another
+    moment takes over (the loss's, or a block's backward with FSDP's gathered weights beside it) and
+    bends only upwards, until the moment holding every block's activations leads: cuts are added
+    until two successive steps of every phase peak agree (SLOPE_AGREEMENT) and the forward-backward
+    peak's step is at least a period's model state and activations, else the whole model is traced.
+    Two cuts were not enough: Llama 3 405B at FSDP 128 x TP 4, local 2, full AC came out at 97.7 GiB
+    from d + 2 and d + 3 against the whole trace's 35.7, and in float8 at 23.4 from d + 3 and d + 4
+    against 35.8; at d + 1 the only uniform block is also the last (DeepSeek 16B's peak 8 % low).
+    Seconds where the whole model takes a minute (671B: 8 s for three cuts against 33)."""
+    a = plan.model_args
+    depths = _cut_depths(a)
     cuts = []
-    for n in range(first, min(first + MAX_CUTS * p, a.n_layers), p):
+    for n in depths:
         cuts.append(trace_rank(dataclasses.replace(plan, model_args=dataclasses.replace(a, n_layers=n)), rank))
         if len(cuts) >= 3 and _steps_agree(*cuts[-3:]):
             break
     else:
         return trace_rank(plan, rank)
     one, two = cuts[-2:]
-    more = (a.n_layers - (first + (len(cuts) - 2) * p)) // p
+    more = (a.n_layers - depths[len(cuts) - 2]) // depths.step  # periods from `one` to the whole model
 
     def extend(x: dict) -> dict:
         y = getattr(two, x)
@@ -275,7 +320,7 @@ def trace_by_blocks(plan: JobPlan, rank: int) -> RankMemory:
                       phase_peaks=phases, calls=extend("calls"), groups=one.groups)
 
 
-MAX_CUTS = 6  # shallow traces before trace_by_blocks traces the whole model instead
+MAX_CUTS = 6  # shallow traces before extended_from_cuts traces the whole model instead
 SLOPE_AGREEMENT = 0.01  # two successive per-block steps of a phase peak agreeing this closely: extended
 
 

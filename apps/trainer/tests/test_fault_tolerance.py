@@ -163,7 +163,7 @@ def test_a_stop_signal_stops_every_group_at_one_step_and_the_job_resumes_exactly
 def test_a_replica_group_may_be_a_pipeline(tmp_path):
     """Two groups of a 2-stage pipeline log the losses of one job of 2 data-parallel x 2 stages,
     and end with equal weights (each rank averages its stage's shards with its twin's)."""
-    pipeline = ["--parallelism.pipeline_parallel_degree", "2", "--training.steps", "4"]
+    pipeline = ["--parallelism.pipeline_parallel_degree", "2", "--training.steps", "2"]
     groups = run(tmp_path / "groups", "--nproc", "4", *FT, *pipeline)
     job = run(tmp_path / "job", "--nproc", "4", *pipeline)
     for group in (0, 1):

@@ -9,6 +9,7 @@ their outputs' layouts, which aot_eager does not check). Eager layouts match one
 test_moe_tp_train, test_context_parallel_train and test_moe_train."""
 
 import pytest
+import torch
 
 from tessera.mesh.testing import run_on_ranks
 from tessera.trainer.config import load_config
@@ -38,6 +39,10 @@ def _eager_and_compiled(rank, world_size, dump):
     for name, extra in {**CASES, **INDUCTOR}.items():
         backend = "inductor" if name in INDUCTOR else "aot_eager"
         for mode, switch in (("eager", []), ("compiled", ["--compile.enable", "true", "--compile.backend", backend])):
+            # a clean cache, as the case's own training process has: the families' blocks share one
+            # forward, which over the earlier cases' code dynamo recompiled with dynamic shapes (sequence
+            # length, top-k, eps), at 2-4x the compile time
+            torch._dynamo.reset()
             results[name, mode] = train(load_config([*BASE, *extra, *switch, "--job.dump_folder", f"{dump}/{name}_{mode}"]))
     return results
 

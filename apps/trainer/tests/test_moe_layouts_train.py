@@ -56,8 +56,11 @@ def _compared(step):
 
 
 def _layouts(rank, world_size, family, dump, layouts):
-    return {name: _run([*BASE, *FAMILIES[family], *layouts[name], "--job.dump_folder", f"{dump}/{name}"])
+    """Each layout's run; the parameters from rank 0 only: every rank gathers them whole, and
+    pickling the others' copies back cost seconds."""
+    runs = {name: _run([*BASE, *FAMILIES[family], *layouts[name], "--job.dump_folder", f"{dump}/{name}"])
             for name in layouts}
+    return {name: (history, params if rank == 0 else None) for name, (history, params) in runs.items()}
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ ROOT = Path(__file__).parents[3]
 TORCHRUN = ROOT / "tools" / "launch" / "torchrun.py"
 SBATCH = ROOT / "tools" / "slurm" / "train.sbatch"
 ARGS = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--metrics.log_freq", "1",
-        "--metrics.disable_color_printing", "true", "--training.steps", "4"]
+        "--metrics.disable_color_printing", "true", "--training.steps", "2"]
 ENV = {key: value for key, value in os.environ.items() if key != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
 ENV.update(PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
 
@@ -66,7 +66,7 @@ def test_two_nodes_train_as_the_single_node_four_rank_run(tmp_path):
                             timeout=600)
     assert single.returncode == 0, single.stderr[-3000:]
     expected = losses(single.stdout)
-    assert [int(step) for step, *_ in expected] == [1, 2, 3, 4]
+    assert [int(step) for step, *_ in expected] == [1, 2]
 
     endpoint = f"localhost:{free_port()}"
     agents = both([[sys.executable, str(TORCHRUN), "--nnodes", "2", "--nproc_per_node", "2", "--rdzv_backend", "c10d",
@@ -81,5 +81,5 @@ def test_two_nodes_train_as_the_single_node_four_rank_run(tmp_path):
                 "--fault_tolerance.group_size", "2")
     for group in (0, 1):  # a group per node, each FSDP over its node's 2 ranks
         assert losses(ft, rf"\[replica {group}\] ") == expected
-    digests = re.findall(r"replica group \d ends at step 4, weights sha256 (\w+)$", ft, re.M)
+    digests = re.findall(r"replica group \d ends at step 2, weights sha256 (\w+)$", ft, re.M)
     assert len(digests) == 2 and digests[0] == digests[1]

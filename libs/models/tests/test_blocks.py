@@ -23,12 +23,12 @@ def debug_model():
 
 
 class MatmulCounter(TorchDispatchMode):
-    def __init__(self):
+    def __init__(self, ops=MATMULS):
         super().__init__()
-        self.count = 0
+        self.ops, self.count = ops, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func in MATMULS
+        self.count += func in self.ops
         return func(*args, **(kwargs or {}))
 
 
@@ -71,6 +71,25 @@ def test_checkpointing_keeps_loss_and_grads_and_wraps_the_expected_blocks(
         torch.testing.assert_close(grad, ref_grads[name], msg=name)
     # "op" keeps matmul outputs: backward runs exactly the matmuls it runs without checkpointing.
     assert (matmuls > ref_matmuls) == recomputes_matmuls, (matmuls, ref_matmuls)
+
+
+def test_selective_op_keeps_the_experts_grouped_matmuls():
+    """A MoE model's backward under "op" runs the grouped matmuls it runs without checkpointing
+    (their gradients), none recomputed: the experts' GEMMs are its costliest ops after attention."""
+    from tessera.models.deepseek_v3 import DeepSeekV3, deepseek_v3_flavors
+
+    grouped = {torch.ops.aten._grouped_mm.default, torch.ops.tessera.grouped_mm.default}
+    tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1))
+    counts = {}
+    for mode in ("none", "selective"):
+        torch.manual_seed(0)
+        model = DeepSeekV3(replace(deepseek_v3_flavors["tiny"], vocab_size=64, n_layers=2))
+        apply_activation_checkpointing(model, mode, "op")
+        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        with MatmulCounter(grouped) as counter:
+            loss.backward()
+        counts[mode] = counter.count
+    assert counts["none"] > 0 and counts["selective"] == counts["none"], counts
 
 
 def split_backward(model, tokens, *, between_passes=None):

@@ -14,14 +14,19 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
+import tessera.models.moe.grouped_mm  # noqa: F401  (registers tessera::grouped_mm, which selective AC keeps)
+
 AC_MODES = ("none", "full", "selective", "memory_budget", "offload")
 _CHECKPOINT_DEFAULTS = {"early_stop": True, "determinism_check": "default", "debug": False}
 
-# Outputs kept by selective AC: recomputing matmuls dominates backward cost, the rest is cheap.
+# Outputs kept by selective AC: recomputing matmuls (the experts' grouped ones too) and attention
+# dominates backward cost; the rest is cheap.
 _SAVED_OPS = {
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
     torch.ops.aten.bmm.default,
+    torch.ops.aten._grouped_mm.default,
+    torch.ops.tessera.grouped_mm.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,
