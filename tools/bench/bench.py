@@ -310,7 +310,7 @@ def run_long_context(known) -> None:
     exception its run ended with."""
     import tempfile
 
-    from peer import failure_reason, launch, parse, peak_memory_gib
+    from peer import failure_reason, launch, parse
 
     root = _peer_or_exit(known.peer_root, needed=True)
     out = Path(tempfile.mkdtemp(prefix="bench-long-"))
@@ -329,7 +329,7 @@ def run_long_context(known) -> None:
                 print(f"seq {seq:>6,}  {name:31} fails: {failure_reason((folder / 'output.log').read_text())}", flush=True)
                 continue
             figures = parse(which, text, known.warmup + 1)
-            peak = peak_memory_gib(which, text)
+            peak = figures["peak"]
             print(f"seq {seq:>6,}  {name:31} {figures['tps']:>8,.0f} tokens/s per rank, peak "
                   f"{peak if peak is not None else float('nan'):.2f} GiB RSS, final loss {figures['loss']:.4f} "
                   f"(load {os.getloadavg()[0]:.2f})", flush=True)
@@ -380,7 +380,7 @@ def main() -> int:
     known, overrides = parser.parse_known_args()
     if known.long_context and not known.peer:
         parser.error("--long_context is a --peer comparison: add --peer")
-    known.steps = known.steps or (4 if known.long_context else 30)
+    known.steps = (4 if known.long_context else 30) if known.steps is None else known.steps
     known.warmup = (1 if known.long_context else 3) if known.warmup is None else known.warmup
     if known.steps <= known.warmup:
         parser.error("--steps must exceed --warmup")
