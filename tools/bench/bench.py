@@ -259,13 +259,38 @@ def _peer_or_exit(path: str | None, needed: bool):
     return root
 
 
+# what both stacks run instead where torchtitan fails its TOML's own activation checkpointing on
+# CPU (deepseek_v3 under EP 2: its per-op selective AC meets a profiler record_function it did not save)
+_PEER_FALLBACK = ["--activation_checkpoint.mode", "none"]
+
+
+def _peer_cell(root: Path, out: Path, known, dtype: str, nproc: int, first: int, tokens_per_step: int,
+               extra: list[str]) -> tuple[dict | None, str | None]:
+    """One (dtype, processes) cell's runs per stack, interleaved A B, then B A, ...: (runs, None),
+    or (None, the exception torchtitan's run ended with); Tessera's failing is a bug, raised."""
+    from peer import failure_reason, launch, parse
+
+    runs = {"torchtitan": [], "tessera": []}
+    for r in range(known.repeats):
+        for which in (("torchtitan", "tessera") if r % 2 == 0 else ("tessera", "torchtitan")):
+            folder = out / f"{which}_{dtype}_np{nproc}{'_fallback' if extra else ''}_{r}"
+            try:
+                text = launch(which, root, dtype, nproc, known.steps, folder, extra, model=known.model, seq_len=known.seq_len)
+            except RuntimeError:
+                if which == "tessera":
+                    raise
+                return None, failure_reason((folder / "output.log").read_text())
+            runs[which].append(parse(which, text, first, tokens_per_step))
+    return runs, None
+
+
 def run_peer(known) -> None:
     """Tessera vs torchtitan per (dtype, processes): A B, then B A, ... (drift hits both). Each
     cell: the median over runs of each run's median tokens/s per rank, and of its tokens per CPU
-    second of the rank's process (steadier while other jobs load the machine)."""
+    second of the rank's process (steadier while other jobs load the machine). A cell torchtitan
+    cannot run as configured is printed with the exception it ended with, then measured with both
+    stacks under _PEER_FALLBACK (its ratio line says so)."""
     import tempfile
-
-    from peer import launch, parse
 
     root = _peer_or_exit(known.peer_root, needed=True)
     out = Path(tempfile.mkdtemp(prefix="bench-peer-"))
@@ -279,12 +304,15 @@ def run_peer(known) -> None:
     tokens_per_step = known.seq_len * 8
     for nproc in map(int, known.nprocs.split(",")):
         for dtype in known.dtypes.split(","):
-            runs = {"torchtitan": [], "tessera": []}
-            for r in range(known.repeats):
-                for which in (("torchtitan", "tessera") if r % 2 == 0 else ("tessera", "torchtitan")):
-                    folder = out / f"{which}_{dtype}_np{nproc}_{r}"
-                    text = launch(which, root, dtype, nproc, known.steps, folder, model=known.model, seq_len=known.seq_len)
-                    runs[which].append(parse(which, text, first, tokens_per_step))
+            extra = []
+            runs, failure = _peer_cell(root, out, known, dtype, nproc, first, tokens_per_step, extra)
+            if failure:
+                print(f"{dtype:9} {nproc:>5}  torchtitan fails: {failure}; both with {' '.join(_PEER_FALLBACK)}:", flush=True)
+                extra = _PEER_FALLBACK
+                runs, failure = _peer_cell(root, out, known, dtype, nproc, first, tokens_per_step, extra)
+                if failure:
+                    print(f"{dtype:9} {nproc:>5}  torchtitan fails again: {failure}", flush=True)
+                    continue
             titan, tessera = (statistics.median(x["tps"] for x in runs[w]) for w in ("torchtitan", "tessera"))
             titan_cpu, tessera_cpu = (statistics.median(x["tpcs"] or 0 for x in runs[w]) for w in ("torchtitan", "tessera"))
             cpu_ratio = f"{tessera_cpu / titan_cpu:>5.2f}x" if titan_cpu else "    -"
@@ -295,7 +323,8 @@ def run_peer(known) -> None:
                   f"{cells}  (load {os.getloadavg()[0]:.2f})",
                   flush=True)
             ratios.append(f"ratio {known.model} {dtype} {nproc}: {tessera / titan:.2f} (per CPU-second: "
-                          f"{tessera_cpu / titan_cpu if titan_cpu else float('nan'):.2f})")
+                          f"{tessera_cpu / titan_cpu if titan_cpu else float('nan'):.2f})"
+                          + (f" with {' '.join(extra)}" if extra else ""))
             if nproc == 1 and dtype == known.dtypes.split(",")[0]:
                 print(f"{'':16}parameters: torchtitan {runs['torchtitan'][0]['params']:,}, tessera "
                       f"{runs['tessera'][0]['params']:,}", flush=True)
