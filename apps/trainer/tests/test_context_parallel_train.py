@@ -14,9 +14,10 @@ from tessera.trainer.plan import make_plan
 from tessera.trainer.train import train
 
 TOL = 1e-5
+# two steps: a step, an update and a step on the updated weights, then validation on them
 BASE = ["--training.seq_len", "32", "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1",
-        "--training.steps", "3", "--lr_scheduler.warmup_steps", "1", "--model.flavor", "debugmodel",
-        "--validation.enable", "true", "--validation.freq", "3", "--validation.steps", "1"]
+        "--training.steps", "2", "--lr_scheduler.warmup_steps", "1", "--model.flavor", "debugmodel",
+        "--validation.enable", "true", "--validation.freq", "2", "--validation.steps", "1"]
 CP2 = ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
 RING = ["--parallelism.context_parallel_rotate_method", "alltoall"]  # K/V passed rank to rank, not gathered once
 

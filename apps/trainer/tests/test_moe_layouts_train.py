@@ -22,7 +22,7 @@ from tessera.trainer.train import train
 
 TOL = 1e-5
 PARAMS_ATOL = 4e-5  # as test_moe_train's: AdamW turns rounding on near-eps gradients into a share of a step
-BASE = ["--training.seq_len", "32", "--metrics.log_freq", "1", "--training.steps", "3", "--lr_scheduler.warmup_steps", "1"]
+BASE = ["--training.seq_len", "32", "--metrics.log_freq", "1", "--training.steps", "2", "--lr_scheduler.warmup_steps", "1"]
 FAMILIES = {"gpt_oss": ["--model.name", "gpt_oss", "--model.flavor", "tiny"],
             "llama4": ["--model.name", "llama4", "--model.flavor", "tiny"]}
 FLOAT8 = ["--model.converters", "float8", "--float8.filter_fqns", "router,output"]

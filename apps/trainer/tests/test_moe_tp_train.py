@@ -25,7 +25,7 @@ from tessera.trainer.plan import make_plan
 from tessera.trainer.step import build_loss, plain_forward_backward
 from tessera.trainer.train import train
 
-STEPS = 3
+STEPS = 2  # a step, an update and a step on the updated weights
 BASE = ["--training.seq_len", "32", "--metrics.log_freq", "1", "--training.steps", str(STEPS),
         "--lr_scheduler.warmup_steps", "1", "--optimizer.lr", "3e-4"]
 FAMILIES = {"qwen3": ["--model.name", "qwen3", "--model.flavor", "tiny"],
@@ -56,12 +56,28 @@ def _train_rank(rank, world_size, argv):
     return history, params
 
 
+@pytest.fixture(scope="module")
+def single_process(tmp_path_factory):
+    """single_process(family, global_batch): the single-process run's (history, parameters), run
+    once per module for each pair (several layouts share a reference) and never changed by the tests."""
+    runs = {}
+
+    def run(family, batch):
+        if (family, batch) not in runs:
+            dump = tmp_path_factory.mktemp(f"single_{family}_{batch}")
+            runs[family, batch] = run_on_ranks(  # one thread, as each rank: the same summation order anywhere
+                _train_rank, 1, [*BASE, *FAMILIES[family], "--job.dump_folder", str(dump),
+                                 "--training.local_batch_size", str(batch)])[0]
+        return runs[family, batch]
+
+    return run
+
+
 @pytest.mark.parametrize("family, layout", CASES, ids=[f"{f}-{layout}" for f, layout in CASES])
-def test_tensor_parallel_matches_single_process(tmp_path, family, layout):
+def test_tensor_parallel_matches_single_process(tmp_path, single_process, family, layout):
     ranks, extra, dp = LAYOUTS[layout]
     argv = [*BASE, *FAMILIES[family]]
-    reference, reference_params = run_on_ranks(  # one thread, as each rank: the same summation order anywhere
-        _train_rank, 1, [*argv, "--job.dump_folder", str(tmp_path / "single"), "--training.local_batch_size", str(2 * dp)])[0]
+    reference, reference_params = single_process(family, 2 * dp)
     per_rank = run_on_ranks(_train_rank, ranks, [*argv, *extra, "--job.dump_folder", str(tmp_path / layout),
                                                 "--training.local_batch_size", "2"])
     for history, _ in per_rank:

@@ -11,7 +11,7 @@ from tessera.mesh.testing import run_on_ranks
 from tessera.trainer.config import load_config
 from tessera.trainer.train import train
 
-STEPS = 3
+STEPS = 2  # a step, an update (the router bias's too) and a step on the updated weights
 # AdamW normalises each gradient element, so an element whose gradient is near eps turns the
 # reductions' rounding (which differs between layouts and CPUs: 2.2e-5 measured on an AMX machine
 # for qwen3_moe under FSDP 2) into a few percent of one lr step (8e-4); a wrong gradient moves
@@ -31,9 +31,25 @@ def _train_rank(rank, world_size, argv):
     return history, params  # under pipeline parallel, this rank's stages only
 
 
+@pytest.fixture(scope="module")
+def single_process(tmp_path_factory):
+    """single_process(family, global_batch): the single-process run's (history, parameters), run
+    once per module for each pair (several layouts share a reference) and never changed by the tests."""
+    runs = {}
+
+    def run(family, batch):
+        if (family, batch) not in runs:
+            dump = tmp_path_factory.mktemp(f"single_{family}_{batch}")
+            runs[family, batch] = _train_rank(0, 1, [*BASE, *FAMILIES[family], "--job.dump_folder", str(dump),
+                                                     "--training.local_batch_size", str(batch)])
+        return runs[family, batch]
+
+    return run
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_moe_family_trains_and_reports_expert_load(tmp_path, family):
-    history, params = _train_rank(0, 1, [*BASE, *FAMILIES[family], "--job.dump_folder", str(tmp_path)])
+def test_moe_family_trains_and_reports_expert_load(single_process, family):
+    history, params = single_process(family, 8)  # the default local batch: the run the pipeline layouts compare with
     assert len(history) == STEPS
     imbalance = {key: value for key, value in history[-1].items() if key.endswith("/imbalance")}
     assert imbalance and all(value >= 1.0 for value in imbalance.values())
@@ -42,10 +58,9 @@ def test_moe_family_trains_and_reports_expert_load(tmp_path, family):
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_moe_family_under_fsdp_matches_single_process(tmp_path, family):
+def test_moe_family_under_fsdp_matches_single_process(tmp_path, single_process, family):
     argv = [*BASE, *FAMILIES[family]]
-    reference, reference_params = _train_rank(
-        0, 1, [*argv, "--job.dump_folder", str(tmp_path / "single"), "--training.local_batch_size", "4"])
+    reference, reference_params = single_process(family, 4)
     per_rank = run_on_ranks(_train_rank, 2, [*argv, "--job.dump_folder", str(tmp_path / "fsdp2"),
                                             "--training.local_batch_size", "2", "--parallelism.data_parallel_shard_degree", "2"])
     for history, _ in per_rank:
@@ -76,11 +91,10 @@ EP_CASES = [("deepseek_v3", layout) for layout in sorted(EP_LAYOUTS)] + [("qwen3
 
 
 @pytest.mark.parametrize("family, layout", EP_CASES, ids=[f"{f}-{layout}" for f, layout in EP_CASES])
-def test_expert_parallel_matches_single_process(tmp_path, family, layout):
+def test_expert_parallel_matches_single_process(tmp_path, single_process, family, layout):
     ranks, extra, dp, local = EP_LAYOUTS[layout]
     argv = [*BASE, *FAMILIES[family]]
-    reference, reference_params = _train_rank(
-        0, 1, [*argv, "--job.dump_folder", str(tmp_path / "single"), "--training.local_batch_size", str(dp * local)])
+    reference, reference_params = single_process(family, dp * local)
     per_rank = run_on_ranks(_train_rank, ranks, [*argv, *extra, "--job.dump_folder", str(tmp_path / layout),
                                                 "--training.local_batch_size", str(local)])
     for history, _ in per_rank:

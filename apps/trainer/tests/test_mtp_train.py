@@ -1,6 +1,6 @@
 """DeepSeek-V3's multi-token prediction in the trainer (flavor tiny_mtp: one module, weighted by
 loss.mtp_scale 0.3), each layout against one process on the same global batch (8 sequences of 32
-tokens, 3 steps; fp32: losses and grad norms within 1e-5 relative, parameters within PARAMS_ATOL):
+tokens, 2 steps; fp32: losses and grad norms within 1e-5 relative, parameters within PARAMS_ATOL):
 FSDP 2, EP 2, TP 2, PP 2 (1F1B with gradient accumulation; DualPipeV, whose V puts both copies of
 the shared embedding on one rank) and PP 2 x EP 2 (DualPipeV with selective 'op' checkpointing).
 Under PP the last stage keeps a copy of the embedding (tessera.pp's shared_with_last_stage), saved
@@ -22,9 +22,9 @@ from tessera.trainer.train import train
 
 TOL = 1e-5
 PARAMS_ATOL = 4e-5  # as test_moe_train's: AdamW turns rounding on near-eps gradients into a share of a step
-BASE = ["--model.name", "deepseek_v3", "--model.flavor", "tiny_mtp", "--training.seq_len", "32", "--training.steps", "3",
+BASE = ["--model.name", "deepseek_v3", "--model.flavor", "tiny_mtp", "--training.seq_len", "32", "--training.steps", "2",
         "--training.global_batch_size", "8", "--lr_scheduler.warmup_steps", "1", "--metrics.log_freq", "1"]
-CKPT = ["--checkpoint.enable", "true", "--checkpoint.interval", "2", "--checkpoint.last_save_model_only", "false"]
+CKPT = ["--checkpoint.enable", "true", "--checkpoint.interval", "1", "--checkpoint.last_save_model_only", "false"]
 PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
 DUALPIPEV = ["--parallelism.pipeline_parallel_schedule", "DualPipeV"]
 TWO_RANKS = {
@@ -61,15 +61,15 @@ def _spawned(world_size, runs) -> dict:
 
 
 def _resumed(tmp, source, name, extra):
-    """argv continuing `source`'s run from its step-2 checkpoint in a folder of its own."""
-    shutil.copytree(tmp / source / "checkpoint" / "step-2", tmp / name / "checkpoint" / "step-2")
+    """argv continuing `source`'s run from its step-1 checkpoint in a folder of its own."""
+    shutil.copytree(tmp / source / "checkpoint" / "step-1", tmp / name / "checkpoint" / "step-1")
     return [*BASE, *extra, "--job.dump_folder", str(tmp / name), "--checkpoint.enable", "true"]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The single-process run (saving step 2), the two-rank layouts and PP 2 resuming it in one
-    spawn, then one process resuming PP 2's step 2, and the four-rank layout."""
+    """The single-process run (saving step 1), the two-rank layouts and PP 2 resuming it in one
+    spawn, then one process resuming PP 2's step 1, and the four-rank layout."""
     tmp = tmp_path_factory.mktemp("mtp")
     single = ["--training.local_batch_size", "8"]
     results = {"single": _run([*BASE, *single, *CKPT, "--job.dump_folder", str(tmp / "single")])}
@@ -85,7 +85,7 @@ def runs(tmp_path_factory):
 def test_layout_matches_single_process(runs, layout):
     _, results = runs
     (history, params), (reference, reference_params) = results[layout], results["single"]
-    assert [step for step, _, _ in history] == [1, 2, 3]
+    assert [step for step, _, _ in history] == [1, 2]
     for (_, loss, norm), (_, want_loss, want_norm) in zip(history, reference):
         assert loss == pytest.approx(want_loss, rel=TOL), layout
         assert norm == pytest.approx(want_norm, rel=TOL), layout
@@ -93,17 +93,17 @@ def test_layout_matches_single_process(runs, layout):
 
 
 def test_checkpoints_resume_across_pipeline_layouts(runs):
-    """Step 3 from the other layout's step-2 checkpoint, as the uninterrupted runs trained it."""
+    """Step 2 from the other layout's step-1 checkpoint, as the uninterrupted runs trained it."""
     _, results = runs
     for name, source in (("pp2_from_single", "single"), ("single_from_pp2", "pp2")):
         (history, _), (uninterrupted, _) = results[name], results[source]
-        assert [step for step, _, _ in history] == [3], name
-        assert history[0][1:] == pytest.approx(uninterrupted[2][1:], rel=TOL), name
+        assert [step for step, _, _ in history] == [2], name
+        assert history[0][1:] == pytest.approx(uninterrupted[1][1:], rel=TOL), name
 
 
 def test_pipeline_export_holds_the_mtp_layer(runs):
     tmp, results = runs
-    exported, params = load_hf(tmp / "pp2" / "checkpoint" / "step-3-hf"), results["pp2"][1]
+    exported, params = load_hf(tmp / "pp2" / "checkpoint" / "step-2-hf"), results["pp2"][1]
     for hf, key in (("model.layers.6.eh_proj.weight", "layers.6.eh_proj.weight"),
                     ("model.layers.6.shared_head.norm.weight", "layers.6.mtp_norm.weight"),
                     ("model.layers.6.embed_tokens.weight", "tok_embeddings.weight"),
