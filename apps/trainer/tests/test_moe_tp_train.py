@@ -12,6 +12,8 @@ where 1e-7 rounding differences grow to 2e-5, between two single-process runs to
 vs a spawned one-thread worker: 7.5e-6). AdamW's normalised steps would hide a gradient off by a
 constant factor, so a second test compares every gradient of one step directly."""
 
+import functools
+
 import pytest
 import torch
 from final_params import assert_params_close, final_params
@@ -60,15 +62,12 @@ def _train_rank(rank, world_size, argv):
 def single_process(tmp_path_factory):
     """single_process(family, global_batch): the single-process run's (history, parameters), run
     once per module for each pair (several layouts share a reference) and never changed by the tests."""
-    runs = {}
-
+    @functools.cache
     def run(family, batch):
-        if (family, batch) not in runs:
-            dump = tmp_path_factory.mktemp(f"single_{family}_{batch}")
-            runs[family, batch] = run_on_ranks(  # one thread, as each rank: the same summation order anywhere
-                _train_rank, 1, [*BASE, *FAMILIES[family], "--job.dump_folder", str(dump),
-                                 "--training.local_batch_size", str(batch)])[0]
-        return runs[family, batch]
+        dump = tmp_path_factory.mktemp(f"single_{family}_{batch}")
+        return run_on_ranks(  # one thread, as each rank: the same summation order anywhere
+            _train_rank, 1, [*BASE, *FAMILIES[family], "--job.dump_folder", str(dump),
+                             "--training.local_batch_size", str(batch)])[0]
 
     return run
 

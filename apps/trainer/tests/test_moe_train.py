@@ -4,6 +4,8 @@ train, report per-layer expert load, update their router bias after every optimi
 tokens of all data-parallel ranks, and match the single-process run under FSDP (fp32: losses and
 grad norms within 1e-5 relative, parameters within PARAMS_ATOL)."""
 
+import functools
+
 import pytest
 from final_params import assert_params_close, final_params
 
@@ -35,14 +37,11 @@ def _train_rank(rank, world_size, argv):
 def single_process(tmp_path_factory):
     """single_process(family, global_batch): the single-process run's (history, parameters), run
     once per module for each pair (several layouts share a reference) and never changed by the tests."""
-    runs = {}
-
+    @functools.cache
     def run(family, batch):
-        if (family, batch) not in runs:
-            dump = tmp_path_factory.mktemp(f"single_{family}_{batch}")
-            runs[family, batch] = _train_rank(0, 1, [*BASE, *FAMILIES[family], "--job.dump_folder", str(dump),
-                                                     "--training.local_batch_size", str(batch)])
-        return runs[family, batch]
+        dump = tmp_path_factory.mktemp(f"single_{family}_{batch}")
+        return _train_rank(0, 1, [*BASE, *FAMILIES[family], "--job.dump_folder", str(dump),
+                                  "--training.local_batch_size", str(batch)])
 
     return run
 
