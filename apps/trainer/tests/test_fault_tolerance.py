@@ -26,7 +26,8 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
+
+from tessera.trainer.lighthouse import command as lighthouse_command
 
 
 SMALL = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--metrics.log_freq", "1",
@@ -78,8 +79,7 @@ def alone(faulty_dump, tmp_path, load_step, last_step, *args):
     shutil.copytree(faulty_dump, dump, ignore=lambda folder, names: [
         name for name in names if others.fullmatch(name) and name != f"step-{load_step}"])
     port = free_port()
-    script = Path(sys.executable).parent / "torchft_lighthouse"  # the wheel's console script
-    lighthouse = subprocess.Popen([sys.executable, str(script), "--min_replicas", "1", "--bind", f"[::]:{port}"],
+    lighthouse = subprocess.Popen([*lighthouse_command(), "--min_replicas", "1", "--bind", f"[::]:{port}"], env=ENV,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         return run(dump, *args, *FT, "--checkpoint.load_step", str(load_step), "--checkpoint.load_only", "true",

@@ -4,12 +4,14 @@ groups' data shares and layout are what the launcher starts, and the trainer nee
 when fault tolerance is on."""
 
 import importlib.util
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 
-from tessera.trainer import ft_plan, launch
+from tessera.trainer import ft_plan, launch, lighthouse
 from tessera.trainer.config import ConfigError, load_config
 from tessera.trainer.main import main
 from tessera.trainer.plan import make_plan
@@ -112,3 +114,22 @@ def test_the_trainer_never_imports_torchft_without_fault_tolerance(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                             env={"PYTHONPATH": ":".join(sys.path), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert result.returncode == 0 and result.stdout.strip().endswith("trained"), result.stderr[-2000:]
+
+
+def test_the_lighthouse_starts_without_torch(tmp_path):
+    """The launcher's Lighthouse is the wheel's extension alone: with a torch that fails to import
+    first on the path (torchft's own script imports torch, and exits), it still serves."""
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("raise ImportError('the Lighthouse imported torch')\n")
+    log = tmp_path / "lighthouse.log"
+    with open(log, "w") as out:
+        server = subprocess.Popen([*lighthouse.command(), "--min_replicas", "1", "--bind", "[::]:0"], stdout=out,
+                                  stderr=subprocess.STDOUT, env={"PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])})
+    try:
+        deadline = time.monotonic() + 60
+        while "Lighthouse listening on" not in log.read_text() and server.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.poll() is None and "Lighthouse listening on" in log.read_text(), log.read_text()
+    finally:
+        server.kill()
+        server.wait()

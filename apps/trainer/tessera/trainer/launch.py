@@ -5,7 +5,7 @@ Without fault tolerance the node runs one torchrun agent (torch's launcher, in t
 main._launch_local): standalone on one node, else a c10d rendezvous at H0:P.
 
 With fault tolerance the job is `fault_tolerance.group_size` replica groups of N x nodes / groups
-ranks each. Node 0 starts torchft's Lighthouse (`torchft_lighthouse`, at H0:P, or a free port on
+ranks each. Node 0 starts torchft's Lighthouse (lighthouse.py, at H0:P, or a free port on
 one node); every node starts its groups' launchers (this program again, one torchrun agent each,
 `--max_restarts` restarts of a group that dies, TORCHFT_LIGHTHOUSE set), prefixes their output
 with `[replica g]`, forwards stop signals to them and, when they are done, stops the Lighthouse.
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -28,6 +27,7 @@ from pathlib import Path
 from tessera.trainer.config import ConfigError, JobConfig
 from tessera.trainer.fault_tolerance import LIGHTHOUSE_ENV, START_TOGETHER_ENV
 from tessera.trainer.ft_plan import group_world_size
+from tessera.trainer.lighthouse import command as lighthouse_command
 
 GROUP_LAUNCHER_ENV = "TESSERA_FT_GROUP"  # set for a replica group's own launcher: it runs its group
 DEFAULT_PORT = 29500
@@ -83,19 +83,11 @@ def _die_with_parent() -> None:
 
 
 def _lighthouse(config: JobConfig, port: int) -> subprocess.Popen:
-    binary = shutil.which("torchft_lighthouse", path=str(Path(sys.executable).parent)) or shutil.which("torchft_lighthouse")
-    if binary is None:
-        raise ConfigError("fault_tolerance.enable: torchft's torchft_lighthouse is not beside this Python nor on PATH "
-                          "(it comes with the torchft wheel)")
-    # the wheel's console script, run by this interpreter: a venv built elsewhere and moved keeps
-    # its scripts' old #! line (Tessera's Bazel venv is built under a temporary name)
-    with open(binary, "rb") as script:
-        command = [sys.executable, binary] if script.read(2) == b"#!" else [binary]
     log = Path(config.job.dump_folder) / "lighthouse.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:
         return subprocess.Popen(
-            [*command, "--min_replicas", str(config.fault_tolerance.min_replica_size), "--bind", f"[::]:{port}",
+            [*lighthouse_command(), "--min_replicas", str(config.fault_tolerance.min_replica_size), "--bind", f"[::]:{port}",
              "--join_timeout_ms", str(config.comm.init_timeout_seconds * 1000),
              *os.environ.get(LIGHTHOUSE_ARGS_ENV, "").split()],
             stdout=out, stderr=out, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
@@ -107,7 +99,7 @@ def _check_started(lighthouse: subprocess.Popen, seconds: float = 0.5) -> None:
         code = lighthouse.wait(timeout=seconds)
     except subprocess.TimeoutExpired:
         return
-    raise ConfigError(f"torchft_lighthouse exited at start with status {code} (its port taken? see lighthouse.log in "
+    raise ConfigError(f"torchft's Lighthouse exited at start with status {code} (its port taken? see lighthouse.log in "
                       "job.dump_folder; --port chooses another on several nodes)")
 
 
