@@ -26,6 +26,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 
 from tessera.trainer.lighthouse import command as lighthouse_command
 
@@ -90,13 +91,37 @@ def alone(faulty_dump, tmp_path, load_step, last_step, *args):
         lighthouse.wait()
 
 
+def fault_line(kill_step):
+    return f"[replica 1] debug: injected fault: rank 1 crashes before step {kill_step} (debug.fault_at_step)"
+
+
+def killed_run(dump, kill_step, *args):
+    """The 2-group run whose group 1 is killed before `kill_step`. Run again, once, when that
+    group's first process never reached the step, so the scenario did not take place: the
+    group restarted before it (torchrun's master port taken by another process between its
+    choice and the rank's bind, the free-port race of an unshared rendezvous store), or the
+    Lighthouse dropped it from a quorum (no heartbeat for the tests' 1 s) and it healed past
+    the step. The skipped run's group-1 lines and Lighthouse log are kept beside for a reader."""
+    argv = ["--nproc", "2", *args, "--debug.fault_at_step", str(kill_step), "--debug.fault_rank", "1"]
+    out = run(dump, *argv)
+    if fault_line(kill_step) in out:
+        return out
+    skipped = dump.with_name(dump.name + "-skipped")
+    dump.rename(skipped)
+    (skipped / "out.txt").write_text(out)
+    warnings.warn(f"replica group 1 never reached step {kill_step} in its first process; ran again "
+                  f"(see {skipped}): " + " | ".join(line for line in out.splitlines() if line.startswith("[replica 1]")
+                                                      and ("rror" in line or "recovered" in line or "from step" in line))[:800])
+    return run(dump, *argv)
+
+
 def check_recovery(out, kill_step, every=1):
     """The survivor (group 0) never restarted nor went back; group 1 logged its steps up to the
     kill, then from the step it recovered at; one recovery line; equal final weights. Returns
     (survivor's steps, group 1's, the recovery step)."""
     survivor, restarted = logged(out, 0), logged(out, 1)
-    assert [step for step, _ in survivor] == list(range(1, STEPS + 1))
-    assert "[replica 1] debug: injected fault: rank 1 crashes before step %d (debug.fault_at_step)" % kill_step in out
+    assert [step for step, _ in survivor] == list(range(1, STEPS + 1)), out[-6000:]
+    assert fault_line(kill_step) in out, out[-6000:]
     recoveries = re.findall(r"^\[replica 1\] fault tolerance: replica group 1 recovered live from replica group 0 at step "
                             rf"(\d+) \(weights, optimizer, lr schedule: .*\); its data resumes after its step {kill_step - 1}$",
                             out, re.M)
@@ -113,7 +138,7 @@ def test_a_killed_group_recovers_live_while_the_other_trains_on(tmp_path):
     # checkpoints after step 1 (the survivor resumes from it alone below) and the last; killed before step 2
     args = [*FT, "--training.steps", str(STEPS), "--checkpoint.enable", "true", "--checkpoint.enable_first_step_checkpoint",
             "true", "--checkpoint.interval", str(STEPS)]
-    out = run(tmp_path / "faulty", "--nproc", "2", *args, "--debug.fault_at_step", "2", "--debug.fault_rank", "1")
+    out = killed_run(tmp_path / "faulty", 2, *args)
     survivor, restarted, recovered = check_recovery(out, kill_step=2)
     assert "[replica 0] fault tolerance: replica group 0: from step 2, 1 of 2 replica groups train" in out
     assert f"[replica 0] fault tolerance: replica group 0: from step {recovered + 1}, 2 of 2 replica groups train" in out
@@ -128,7 +153,7 @@ def test_with_diloco_a_killed_group_recovers_live_at_the_next_sync(tmp_path):
     args = [*FT, "--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "4",
             "--training.steps", str(STEPS), "--checkpoint.enable", "true", "--checkpoint.interval", "4",
             "--checkpoint.keep_latest_k", "0"]
-    out = run(tmp_path / "faulty", "--nproc", "2", *args, "--debug.fault_at_step", "6", "--debug.fault_rank", "1")
+    out = killed_run(tmp_path / "faulty", 6, *args)
     survivor, restarted, recovered = check_recovery(out, kill_step=6, every=4)
     assert survivor[1] != restarted[1]  # each group its own data and loss
     # each group checkpoints itself at the syncs (the groups differ between them); the survivor from its step 4 alone
