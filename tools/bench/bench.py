@@ -372,7 +372,8 @@ def run_profile(known, overrides: list[str]) -> None:
     from peer import launch, latest_trace, profiling_args
     from profile_split import format_table, split
 
-    root = _peer_or_exit(known.peer_root, needed=False)
+    # deepseek_v3: Tessera too runs torchtitan's own TOML, from the peer's folder (peer._job_args)
+    root = _peer_or_exit(known.peer_root, needed=known.model == "deepseek_v3")
     out = Path(tempfile.mkdtemp(prefix="bench-profile-"))
     columns = {}
     for dtype in known.dtypes.split(","):
