@@ -1,7 +1,7 @@
 """torch.compile where the job plan refused it before issue 34: MoE layers under tensor parallel,
-context parallel (torch's ring and the all-gather-KV exchange) and expert parallel, dropless and
-with a capacity factor, each compiled run against the same layout in eager mode (fp32: losses and
-grad norms within 1e-5 relative). One spawn of 2 ranks runs every case.
+context parallel (torch's ring and the all-gather-KV exchange), expert parallel and in a
+pipeline's stages, dropless and with a capacity factor, each compiled run against the same layout
+in eager mode (fp32: losses and grad norms within 1e-5 relative). One spawn of 2 ranks runs every case.
 
 Backends: aot_eager (dynamo + AOTAutograd: where tracing problems show, cheaply) for all but one
 case, which runs inductor (code generation too; the custom ops' shape functions must then match
@@ -23,6 +23,7 @@ QWEN3_MOE = ["--model.name", "qwen3", "--model.flavor", "tiny_moe"]
 TP2 = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
 CP2 = ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
 EP2 = ["--parallelism.expert_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]
+PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
 CAPACITY = ["--parallelism.expert_capacity_factor", "1.0"]
 CASES = {
     "qwen3_moe_tp2_dropless": [*QWEN3_MOE, *TP2],
@@ -30,6 +31,7 @@ CASES = {
     "qwen3_moe_cp2_ring_dropless": [*QWEN3_MOE, *CP2],
     "llama3_cp2_documents": [*CP2, "--model.attn_mask_type", "block_causal"],  # all-gather-KV
     "deepseek_ep2_capacity": [*DEEPSEEK, *EP2, *CAPACITY],
+    "deepseek_pp2_dropless": [*DEEPSEEK, *PP2],  # each stage's blocks compiled, the dense one and the MoE ones
 }
 INDUCTOR = {"qwen3_moe_cp2_ring_capacity_inductor": [*QWEN3_MOE, *CP2, *CAPACITY]}
 
