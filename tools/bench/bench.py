@@ -369,11 +369,10 @@ def run_profile(known, overrides: list[str]) -> None:
     """One traced step per dtype: Tessera's split, and torchtitan's when the peer is there."""
     import tempfile
 
-    from peer import launch, latest_trace, profiling_args
+    from peer import PEER_TOML, launch, latest_trace, profiling_args
     from profile_split import format_table, split
 
-    # deepseek_v3: Tessera too runs torchtitan's own TOML, from the peer's folder (peer._job_args)
-    root = _peer_or_exit(known.peer_root, needed=known.model == "deepseek_v3")
+    root = _peer_or_exit(known.peer_root, needed=known.model in PEER_TOML)
     out = Path(tempfile.mkdtemp(prefix="bench-profile-"))
     columns = {}
     for dtype in known.dtypes.split(","):

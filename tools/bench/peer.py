@@ -53,6 +53,8 @@ MODELS = {
     "qwen3": ("debug_model.toml", ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe",
                                    "--activation_checkpoint.mode", "none"], True),
 }
+# models whose Tessera run reads torchtitan's TOML and data from the peer's run folder: the peer is needed for them
+PEER_TOML = ("deepseek_v3",)
 
 
 def _job_args(which: str, root: Path, dtype: str, nproc: int, steps: int, dump: Path, model: str = "llama3",
@@ -67,7 +69,7 @@ def _job_args(which: str, root: Path, dtype: str, nproc: int, steps: int, dump: 
             args += ["--parallelism.expert_parallel_degree", str(nproc)]
     if which == "torchtitan":
         return ["--job.config_file", f"train_configs/{toml}", "--metrics.disable_color_printing", *args]
-    if model == "deepseek_v3":  # its TOML, from the run folder (c4_test there); Tessera's own tokenizer
+    if model in PEER_TOML:  # its TOML, from the run folder (c4_test there); Tessera's own tokenizer
         return ["--job.config_file", str(root / "run022" / "train_configs" / toml), "--model.hf_assets_path", "", *args,
                 "--metrics.disable_color_printing", "true"]
     data = ["--training.dataset_path", str(_jsonl(root))] if root else []  # else Tessera's own corpus
@@ -106,7 +108,7 @@ def launch(which: str, root: Path | None, dtype: str, nproc: int, steps: int, ou
     else:
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         torchrun, cwd = [sys.executable, "-m", "torch.distributed.run"], None
-        if model == "deepseek_v3":  # c4_test resolves in the user's folder: the peer's run folder, as torchtitan's
+        if model in PEER_TOML:  # c4_test resolves in the user's folder: the peer's run folder, as torchtitan's
             env["BUILD_WORKING_DIRECTORY"] = str(root / "run022")
     command = [*torchrun, "--standalone", f"--nproc_per_node={nproc}", "--role", "rank", "--tee", "3",
                "--log-dir", str(out / "torchrun"), str(HERE / "run_one.py"), which,
