@@ -34,7 +34,10 @@ from tessera.trainer.lighthouse import command as lighthouse_command
 SMALL = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--metrics.log_freq", "1",
          "--metrics.disable_color_printing", "true"]
 FT = ["--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2"]
-STEPS = 60  # the survivor must still be training when the killed group is back (a restart takes seconds: 47+ steps seen under load)
+# the survivor must still be training when the killed group is back: under load a restart took
+# 47+ of the survivor's steps (DiLoCo) and more than the 58 steps it had left (per step, ~0.12 s each);
+# a multiple of the DiLoCo test's sync_steps (4), so that its last step syncs the groups
+STEPS = 148
 ENV = {key: value for key, value in os.environ.items() if key != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
 # a dead group is noticed after 1 s without a heartbeat (torchft's default is 5 s)
 ENV.update(PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1", TESSERA_LIGHTHOUSE_ARGS="--heartbeat_timeout_ms 1000")
