@@ -1,17 +1,25 @@
 """GPU throughput check (one GPU): a Llama-3-shaped ~1B model (the 1B flavor: dim 2048, 16 layers,
 GQA 32/8) trained ~30 steps in bf16, bf16 + compile, bf16 + compile + float8, bf16 + compile with
 activation offload (its peak against compile's alone is offload's saving), then the 8B flavor
-with FSDP-style memory settings (full AC) when it fits. Prints tokens/s, TFLOP/s, MFU and peak
-memory per variant, next to tools/estimate's closed-form peak, and writes them to
-gpu-<date>-<gpu>.md in --out (default benchmarks/).
+with full AC where it fits. Prints tokens/s, TFLOP/s, MFU and peak memory per variant, next to
+tools/estimate's closed-form peak, and writes them to gpu-<date>-<gpu>.md in --out (default
+benchmarks/).
+
+A variant whose estimated peak is over FIT of the GPU's memory is skipped with both figures
+rather than launched to run out of memory: the 8B one (about 104 GiB with AdamW in fp32) runs on
+an H200 (141 GB) but not on an H100 (80 GB), and device minutes are scarce.
 
 Each variant runs in its own process (a clean memory peak); a variant that fails (e.g. out of
 memory, float8 on a GPU before sm_89) is reported as such and the others still run. The
 vocabulary is Tessera's offline 2048-token BPE (nothing is downloaded), so the output layer is
 smaller than Llama 3's 128k one.
 
+--dry-run (automatic without CUDA) runs the same variants on CPU with the debug model at tiny
+size, the float8 ones skipped by name: it proves the plumbing (child processes, estimates, the
+result file) before a device run spends minutes on it.
+
   tools/bench/gpu.sh [--steps 30] [--budget_s 420]    (from source, the machine's python3)
-  bazel run //tools/bench:gpu_bench -- [--steps 30] [--budget_s 420] [--out DIR]
+  bazel run //tools/bench:gpu_bench -- [--dry-run] [--steps 30] [--budget_s 420] [--out DIR]
 """
 
 from __future__ import annotations
@@ -20,8 +28,10 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,6 +48,12 @@ VARIANTS = {
     "1B bf16 + compile + activation offload": [*ONE_B, *COMPILE, "--activation_checkpoint.mode", "offload"],
     "8B bf16 + full AC + compile": [*EIGHT_B, *COMPILE],
 }
+# The dry run's overrides (the last value of a key wins): every variant on the debug model.
+DRY_RUN = ["--model.flavor", "debugmodel", "--training.seq_len", "64", "--training.local_batch_size", "2",
+           "--metrics.log_freq", "2", "--lr_scheduler.warmup_steps", "1", "--compile.backend", "aot_eager"]
+# The share of the GPU's memory an estimated peak may take: the CUDA context, cuBLAS workspaces
+# and the allocator's fragmentation live outside the estimate.
+FIT = 0.95
 
 
 def _measure(argv: list[str]) -> dict:
@@ -50,11 +66,12 @@ def _measure(argv: list[str]) -> dict:
     history = [h for h in train(load_config(argv)) if "tps" in h]
     last = history[-1]
     warmup = next((h["compile_warmup_s"] for h in history if "compile_warmup_s" in h), None)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
     return {"tps": last["tps"], "tflops": last["tflops"], "mfu_pct": last["mfu_pct"],
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "warmup_s": warmup, "loss": last["loss"]}
+            "peak_gib": peak, "warmup_s": warmup, "loss": last["loss"]}
 
 
-def _estimated_peak_gib(argv: list[str]) -> float | None:
+def estimated_peak_gib(argv: list[str]) -> float | None:
     """tools/estimate's closed-form peak for the variant on one GPU (None where it has no formula)."""
     import estimate
     from tessera.trainer.config import load_config
@@ -64,10 +81,25 @@ def _estimated_peak_gib(argv: list[str]) -> float | None:
     return role["formula"]["peak"] / 2**30 if "formula" in role else None
 
 
-def _run(name: str, argv: list[str], timeout_s: float) -> dict:
+def variant_argv(name: str, steps: int, dump: Path, dry: bool) -> list[str]:
+    """The trainer's arguments for one variant, its checkpoints and logs in a folder of its own."""
+    return [*COMMON, *VARIANTS[name], "--training.steps", str(steps), "--job.dump_folder", str(dump / name.replace(" ", "_")),
+            *(DRY_RUN if dry else [])]
+
+
+def skip_reason(name: str, estimated_gib: float | None, capacity_gib: float | None) -> str | None:
+    """Why a variant is not launched: float8 without a GPU, or an estimated peak over FIT of its memory."""
+    if capacity_gib is None and "float8" in name:
+        return "needs CUDA"
+    if capacity_gib is not None and estimated_gib is not None and estimated_gib > FIT * capacity_gib:
+        return f"estimated {estimated_gib:.1f} GiB, over {FIT:.0%} of this GPU's {capacity_gib:.1f} GiB"
+    return None
+
+
+def _run(argv: list[str], timeout_s: float, env: dict | None) -> dict:
     command = [sys.executable, __file__, "--measure", json.dumps(argv)]
     try:
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env)
     except subprocess.TimeoutExpired:
         return {"error": f"did not finish within {timeout_s:.0f} s"}
     if proc.returncode != 0:
@@ -76,46 +108,52 @@ def _run(name: str, argv: list[str], timeout_s: float) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--budget_s", type=float, default=420.0, help="wall-clock budget for all variants")
     parser.add_argument("--out", type=Path, help="folder of the result file (default: the repository's benchmarks/)")
+    parser.add_argument("--dry-run", action="store_true", help="CPU plumbing check at tiny size (automatic without CUDA)")
     parser.add_argument("--measure", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.measure:
         print(json.dumps(_measure(json.loads(args.measure))))
         return 0
     import torch
 
-    if not torch.cuda.is_available():
-        print("gpu_bench: no CUDA device visible", file=sys.stderr)
-        return 2
-    gpu = torch.cuda.get_device_name()
-    dump = Path(os.environ.get("TMPDIR", "/tmp")) / "tessera_gpu_bench"
+    cuda = torch.cuda.is_available() and not args.dry_run
+    gpu = torch.cuda.get_device_name() if cuda else "cpu-dry-run"
+    capacity = torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda else None
+    env = None if cuda else {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # a dry run stays on CPU
+    dump = Path(tempfile.mkdtemp(prefix="tessera_gpu_bench_"))
     deadline, rows = time.monotonic() + args.budget_s, {}
-    for name, extra in VARIANTS.items():
+    for name in VARIANTS:
+        argv = variant_argv(name, args.steps, dump, dry=not cuda)
+        estimated = estimated_peak_gib(argv)
         left = deadline - time.monotonic()
-        if left < 30:
-            rows[name] = {"error": "skipped: time budget spent"}
-            continue
-        argv = [*COMMON, *extra, "--training.steps", str(args.steps), "--job.dump_folder", str(dump / name.replace(" ", "_"))]
-        rows[name] = _run(name, argv, left)
-        if "error" not in rows[name]:
-            rows[name]["estimated_gib"] = _estimated_peak_gib(argv)
+        skip = skip_reason(name, estimated, capacity) or ("time budget spent" if left < 30 else None)
+        rows[name] = {"skipped": skip} if skip else {**_run(argv, left, env), "estimated_gib": estimated}
         print(name, rows[name], flush=True)
+    shutil.rmtree(dump, ignore_errors=True)
+    return _report(rows, gpu, args, dry=not cuda)
+
+
+def _report(rows: dict[str, dict], gpu: str, args: argparse.Namespace, dry: bool) -> int:
+    """The table, printed and written to gpu-<date>-<gpu>.md; exit 1 where a launched variant failed."""
+    setting = "debug model, seq 64, CPU (dry run)" if dry else "seq 2048, bf16 params (FSDP-free single GPU)"
     lines = [f"# GPU benchmark {datetime.date.today()} on {gpu}", "",
-             f"{args.steps} steps, seq 2048, bf16 params (FSDP-free single GPU); rates of the last 5-step window.", "",
+             f"{args.steps} steps, {setting}; rates of the last logged window.", "",
              "| variant | tokens/s | TFLOP/s | MFU % | peak GiB (max_memory_allocated) | estimated GiB (error) | "
              "compile warm-up s | loss |", "|---|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
-        if "error" in r:
-            lines.append(f"| {name} | failed: {r['error']} | | | | | | |")
-        else:
-            est = r["estimated_gib"]
-            estimated = "no formula" if est is None else f"{est:.1f} ({est / r['peak_gib'] - 1:+.1%})"
-            lines.append(f"| {name} | {r['tps']:,.0f} | {r['tflops']:.1f} | {r['mfu_pct']:.1f} | {r['peak_gib']:.1f} | "
-                         f"{estimated} | {r['warmup_s'] or 0:.0f} | {r['loss']:.3f} |")
+        if "skipped" in r or "error" in r:
+            outcome = f"skipped: {r['skipped']}" if "skipped" in r else f"failed: {r['error']}"
+            lines.append(f"| {name} | {outcome} | | | | | | |")
+            continue
+        est, peak = r["estimated_gib"], r["peak_gib"]
+        estimated = "no formula" if est is None else f"{est:.1f}" + ("" if peak is None else f" ({est / peak - 1:+.1%})")
+        lines.append(f"| {name} | {r['tps']:,.0f} | {r['tflops']:.1f} | {r['mfu_pct']:.1f} | "
+                     f"{'n/a' if peak is None else f'{peak:.1f}'} | {estimated} | {r['warmup_s'] or 0:.0f} | {r['loss']:.3f} |")
     text = "\n".join(lines) + "\n"
     print(text)
     root = Path(os.environ.get("BUILD_WORKSPACE_DIRECTORY", Path(__file__).resolve().parents[2]))
@@ -123,7 +161,7 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     print(f"written to {out}")
-    return 0
+    return 1 if any("error" in r for r in rows.values()) else 0
 
 
 if __name__ == "__main__":
