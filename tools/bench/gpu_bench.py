@@ -1,8 +1,10 @@
 """GPU throughput check (one GPU): a Llama-3-shaped ~1B model (the 1B flavor: dim 2048, 16 layers,
 GQA 32/8) trained ~30 steps in bf16, bf16 + compile, bf16 + compile + float8, bf16 + compile with
 activation offload (its peak against compile's alone is offload's saving), then the 8B flavor
-with full AC where it fits. Prints tokens/s, TFLOP/s, MFU and peak memory per variant, next to
-tools/estimate's closed-form peak, and writes them to gpu-<date>-<gpu>.md in --out (default
+with full AC where it fits. Prints tokens/s, TFLOP/s, MFU (against the data sheet, and against
+the bf16 matmul rate measured on the same GPU) and peak memory per variant, next to
+tools/estimate's closed-form peak, then the ratios the GPU targets are stated in (compile gain,
+float8 / bf16, offload's memory), and writes them to gpu-<date>-<gpu>.md in --out (default
 benchmarks/).
 
 A variant whose estimated peak is over FIT of the GPU's memory is skipped with both figures
@@ -61,13 +63,16 @@ def _measure(argv: list[str]) -> dict:
     import torch
 
     from tessera.trainer.config import load_config
+    from tessera.trainer.metrics import measured_peak_tflops
     from tessera.trainer.train import train
 
     history = [h for h in train(load_config(argv)) if "tps" in h]
     last = history[-1]
     warmup = next((h["compile_warmup_s"] for h in history if "compile_warmup_s" in h), None)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
-    return {"tps": last["tps"], "tflops": last["tflops"], "mfu_pct": last["mfu_pct"],
+    cuda = torch.cuda.is_available()
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    matmul = measured_peak_tflops("cuda" if cuda else "cpu", torch.bfloat16)  # after training: the device idle
+    return {"tps": last["tps"], "tflops": last["tflops"], "mfu_pct": last["mfu_pct"], "matmul_tflops": matmul,
             "peak_gib": peak, "warmup_s": warmup, "loss": last["loss"]}
 
 
@@ -138,22 +143,40 @@ def main(argv: list[str] | None = None) -> int:
     return _report(rows, gpu, args, dry=not cuda)
 
 
+# (what, numerator's variant, denominator's variant, figure): the ratios the GPU targets are stated in.
+RATIOS = (("compile gain, tokens/s", "1B bf16 + compile", "1B bf16", "tps"),
+          ("float8 / bf16 (both compiled), tokens/s", "1B bf16 + compile + float8", "1B bf16 + compile", "tps"),
+          ("activation offload / none (both compiled), peak memory", "1B bf16 + compile + activation offload",
+           "1B bf16 + compile", "peak_gib"))
+
+
+def _ratios(rows: dict[str, dict]) -> list[str]:
+    """A line per ratio whose two variants both ran."""
+    lines = []
+    for what, top, bottom, key in RATIOS:
+        a, b = rows[top].get(key), rows[bottom].get(key)
+        lines.append(f"- {what}: " + (f"{a / b:.2f}x" if a and b else "not measured (a variant did not run)"))
+    return lines
+
+
 def _report(rows: dict[str, dict], gpu: str, args: argparse.Namespace, dry: bool) -> int:
     """The table, printed and written to gpu-<date>-<gpu>.md; exit 1 where a launched variant failed."""
     setting = "debug model, seq 64, CPU (dry run)" if dry else "seq 2048, bf16 params (FSDP-free single GPU)"
     lines = [f"# GPU benchmark {datetime.date.today()} on {gpu}", "",
              f"{args.steps} steps, {setting}; rates of the last logged window.", "",
-             "| variant | tokens/s | TFLOP/s | MFU % | peak GiB (max_memory_allocated) | estimated GiB (error) | "
-             "compile warm-up s | loss |", "|---|---|---|---|---|---|---|---|"]
+             "| variant | tokens/s | TFLOP/s | MFU % | MFU % of measured bf16 matmul | peak GiB (max_memory_allocated) | "
+             "estimated GiB (error) | compile warm-up s | loss |", "|---|---|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
         if "skipped" in r or "error" in r:
             outcome = f"skipped: {r['skipped']}" if "skipped" in r else f"failed: {r['error']}"
-            lines.append(f"| {name} | {outcome} | | | | | | |")
+            lines.append(f"| {name} | {outcome} | | | | | | | |")
             continue
         est, peak = r["estimated_gib"], r["peak_gib"]
         estimated = "no formula" if est is None else f"{est:.1f}" + ("" if peak is None else f" ({est / peak - 1:+.1%})")
         lines.append(f"| {name} | {r['tps']:,.0f} | {r['tflops']:.1f} | {r['mfu_pct']:.1f} | "
+                     f"{100 * r['tflops'] / r['matmul_tflops']:.1f} (of {r['matmul_tflops']:.0f} TFLOP/s) | "
                      f"{'n/a' if peak is None else f'{peak:.1f}'} | {estimated} | {r['warmup_s'] or 0:.0f} | {r['loss']:.3f} |")
+    lines += ["", *_ratios(rows)]
     text = "\n".join(lines) + "\n"
     print(text)
     root = Path(os.environ.get("BUILD_WORKSPACE_DIRECTORY", Path(__file__).resolve().parents[2]))

@@ -9,14 +9,19 @@ H100_GIB, H200_GIB = 79.2, 139.7  # torch.cuda.get_device_properties(0).total_me
 def test_dry_run_measures_every_variant_a_cpu_can_run(tmp_path):
     assert gpu_bench.main(["--dry-run", "--steps", "2", "--out", str(tmp_path)]) == 0
     (result,) = tmp_path.glob("gpu-*-cpu-dry-run.md")
-    rows = {line.split(" | ")[0][2:]: line.split(" | ")[1:] for line in result.read_text().splitlines()[6:]}
+    lines = result.read_text().splitlines()
+    rows = {line.split(" | ")[0][2:]: line.split(" | ")[1:] for line in lines[6:] if line.startswith("| ")}
     assert set(rows) == set(gpu_bench.VARIANTS)
     for name, cells in rows.items():
         if "float8" in name:
             assert cells[0] == "skipped: needs CUDA", cells
-        else:  # tokens/s and the estimate are figures; the loss is a cross-entropy over 2048 tokens
-            assert float(cells[0].replace(",", "")) > 0 and float(cells[4]) > 0, cells
-            assert 0 < float(cells[6].strip(" |")) < 10, cells
+        else:  # tokens/s, MFU of the measured matmul peak and the estimate are figures; the loss is a
+            # cross-entropy over 2048 tokens
+            assert float(cells[0].replace(",", "")) > 0 and float(cells[3].split()[0]) > 0 and float(cells[5]) > 0, cells
+            assert 0 < float(cells[7].strip(" |")) < 10, cells
+    ratios = [line for line in lines if line.startswith("- ")]
+    assert len(ratios) == len(gpu_bench.RATIOS) and float(ratios[0].split()[-1].rstrip("x")) > 0, ratios
+    assert ratios[1].endswith("not measured (a variant did not run)"), ratios  # float8 needs CUDA
 
 
 def test_gpu_variants_are_valid_and_skipped_only_where_they_cannot_fit(tmp_path):

@@ -264,8 +264,28 @@ def _snapshot_row(result: dict, path: Path) -> tuple[str, str]:
     return ("PASS" if segments else "FAIL"), f"{path.name}: {segments} segments"
 
 
+def _environment() -> str:
+    """What a failed row may owe to the machine rather than to Tessera: versions, and the C compiler
+    torch.compile's Triton and inductor build their launchers with."""
+    import importlib.metadata
+    import shutil
+
+    import torch
+
+    def version(package: str) -> str:
+        try:
+            return importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            return "missing"
+
+    compiler = shutil.which("cc") or shutil.which("gcc") or "none found"
+    return (f"Python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
+            f"triton {version('triton')}, torchao {version('torchao')}, C compiler {compiler}")
+
+
 def _report(rows: list[tuple[str, str, str]], device: str, gpus: int, out: Path | None, dry: bool) -> int:
     lines = [f"# GPU check {datetime.date.today()} on {device} ({gpus} GPU(s){', dry run' if dry else ''})", "",
+             _environment(), "",
              "| check | result | detail |", "|---|---|---|", *(f"| {n} | {r} | {detail} |" for n, r, detail in rows)]
     text = "\n".join(lines) + "\n"
     print(text)

@@ -2,12 +2,15 @@
 file) works, every CPU-capable check passes and every CUDA-only check is skipped by name."""
 
 import gpu_check
+import torch
 
 
 def test_dry_run_checks_its_plumbing(tmp_path, capsys):
     assert gpu_check.main(["--dry-run", "--out", str(tmp_path)]) == 0
     (result,) = tmp_path.glob("gpu-check-*-cpu-dry-run.md")
-    rows = {line.split(" | ")[0][2:]: line.split(" | ")[1] for line in result.read_text().splitlines()[4:]}
+    lines = result.read_text().splitlines()
+    assert lines[2].startswith("Python ") and f"torch {torch.__version__}" in lines[2], lines[2]
+    rows = {line.split(" | ")[0][2:]: line.split(" | ")[1] for line in lines[6:]}
     skipped = {name for name, outcome in rows.items() if outcome == "SKIP"}
     assert skipped == {"1 GPU vs CPU, fp32, same seed", "memory snapshot written and loadable",
                        "float8 (bf16) vs fp32 1 GPU", "async TP 2 + compile", gpu_check.GROUPED_MM_ROW}
