@@ -14,7 +14,7 @@ def test_dry_run_checks_its_plumbing(tmp_path, capsys):
     skipped = {name for name, outcome in rows.items() if outcome == "SKIP"}
     assert skipped == {"1 GPU vs CPU, fp32, same seed", "memory snapshot written and loadable",
                        "float8 (bf16) vs fp32 1 GPU", "async TP 2 + compile", gpu_check.GROUPED_MM_ROW}
-    assert set(rows.values()) == {"PASS", "SKIP"} and len(rows) == 15, rows
+    assert set(rows.values()) == {"PASS", "SKIP"} and len(rows) == 16, rows
     assert "needs CUDA" in capsys.readouterr().out
 
 
