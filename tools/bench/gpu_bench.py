@@ -56,6 +56,11 @@ DRY_RUN = ["--model.flavor", "debugmodel", "--training.seq_len", "64", "--traini
 # The share of the GPU's memory an estimated peak may take: the CUDA context, cuBLAS workspaces
 # and the allocator's fragmentation live outside the estimate.
 FIT = 0.95
+# (what, numerator's variant, denominator's variant, figure): the ratios the GPU targets are stated in.
+RATIOS = (("compile gain, tokens/s", "1B bf16 + compile", "1B bf16", "tps"),
+          ("float8 / bf16 (both compiled), tokens/s", "1B bf16 + compile + float8", "1B bf16 + compile", "tps"),
+          ("activation offload / none (both compiled), peak memory", "1B bf16 + compile + activation offload",
+           "1B bf16 + compile", "peak_gib"))
 
 
 def _measure(argv: list[str]) -> dict:
@@ -143,15 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     return _report(rows, gpu, args, dry=not cuda)
 
 
-# (what, numerator's variant, denominator's variant, figure): the ratios the GPU targets are stated in.
-RATIOS = (("compile gain, tokens/s", "1B bf16 + compile", "1B bf16", "tps"),
-          ("float8 / bf16 (both compiled), tokens/s", "1B bf16 + compile + float8", "1B bf16 + compile", "tps"),
-          ("activation offload / none (both compiled), peak memory", "1B bf16 + compile + activation offload",
-           "1B bf16 + compile", "peak_gib"))
-
-
 def _ratios(rows: dict[str, dict]) -> list[str]:
-    """A line per ratio whose two variants both ran."""
+    """A line per ratio: its figure where both variants ran, else why not."""
     lines = []
     for what, top, bottom, key in RATIOS:
         a, b = rows[top].get(key), rows[bottom].get(key)

@@ -36,7 +36,8 @@ STEPS = 3
 # loss 1.2e-7, norm 0, update 4e-6 to 8e-6). bf16 (FSDP mixed precision, fp32 reduce) against
 # the fp32 reference, about 2x what CPU measures (dry run: loss 1.3e-4, norm 7.3e-4, update
 # 6.1e-2; tests/test_fsdp_parity.py: loss 3.6e-4, norm 1.4e-3; one device's autocast: loss 3.2e-5,
-# norm 3.5e-4, update 4.0e-2); GPU bf16 kernels may need them revisited. float8 and async TP + compile (bf16): the loss only.
+# norm 3.5e-4, update 4.0e-2); GPU bf16 kernels may need them revisited. float8 and async TP +
+# compile (bf16): the loss only.
 FP32 = {"loss": 1e-4, "norm": 1e-4, "update": 1e-3}
 BF16 = {"loss": 1e-3, "norm": 3e-3, "update": 0.15}
 LOSS_ONLY = {"loss": 2e-2}
@@ -129,8 +130,8 @@ def _init_row(result: dict) -> tuple[str, str]:
     return ("FAIL" if problems else "PASS"), "; ".join([detail, *problems])
 
 
-RUNS = ("seed", "ref", "cpu_ref", "autocast", "fsdp2", "tp2", "bf16", "offload", "async", "resume", "snapshot", "float8", "async_tp", "init",
-        "ring_kernel", "cp2_ring", "moe_bf16", "moe_float8", "moe_op", "act_offload")
+RUNS = ("seed", "ref", "cpu_ref", "autocast", "fsdp2", "tp2", "bf16", "offload", "async", "resume", "snapshot", "float8",
+        "async_tp", "init", "ring_kernel", "cp2_ring", "moe_bf16", "moe_float8", "moe_op", "act_offload")
 # torch's ring through one flash call: bf16 rounding of q, k, v and the kernel's bf16 output
 # against fp64 (~2^-8 relative); fp32 on CPU measures ~1e-7.
 RING_KERNEL_BOUND = 2e-2
