@@ -3,11 +3,11 @@ GQA 32/8) trained ~30 steps in bf16, bf16 + compile, bf16 + compile + float8, bf
 activation offload (its peak against compile's alone is offload's saving), then the 8B flavor
 with full AC where it fits. Prints tokens/s, TFLOP/s, MFU (against the data sheet, and against
 the bf16 matmul rate measured on the same GPU) and peak memory per variant, next to
-tools/estimate's closed-form peak, then the ratios the GPU targets are stated in (compile gain,
-float8 / bf16, offload's memory), and writes them to gpu-<date>-<gpu>.md in --out (default
-benchmarks/).
+tools/estimate's traced and closed-form peaks, then the ratios the GPU targets are stated in
+(compile gain, float8 / bf16, offload's memory), and writes them to gpu-<date>-<gpu>.md in --out
+(default benchmarks/).
 
-A variant whose estimated peak is over FIT of the GPU's memory is skipped with both figures
+A variant whose larger estimate is over FIT of the GPU's memory is skipped with both figures
 rather than launched to run out of memory: the 8B one (about 104 GiB with AdamW in fp32) runs on
 an H200 (141 GB) but not on an H100 (80 GB), and device minutes are scarce.
 
@@ -81,14 +81,26 @@ def _measure(argv: list[str]) -> dict:
             "peak_gib": peak, "warmup_s": warmup, "loss": last["loss"]}
 
 
-def estimated_peak_gib(argv: list[str]) -> float | None:
-    """tools/estimate's closed-form peak for the variant on one GPU (None where it has no formula)."""
+def estimated_peak_gib(argv: list[str], trace: bool = False) -> float | None:
+    """tools/estimate's peak for the variant on one GPU: the closed form (instant; None where a
+    model has none) or the trace (fake tensors through the real code, compile left out; seconds)."""
     import estimate
     from tessera.trainer.config import load_config
     from tessera.trainer.plan import make_plan
 
-    role = estimate.estimate(make_plan(load_config(argv), 1, "cuda", check_only=True), trace=False)["roles"][0]
-    return role["formula"]["peak"] / 2**30 if "formula" in role else None
+    role = estimate.estimate(make_plan(load_config(argv), 1, "cuda", check_only=True), trace=trace)["roles"][0]
+    source = role.get("traced" if trace else "formula")
+    return source["peak"] / 2**30 if source else None
+
+
+def estimates(argv: list[str]) -> dict:
+    """Both peaks in GiB (formula_gib, traced_gib), and why a trace failed: that is reported like
+    a failed run, one row's figure, and the variant still runs."""
+    try:
+        traced = {"traced_gib": estimated_peak_gib(argv, trace=True)}
+    except Exception as e:
+        traced = {"traced_gib": None, "traced_error": f"{type(e).__name__}: {e}"[:200]}
+    return {"formula_gib": estimated_peak_gib(argv), **traced}
 
 
 def variant_argv(name: str, steps: int, dump: Path, dry: bool) -> list[str]:
@@ -97,12 +109,13 @@ def variant_argv(name: str, steps: int, dump: Path, dry: bool) -> list[str]:
             *(DRY_RUN if dry else [])]
 
 
-def skip_reason(name: str, estimated_gib: float | None, capacity_gib: float | None) -> str | None:
-    """Why a variant is not launched: float8 without a GPU, or an estimated peak over FIT of its memory."""
+def skip_reason(name: str, estimated: dict, capacity_gib: float | None) -> str | None:
+    """Why a variant is not launched: float8 without a GPU, or the larger estimate over FIT of its memory."""
     if capacity_gib is None and "float8" in name:
         return "needs CUDA"
-    if capacity_gib is not None and estimated_gib is not None and estimated_gib > FIT * capacity_gib:
-        return f"estimated {estimated_gib:.1f} GiB, over {FIT:.0%} of this GPU's {capacity_gib:.1f} GiB"
+    largest = max(filter(None, (estimated["formula_gib"], estimated["traced_gib"])), default=None)
+    if capacity_gib is not None and largest is not None and largest > FIT * capacity_gib:
+        return f"estimated {largest:.1f} GiB, over {FIT:.0%} of this GPU's {capacity_gib:.1f} GiB"
     return None
 
 
@@ -139,10 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     deadline, rows = time.monotonic() + args.budget_s, {}
     for name in VARIANTS:
         argv = variant_argv(name, args.steps, dump, dry=not cuda)
-        estimated = estimated_peak_gib(argv)
+        estimated = estimates(argv)
         left = deadline - time.monotonic()
         skip = skip_reason(name, estimated, capacity) or ("time budget spent" if left < 30 else None)
-        rows[name] = {"skipped": skip} if skip else {**_run(argv, left, env), "estimated_gib": estimated}
+        rows[name] = {"skipped": skip} if skip else {**_run(argv, left, env), **estimated}
         print(name, rows[name], flush=True)
     shutil.rmtree(dump, ignore_errors=True)
     return _report(rows, gpu, args, dry=not cuda)
@@ -157,23 +170,33 @@ def _ratios(rows: dict[str, dict]) -> list[str]:
     return lines
 
 
+def _against(estimated: float | None, peak: float | None, missing: str) -> str:
+    """An estimate's cell: GiB and its error against the measured peak (none on CPU)."""
+    if estimated is None:
+        return missing
+    return f"{estimated:.1f}" + ("" if peak is None else f" ({estimated / peak - 1:+.1%})")
+
+
 def _report(rows: dict[str, dict], gpu: str, args: argparse.Namespace, dry: bool) -> int:
     """The table, printed and written to gpu-<date>-<gpu>.md; exit 1 where a launched variant failed."""
     setting = "debug model, seq 64, CPU (dry run)" if dry else "seq 2048, bf16 params (FSDP-free single GPU)"
     lines = [f"# GPU benchmark {datetime.date.today()} on {gpu}", "",
              f"{args.steps} steps, {setting}; rates of the last logged window.", "",
              "| variant | tokens/s | TFLOP/s | MFU % | MFU % of measured bf16 matmul | peak GiB (max_memory_allocated) | "
-             "estimated GiB (error) | compile warm-up s | loss |", "|---|---|---|---|---|---|---|---|---|"]
+             "estimated GiB, traced (error) | estimated GiB, formula (error) | compile warm-up s | loss |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
         if "skipped" in r or "error" in r:
             outcome = f"skipped: {r['skipped']}" if "skipped" in r else f"failed: {r['error']}"
-            lines.append(f"| {name} | {outcome} | | | | | | | |")
+            lines.append(f"| {name} | {outcome} | | | | | | | | |")
             continue
-        est, peak = r["estimated_gib"], r["peak_gib"]
-        estimated = "no formula" if est is None else f"{est:.1f}" + ("" if peak is None else f" ({est / peak - 1:+.1%})")
+        peak = r["peak_gib"]
+        traced = _against(r["traced_gib"], peak, f"failed: {r.get('traced_error')}")
+        formula = _against(r["formula_gib"], peak, "no formula")
         lines.append(f"| {name} | {r['tps']:,.0f} | {r['tflops']:.1f} | {r['mfu_pct']:.1f} | "
                      f"{100 * r['tflops'] / r['matmul_tflops']:.1f} (of {r['matmul_tflops']:.0f} TFLOP/s) | "
-                     f"{'n/a' if peak is None else f'{peak:.1f}'} | {estimated} | {r['warmup_s'] or 0:.0f} | {r['loss']:.3f} |")
+                     f"{'n/a' if peak is None else f'{peak:.1f}'} | {traced} | {formula} | {r['warmup_s'] or 0:.0f} | "
+                     f"{r['loss']:.3f} |")
     lines += ["", *_ratios(rows)]
     text = "\n".join(lines) + "\n"
     print(text)
