@@ -56,6 +56,8 @@ DRY_RUN = ["--model.flavor", "debugmodel", "--training.seq_len", "64", "--traini
 # The share of the GPU's memory an estimated peak may take: the CUDA context, cuBLAS workspaces
 # and the allocator's fragmentation live outside the estimate.
 FIT = 0.95
+# Below this much budget a variant is not started: one without compile needs about half of it on a GPU.
+MIN_LEFT_S = 60
 # (what, numerator's variant, denominator's variant, figure): the ratios the GPU targets are stated in.
 RATIOS = (("compile gain, tokens/s", "1B bf16 + compile", "1B bf16", "tps"),
           ("float8 / bf16 (both compiled), tokens/s", "1B bf16 + compile + float8", "1B bf16 + compile", "tps"),
@@ -94,13 +96,15 @@ def estimated_peak_gib(argv: list[str], trace: bool = False) -> float | None:
 
 
 def estimates(argv: list[str]) -> dict:
-    """Both peaks in GiB (formula_gib, traced_gib), and why a trace failed: that is reported like
-    a failed run, one row's figure, and the variant still runs."""
-    try:
-        traced = {"traced_gib": estimated_peak_gib(argv, trace=True)}
-    except Exception as e:
-        traced = {"traced_gib": None, "traced_error": f"{type(e).__name__}: {e}"[:200]}
-    return {"formula_gib": estimated_peak_gib(argv), **traced}
+    """Both peaks in GiB (formula_gib, traced_gib), and why one failed (formula_error,
+    traced_error): a failed estimate is that cell's figure, and the variant still runs."""
+    found = {}
+    for key, trace in (("formula", False), ("traced", True)):
+        try:
+            found[f"{key}_gib"] = estimated_peak_gib(argv, trace)
+        except Exception as e:
+            found.update({f"{key}_gib": None, f"{key}_error": f"{type(e).__name__}: {e}"[:200]})
+    return found
 
 
 def variant_argv(name: str, steps: int, dump: Path, dry: bool) -> list[str]:
@@ -120,11 +124,13 @@ def skip_reason(name: str, estimated: dict, capacity_gib: float | None) -> str |
 
 
 def _run(argv: list[str], timeout_s: float, env: dict | None) -> dict:
+    """The child's figures, or why there are none: killed at the end of the budget is a skip (the
+    budget was short, nothing failed), any other end without figures an error."""
     command = [sys.executable, __file__, "--measure", json.dumps(argv)]
     try:
         proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env)
     except subprocess.TimeoutExpired:
-        return {"error": f"did not finish within {timeout_s:.0f} s"}
+        return {"skipped": f"time budget spent, stopped after {timeout_s:.0f} s"}
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         return {"error": last[:200]}
@@ -151,23 +157,36 @@ def main(argv: list[str] | None = None) -> int:
     dump = Path(tempfile.mkdtemp(prefix="tessera_gpu_bench_"))
     deadline, rows = time.monotonic() + args.budget_s, {}
     for name in VARIANTS:
+        if deadline - time.monotonic() < MIN_LEFT_S:
+            rows[name] = {"skipped": "time budget spent"}
+            continue
         argv = variant_argv(name, args.steps, dump, dry=not cuda)
         estimated = estimates(argv)
-        left = deadline - time.monotonic()
-        skip = skip_reason(name, estimated, capacity) or ("time budget spent" if left < 30 else None)
-        rows[name] = {"skipped": skip} if skip else {**_run(argv, left, env), **estimated}
+        skip = skip_reason(name, estimated, capacity)
+        rows[name] = {"skipped": skip, **estimated} if skip else {**_run(argv, deadline - time.monotonic(), env), **estimated}
         print(name, rows[name], flush=True)
     shutil.rmtree(dump, ignore_errors=True)
     return _report(rows, gpu, args, dry=not cuda)
 
 
 def _ratios(rows: dict[str, dict]) -> list[str]:
-    """A line per ratio: its figure where both variants ran, else why not."""
+    """A line per ratio: its figure where both variants measured it, else why not."""
     lines = []
     for what, top, bottom, key in RATIOS:
         a, b = rows[top].get(key), rows[bottom].get(key)
-        lines.append(f"- {what}: " + (f"{a / b:.2f}x" if a and b else "not measured (a variant did not run)"))
+        if a is not None and b is not None:
+            lines.append(f"- {what}: {a / b:.2f}x")
+        else:
+            ran = all("tps" in rows[v] for v in (top, bottom))
+            lines.append(f"- {what}: not measured ({'no CUDA memory figures' if ran else 'a variant did not run'})")
     return lines
+
+
+def _missing(row: dict, key: str) -> str:
+    """An estimate's cell without a figure: it failed, was never made, or the model has no formula."""
+    if f"{key}_error" in row:
+        return f"failed: {row[f'{key}_error']}"
+    return "" if f"{key}_gib" not in row else "no formula"
 
 
 def _against(estimated: float | None, peak: float | None, missing: str) -> str:
@@ -186,13 +205,12 @@ def _report(rows: dict[str, dict], gpu: str, args: argparse.Namespace, dry: bool
              "estimated GiB, traced (error) | estimated GiB, formula (error) | compile warm-up s | loss |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
+        peak = r.get("peak_gib")
+        traced, formula = (_against(r.get(f"{key}_gib"), peak, _missing(r, key)) for key in ("traced", "formula"))
         if "skipped" in r or "error" in r:
             outcome = f"skipped: {r['skipped']}" if "skipped" in r else f"failed: {r['error']}"
-            lines.append(f"| {name} | {outcome} | | | | | | | | |")
+            lines.append(f"| {name} | {outcome} | | | | | {traced} | {formula} | | |")
             continue
-        peak = r["peak_gib"]
-        traced = _against(r["traced_gib"], peak, f"failed: {r.get('traced_error')}")
-        formula = _against(r["formula_gib"], peak, "no formula")
         lines.append(f"| {name} | {r['tps']:,.0f} | {r['tflops']:.1f} | {r['mfu_pct']:.1f} | "
                      f"{100 * r['tflops'] / r['matmul_tflops']:.1f} (of {r['matmul_tflops']:.0f} TFLOP/s) | "
                      f"{'n/a' if peak is None else f'{peak:.1f}'} | {traced} | {formula} | {r['warmup_s'] or 0:.0f} | "

@@ -23,6 +23,7 @@ def test_dry_run_measures_every_variant_a_cpu_can_run(tmp_path):
     ratios = [line for line in lines if line.startswith("- ")]
     assert len(ratios) == len(gpu_bench.RATIOS) and float(ratios[0].split()[-1].rstrip("x")) > 0, ratios
     assert ratios[1].endswith("not measured (a variant did not run)"), ratios  # float8 needs CUDA
+    assert ratios[2].endswith("not measured (no CUDA memory figures)"), ratios
 
 
 def test_gpu_variants_are_valid_and_skipped_only_where_they_cannot_fit(tmp_path):
