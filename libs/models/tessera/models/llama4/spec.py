@@ -1,5 +1,6 @@
 """Model spec of the Llama 4 text family."""
 
+from tessera.models.llama import spec as llama_spec
 from tessera.models.llama4 import hf_adapter, hf_config
 from tessera.models.llama4.args import Llama4Args
 from tessera.models.llama4.flavors import llama4_flavors
@@ -10,23 +11,7 @@ from tessera.models.spec import ModelSpec
 
 # Llama's roles plus the MoE layers' own (tessera.models.moe.sharding); the q/k norm has no
 # weight and works per head, so it needs no entry.
-TP_PLAN = {
-    "tok_embeddings": "vocab_embedding",
-    "layers.*.attention_norm": "norm",
-    "layers.*.attention": "block_input",
-    "layers.*.attention.wq": "colwise",
-    "layers.*.attention.wk": "colwise",
-    "layers.*.attention.wv": "colwise",
-    "layers.*.attention.wo": "rowwise",
-    "layers.*.ffn_norm": "norm",
-    "layers.*.feed_forward": "block_input",
-    "layers.*.feed_forward.w1": "colwise",
-    "layers.*.feed_forward.w2": "rowwise",
-    "layers.*.feed_forward.w3": "colwise",
-    **moe_tp_plan("layers.*.moe"),
-    "norm": "norm",
-    "output": "vocab_output",
-}
+TP_PLAN = {**llama_spec.TP_PLAN, **moe_tp_plan("layers.*.moe")}
 
 
 def active_params(args: Llama4Args) -> int:
