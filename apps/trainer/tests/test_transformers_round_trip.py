@@ -33,12 +33,15 @@ MODELS = {  # family: transformers' class and config
         **SHAPE, intermediate_size=16, intermediate_size_mlp=48, num_hidden_layers=4, num_local_experts=4,
         num_experts_per_tok=1, interleave_moe_layer_step=2, attention_chunk_size=4, floor_scale=4, attn_scale=0.5,
         max_position_embeddings=64, rope_parameters={"rope_theta": 500000.0, "rope_type": "default"})),
-    # MLA, sigmoid group-limited routing with its correction bias, a dense first layer, YaRN unused
+    # MLA, sigmoid group-limited routing with its correction bias, a dense first layer, YaRN within its
+    # original context (transformers applies it at any length, so the run at SEQ must too)
     "deepseek_v3": (transformers.DeepseekV3ForCausalLM, transformers.DeepseekV3Config(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=4, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=1, n_group=2,
         topk_group=1, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
-        v_head_dim=8, max_position_embeddings=64, rms_norm_eps=1e-6)),
+        v_head_dim=8, max_position_embeddings=64, rms_norm_eps=1e-6,
+        rope_scaling={"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                      "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707})),
 }
 TOKENS = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
 

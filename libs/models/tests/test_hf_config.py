@@ -45,6 +45,15 @@ def v4_of(v5):
     return config
 
 
+def test_rope_scaling_comes_before_rope_parameters_as_in_transformers_5():
+    """A transformers-4 rope_scaling block added to a transformers-5 config is the one transformers
+    applies (its rope_parameters are replaced, theta read from the top level)."""
+    default = {**SMALL_V5, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "rope_theta": 500000.0}
+    scaled = {**default, "rope_scaling": {k: v for k, v in SMALL_V5["rope_parameters"].items() if k != "rope_theta"}}
+    assert args_from_config(default, "c").rope_scaling is None
+    assert args_from_config(scaled, "c") == args_from_config(SMALL_V5, "c")
+
+
 def llama31_reference(head_dim, theta, factor, low, high, old_len):
     """Meta's Llama 3.1 frequency scaling, written out per frequency in float64."""
     out = []
@@ -129,7 +138,8 @@ def test_a_mismatching_flavor_names_the_first_field_and_both_values():
     ({"attention_bias": True}, "c.json: attention_bias True is not supported, only False"),
     ({"mlp_bias": True}, "c.json: mlp_bias True is not supported, only False"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "c.json: rope_scaling.rope_type 'yarn' is not supported"),
-    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "c.json: rope_parameters.rope_type 'linear' is not supported"),
+    ({"rope_scaling": None, "rope_parameters": {"rope_type": "linear", "factor": 2.0}},
+     "c.json: rope_parameters.rope_type 'linear' is not supported"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "c.json: rope_scaling.low_freq_factor is missing"),
     ({"head_dim": 64}, "c.json: head_dim 64 is not supported: Tessera's Llama uses hidden_size / num_attention_heads = 4096 / 32"),
     ({"hidden_size": None}, "c.json: hidden_size is missing"),
@@ -167,6 +177,12 @@ def test_args_record_round_trips_and_refuses_garbage(tmp_path):
     found_spec, found_args, record = read_args_record(tmp_path)
     assert found_spec is spec and found_args == args and (record["flavor"], record["bos_token_id"]) == ("1B", 3)
     assert read_args_record(tmp_path / "elsewhere") is None
+    for field, value, message in (("n_layers", "2", "ModelArgs.n_layers '2' is not <class 'int'>"),
+                                  ("norm_eps", True, "ModelArgs.norm_eps True is not <class 'float'>"),
+                                  ("rope_scaling", {"factor": "8"}, "RopeScaling.factor '8' is not <class 'float'>")):
+        (tmp_path / ARGS_FILE).write_text(json.dumps({**record, "args": {**record["args"], field: value}}))
+        with pytest.raises(ValueError, match=re.escape(f"model_args.json: {message}")):  # not a TypeError in the model
+            read_args_record(tmp_path)
     record["args"]["wings"] = 2
     (tmp_path / ARGS_FILE).write_text(json.dumps(record))
     with pytest.raises(ValueError, match="model_args.json: 'wings' is not a field of ModelArgs"):

@@ -87,6 +87,8 @@ def test_config_reader_takes_both_layouts_and_the_multimodal_config():
     v4 = {**{k: v for k, v in v5.items() if k not in ("rope_parameters", "layer_types")},
           "rope_theta": 500000.0, "rope_scaling": ROPE, "no_rope_layers": [], "attn_temperature_tuning": 4}
     assert hf_config.args_from_config(v4) == args
+    no_theta = {k: v for k, v in v4.items() if k != "rope_theta"}  # Llama4TextConfig.default_theta, not 10000
+    assert hf_config.args_from_config(no_theta) == args
     assert hf_config.args_from_config({"model_type": "llama4", "text_config": v5}) == args
     hf_config.check_config(args, hf_config.config_from_args(args), "c", "t")
 

@@ -64,8 +64,10 @@ def _balance_as(args, flavor):
 def test_published_configs_give_the_flavors(family, config, flavor):
     spec = get_model_spec(family)
     args = spec.hf_config.args_from_config(config, "config.json")
-    # DeepSeek-V3's multi-token-prediction module, which torchtitan's flavor (and so Tessera's) leaves out
-    modules = {"num_mtp_layers": config.get("num_nextn_predict_layers", 0)} if family == "deepseek_v3" else {}
+    # DeepSeek-V3's multi-token-prediction module, which torchtitan's flavor (and so Tessera's) leaves
+    # out; YaRN applied at any length, as transformers applies a config's rope_scaling
+    modules = {"num_mtp_layers": config.get("num_nextn_predict_layers", 0),
+               "yarn_always": True} if family == "deepseek_v3" else {}
     assert _balance_as(args, spec.flavors[flavor]) == dataclasses.replace(spec.flavors[flavor], **modules)
     spec.hf_config.check_config(spec.flavors[flavor], config, "config.json", flavor)
 
@@ -76,7 +78,9 @@ def test_every_flavor_round_trips_through_config_json(family):
     for name, flavor in spec.flavors.items():
         config = spec.hf_config.config_from_args(flavor, dtype="bfloat16", bos_token_id=0, eos_token_id=[1, 2])
         assert config["torch_dtype"] == "bfloat16" and config["eos_token_id"] == [1, 2]
-        assert _balance_as(spec.hf_config.args_from_config(config, name), flavor) == flavor, name
+        # a flavor's YaRN, where it applies, is applied at any length once written to a config.json
+        yarn = {"yarn_always": flavor.yarn_active} if family == "deepseek_v3" else {}
+        assert _balance_as(spec.hf_config.args_from_config(config, name), flavor) == dataclasses.replace(flavor, **yarn), name
 
 
 def test_deepseek_v2_group_limited_routing_and_v3_defaults():
@@ -86,12 +90,23 @@ def test_deepseek_v2_group_limited_routing_and_v3_defaults():
     bare = {key: value for key, value in DEEPSEEK_V3.items()  # transformers' own layout: no routing keys
             if key not in ("topk_method", "scoring_func", "norm_topk_prob", "routed_scaling_factor")}
     assert deepseek.args_from_config(bare).moe == deepseek.args_from_config(DEEPSEEK_V3).moe
+    unstated = {key: value for key, value in DEEPSEEK_V3.items()  # transformers' defaults: 8 groups, 4 taken, ...
+                if key not in ("n_group", "topk_group", "n_shared_experts", "first_k_dense_replace")}
+    assert deepseek.args_from_config(unstated) == deepseek.args_from_config(DEEPSEEK_V3)
+    v2 = deepseek.args_from_config({key: value for key, value in v2.items() if key != "n_shared_experts"})
+    assert v2.moe.n_shared_experts == 2 and v2.n_dense_layers == 1
 
 
 @pytest.mark.parametrize("module, config, error", [
     (deepseek, {**DEEPSEEK_V3, "rope_scaling": {**DEEPSEEK_V3["rope_scaling"], "mscale": 0.5}},
      r"rope_scaling.mscale 0.5 differs from mscale_all_dim 1.0"),
+    (deepseek, {**DEEPSEEK_V3, "rope_scaling": {k: v for k, v in DEEPSEEK_V3["rope_scaling"].items() if k != "mscale"}},
+     r"rope_scaling.mscale is missing"),
+    (deepseek, {**DEEPSEEK_V3, "rope_scaling": {**DEEPSEEK_V3["rope_scaling"], "attention_factor": 2.0}},
+     r"rope_scaling.attention_factor is not supported"),
     (deepseek, {**DEEPSEEK_V3, "topk_method": "random"}, r"topk_method 'random' is not supported"),
+    (deepseek, {**DEEPSEEK_V3, "topk_method": ["greedy"]}, r"topk_method \['greedy'\] is not supported"),
+    (deepseek, {**DEEPSEEK_V3, "num_nextn_predict_layers": "1"}, r"num_nextn_predict_layers '1' is not a whole number >= 0"),
     (deepseek, {**DEEPSEEK_V3, "scoring_func": "softmax"}, r"scoring_func 'softmax' does not go with topk_method 'noaux_tc'"),
     (deepseek, {**DEEPSEEK_V3, "num_key_value_heads": 8}, r"num_key_value_heads 8 differs from num_attention_heads 128"),
     (deepseek, {**DEEPSEEK_V3, "moe_layer_freq": 2}, r"moe_layer_freq 2 is not supported, only 1"),
@@ -123,8 +138,26 @@ def test_a_mismatching_flavor_names_the_first_field():
 
 
 def test_deepseek_export_states_yarn_only_where_the_model_applies_it():
-    """transformers applies a config's rope_scaling whatever the context length, Tessera only above
-    the original 4096 positions (as torchtitan): a run trained at 4096 must export no YaRN."""
+    """transformers applies a config's rope_scaling whatever the context length, a flavor only above
+    the original 4096 positions (as torchtitan): a run trained at 4096 must export no YaRN, and a
+    model read from a config.json with YaRN keeps it when fine-tuned at 4096."""
     flavor = get_model_spec("deepseek_v3").flavors["16B"]
     assert deepseek.config_from_args(flavor)["rope_scaling"]["type"] == "yarn"
     assert deepseek.config_from_args(dataclasses.replace(flavor, max_seq_len=4096))["rope_scaling"] is None
+    fine_tuned = dataclasses.replace(deepseek.args_from_config(DEEPSEEK_V2_LITE), max_seq_len=4096)
+    assert deepseek.config_from_args(fine_tuned)["rope_scaling"]["mscale_all_dim"] == 0.707
+
+
+def test_yarn_is_compared_and_recorded_as_the_model_applies_it():
+    """A flavor built for the original context applies no YaRN: a checkpoint whose config.json has
+    it is refused rather than loaded into a different model, and records state the length the
+    architecture has without switching YaRN on (with_context)."""
+    flavor = get_model_spec("deepseek_v3").flavors["671B"]
+    deepseek.check_config(flavor, DEEPSEEK_V3, "c", "671B")  # 163840 positions: YaRN on either way
+    short = dataclasses.replace(flavor, max_seq_len=4096)
+    with pytest.raises(ValueError, match=r"^c: rope_scaling applies YaRN at every length.* built for 4096; "):
+        deepseek.check_config(short, DEEPSEEK_V3, "c", "671B")
+    stated = short.with_context(163840)
+    assert stated.max_seq_len == 163840 and not stated.yarn_active
+    assert deepseek.config_from_args(stated)["rope_scaling"] is None
+    assert flavor.with_context(4096).yarn_active and deepseek.config_from_args(flavor.with_context(4096))["rope_scaling"]

@@ -1,11 +1,12 @@
 """RoPE helpers of the DeepSeek-V3 and Qwen3 models against plain definitions."""
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
-from tessera.models.deepseek_v3 import YarnScaling, yarn_frequencies
+from tessera.models.deepseek_v3 import DeepSeekV3, YarnScaling, deepseek_v3_flavors, yarn_frequencies
 from tessera.models.rotary import apply_rope_half, apply_rope_interleaved, inverse_frequencies, rope_table
 
 
@@ -63,15 +64,36 @@ def yarn_reference(dim, theta, y: YarnScaling):
 @pytest.mark.parametrize("dim, theta", [(64, 10000.0), (16, 10000.0), (4, 500.0)])
 def test_yarn_frequencies(dim, theta):
     yarn = YarnScaling(factor=40.0, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1, mscale=1.0)
-    got = yarn_frequencies(dim, theta, yarn, max_seq_len=8192)
+    got = yarn_frequencies(dim, theta, yarn)
     assert got.tolist() == pytest.approx(yarn_reference(dim, theta, yarn), rel=1e-5)
     plain = inverse_frequencies(dim, theta)
     assert got[0] == plain[0]  # the fastest rotation is kept
     if dim == 64:  # DeepSeek's rotary width: the slowest ones are divided by the factor
         assert got[-1] == pytest.approx(plain[-1].item() / 40, rel=1e-5)
-    # Within the original context (or without YaRN) the frequencies are plain.
-    assert torch.equal(yarn_frequencies(dim, theta, yarn, max_seq_len=4096), plain)
-    assert torch.equal(yarn_frequencies(dim, theta, None, max_seq_len=8192), plain)
+    assert torch.equal(yarn_frequencies(dim, theta, None), plain)
+
+
+def test_deepseek_applies_yarn_beyond_the_original_context_or_always_from_a_hf_config():
+    """DeepSeek's reference code (and torchtitan) switch YaRN on above the original context;
+    transformers applies a config.json's rope_scaling at any length (yarn_always)."""
+    yarn = YarnScaling(factor=40.0, original_max_position_embeddings=4096, mscale=1.0)
+    tiny = dataclasses.replace(deepseek_v3_flavors["tiny"], yarn=yarn)
+    short, long = dataclasses.replace(tiny, max_seq_len=4096), dataclasses.replace(tiny, max_seq_len=8192)
+    always = dataclasses.replace(short, yarn_always=True)
+    assert [a.yarn_active for a in (short, long, always)] == [False, True, True]
+    assert short.softmax_scale == short.qk_head_dim**-0.5
+    assert always.softmax_scale == long.softmax_scale == short.softmax_scale * yarn.attention_factor()
+    plain = inverse_frequencies(short.qk_rope_head_dim, short.rope_theta)
+    torch.testing.assert_close(_frequencies(DeepSeekV3(short)), plain)
+    torch.testing.assert_close(_frequencies(DeepSeekV3(always)), yarn_frequencies(short.qk_rope_head_dim,
+                                                                               short.rope_theta, yarn))
+    assert not dataclasses.replace(long, yarn=None, yarn_always=True).yarn_active
+
+
+def _frequencies(model) -> torch.Tensor:
+    """Row 1 of the rope table (position 1): cos then sin of each frequency."""
+    cos, sin = model.rope_table()[1].chunk(2)
+    return torch.atan2(sin, cos)
 
 
 def test_yarn_attention_factor():

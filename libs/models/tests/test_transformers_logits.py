@@ -2,7 +2,9 @@
 Tessera (its config.json through the family's reader, its safetensors through the adapter) with
 transformers' logits, and Tessera's export (config_from_args + to_hf) opens in transformers with
 them again. Qwen3 with sliding windows on some layers, Qwen3-MoE on all (as transformers 5 places
-them), and there the windows change the logits; GPT-OSS with sinks, biases and YaRN."""
+them), and there the windows change the logits; GPT-OSS with sinks, biases and YaRN; DeepSeek-V3
+with YaRN read from rope_scaling. Each model is built for 16 positions, as the trainer builds it
+for its seq_len."""
 
 import dataclasses
 import json
@@ -24,6 +26,14 @@ CASES = {  # name: (family, transformers' class, its config)
         **TINY, num_key_value_heads=4, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
         n_group=2, topk_group=1, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=8, qk_rope_head_dim=4,
         qk_nope_head_dim=4, v_head_dim=8, num_nextn_predict_layers=0)),  # transformers saves no MTP weights
+    # YaRN within its original context (transformers applies it at any length), a norm epsilon that
+    # the latent norms do not take, and the group/shared-expert counts left to transformers' defaults
+    "deepseek_v3_yarn": ("deepseek_v3", transformers.DeepseekV3ForCausalLM, transformers.DeepseekV3Config(
+        **{**TINY, "rms_norm_eps": 0.1}, num_key_value_heads=4, moe_intermediate_size=16, n_routed_experts=16,
+        num_experts_per_tok=2, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=8, qk_rope_head_dim=4,
+        qk_nope_head_dim=4, v_head_dim=8, num_nextn_predict_layers=0,
+        rope_scaling={"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 64,
+                      "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707})),
     "qwen3_windows": ("qwen3", transformers.Qwen3ForCausalLM, transformers.Qwen3Config(
         **TINY, num_key_value_heads=2, head_dim=8, use_sliding_window=True, sliding_window=WINDOW,
         max_window_layers=2)),
@@ -49,13 +59,15 @@ def test_logits_equal_transformers_both_ways(case, tmp_path):
     family, hf_cls, config = CASES[case]
     torch.manual_seed(0)
     written = hf_cls(config)
-    with torch.no_grad():  # every weight, bias, sink and norm off its init, so each one's mapping matters
-        for param in written.parameters():
-            param.add_(torch.randn_like(param) * 0.1)
+    with torch.no_grad():  # every weight, bias, sink, norm and router bias off its init, so each one's mapping matters
+        router_biases = [b for name, b in written.named_buffers() if name.endswith("e_score_correction_bias")]
+        for tensor in [*written.parameters(), *router_biases]:
+            tensor.add_(torch.randn_like(tensor) * 0.1)
     written.save_pretrained(tmp_path / "hf")
     reference = _open(hf_cls, tmp_path / "hf")
     spec = get_model_spec(family)
     args = spec.hf_config.args_from_config(json.loads((tmp_path / "hf" / "config.json").read_text()))
+    args = dataclasses.replace(args, max_seq_len=16)  # as the trainer sets its seq_len
     model = spec.build(args).eval()
     model.load_state_dict(spec.hf_adapter.from_hf(load_file(tmp_path / "hf" / "model.safetensors"), args))
     tokens = torch.randint(0, TINY["vocab_size"], (2, 12))

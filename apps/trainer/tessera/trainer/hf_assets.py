@@ -7,7 +7,6 @@ Only the job plan and the checkpointer use these; the folder's tokenizer is tess
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -157,7 +156,7 @@ def export_files(config: JobConfig, spec: ModelSpec, args, tokenizer, tokenizer_
     the architecture's context length (the flavor's or config.json's), not the run's seq_len.
     The Hugging Face files are made for runs that export (checkpoint.last_save_in_hf) only.
     """
-    architecture = dataclasses.replace(args, max_seq_len=flavor_args(config, spec).max_seq_len)
+    architecture = spec.with_context(args, flavor_args(config, spec).max_seq_len)
     ids = _token_ids(config, tokenizer)
     dcp = {ARGS_FILE: args_record(spec, architecture, flavor=config.model.flavor, **ids)}
     if spec.hf_config is None or not config.checkpoint.last_save_in_hf:

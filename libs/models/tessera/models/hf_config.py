@@ -64,16 +64,17 @@ def refuse_unsupported(config: dict, source: str, model_types: tuple[str, ...], 
             raise ValueError(f"{source}: {key} {value!r} is not supported, only {supported!r}")
 
 
-def rope_section(config: dict, source: str) -> tuple[str, dict, float]:
-    """(the section's name, its parameters, RoPE theta) from ``rope_parameters`` (transformers 5)
-    or ``rope_theta`` + ``rope_scaling`` (transformers 4); theta defaults to 10000."""
-    name = "rope_parameters" if config.get("rope_parameters") is not None else "rope_scaling"
+def rope_section(config: dict, source: str, default_theta: float = 10000.0) -> tuple[str, dict, float]:
+    """(the section's name, its parameters, RoPE theta) of a config, read as transformers 5 does:
+    a non-empty ``rope_scaling`` (transformers 4's name, still honoured) before ``rope_parameters``;
+    theta from the section, else ``rope_theta``, else the family's ``default_theta``."""
+    name = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
     params = config.get(name) or {}
     if not isinstance(params, dict):
         raise ValueError(f"{source}: {name} {params!r} is not an object")
     if "rope_theta" in params:
         return name, params, config_value(params, "rope_theta", float, source, prefix=f"{name}.")
-    return name, params, config_value(config, "rope_theta", float, source, default=10000.0)
+    return name, params, config_value(config, "rope_theta", float, source, default=default_theta)
 
 
 def compare_configs(found, args, compared: tuple[tuple[str, str], ...], source: str, target: str) -> None:

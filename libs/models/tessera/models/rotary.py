@@ -86,12 +86,11 @@ def _correction_dim(rotations: float, dim: int, theta: float, context: int) -> f
     return dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
 
-def yarn_frequencies(dim: int, theta: float, yarn: YarnScaling | None, max_seq_len: int | None = None) -> torch.Tensor:
+def yarn_frequencies(dim: int, theta: float, yarn: YarnScaling | None) -> torch.Tensor:
     """Frequencies [dim // 2] float32: ``theta ** (-2i / dim)``, YaRN-interpolated when ``yarn`` is
-    given and ``max_seq_len`` exceeds its original context (DeepSeek: pretraining at the original
-    context uses plain RoPE) or is None (always: GPT-OSS, as Hugging Face applies it)."""
+    given (when a model applies it is the model's rule: ``DeepSeekV3Args.yarn_active``)."""
     freqs = inverse_frequencies(dim, theta)
-    if yarn is None or max_seq_len is not None and max_seq_len <= yarn.original_max_position_embeddings:
+    if yarn is None:
         return freqs
     context = yarn.original_max_position_embeddings
     low = _correction_dim(yarn.beta_fast, dim, theta, context)

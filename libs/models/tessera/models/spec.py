@@ -4,6 +4,7 @@ about a model family, so a custom model plugs in by registering its own spec."""
 import dataclasses
 import json
 import os
+import types
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -147,6 +148,10 @@ class ModelSpec:
         (``tessera.models.attention.InnerAttention``'s mask and sinks), so a job plan chooses
         kernels and the context-parallel exchange without building the model; default: plain
         causal attention without sinks everywhere.
+    with_context: (args, max_seq_len) -> the same model stated for another context length
+        (what a trained model's records state: the architecture's length, not the run's);
+        default: ``dataclasses.replace``. A family whose positions depend on the length (DeepSeek's
+        YaRN above the original context) fixes them first.
     """
 
     name: str
@@ -162,6 +167,7 @@ class ModelSpec:
     mtp_layers: Callable[[Any], int] = lambda args: 0
     attention_kinds: Callable[[Any], tuple[tuple[AttentionMask, bool], ...]] = _causal_layers
     refusals: Callable[[Any, RunLayout], tuple[tuple[str, str], ...]] = _no_refusals
+    with_context: Callable[[Any, int], Any] = lambda args, max_seq_len: dataclasses.replace(args, max_seq_len=max_seq_len)
 
 
 _REGISTRY: dict[str, ModelSpec] = {}
@@ -229,6 +235,23 @@ def read_args_record(folder: str | os.PathLike) -> tuple[ModelSpec, Any, dict] |
         raise ValueError(f"{path}: {e}") from None
 
 
+def _is_a(value, hint) -> bool:
+    """Whether a JSON value holds what a field's type hint says (an int for a float, a list for a
+    tuple), so that a hand-edited record fails here, not inside the model."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(_is_a(value, option) for option in typing.get_args(hint))
+    if typing.get_origin(hint) is tuple:
+        element = typing.get_args(hint)[0]
+        return isinstance(value, list) and all(_is_a(item, element) for item in value)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint in (type(None), bool, str):
+        return isinstance(value, hint)
+    return True  # a field type the records do not constrain here
+
+
 def _dataclass_from_dict(cls: type, data: dict) -> Any:
     """``cls(**data)`` with nested dataclass fields rebuilt from their dicts and tuple fields from
     their JSON lists."""
@@ -244,7 +267,9 @@ def _dataclass_from_dict(cls: type, data: dict) -> Any:
         nested = [t for t in typing.get_args(hints[name]) or (hints[name],) if dataclasses.is_dataclass(t)]
         if nested and value is not None:
             value = _dataclass_from_dict(nested[0], value)
-        elif isinstance(value, list) and typing.get_origin(hints[name]) is tuple:
+        elif not _is_a(value, hints[name]):
+            raise ValueError(f"{cls.__name__}.{name} {value!r} is not {hints[name]}")
+        elif isinstance(value, list):
             value = tuple(value)
         values[name] = value
     try:

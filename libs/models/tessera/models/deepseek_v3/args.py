@@ -1,6 +1,6 @@
 """Hyper-parameters of a DeepSeek-V2/V3 model."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tessera.models.moe import MoEArgs
 from tessera.models.rotary import YarnScaling
@@ -23,7 +23,9 @@ class DeepSeekV3Args:
     ``yarn`` (``tessera.models.rotary.YarnScaling``) applies to the rotary part of MLA when
     ``max_seq_len`` exceeds its ``original_max_position_embeddings``, as in DeepSeek's reference
     code (and torchtitan): pretraining at the original context uses plain RoPE, a longer run
-    (context extension) switches YaRN on.
+    (context extension) switches YaRN on. ``yarn_always`` applies it at any length, as
+    transformers applies a config.json's ``rope_scaling``: a checkpoint read from Hugging Face
+    keeps the positions it was trained with whatever seq_len fine-tunes it.
     """
 
     vocab_size: int = 2048
@@ -44,6 +46,7 @@ class DeepSeekV3Args:
     max_seq_len: int = 163840
     depth_init: bool = True
     num_mtp_layers: int = 0
+    yarn_always: bool = False
 
     def __post_init__(self):
         if self.num_mtp_layers < 0:
@@ -60,7 +63,14 @@ class DeepSeekV3Args:
 
     @property
     def yarn_active(self) -> bool:
-        return self.yarn is not None and self.max_seq_len > self.yarn.original_max_position_embeddings
+        return self.yarn is not None and (self.yarn_always or self.max_seq_len > self.yarn.original_max_position_embeddings)
+
+    def with_context(self, max_seq_len: int) -> "DeepSeekV3Args":
+        """The same model stated for ``max_seq_len`` positions: YaRN fixed as it is now (on at any
+        length, or none), so that the length no longer switches it (an export states the
+        architecture's length, not the run's)."""
+        active = self.yarn_active
+        return replace(self, yarn=self.yarn if active else None, yarn_always=active, max_seq_len=max_seq_len)
 
     @property
     def softmax_scale(self) -> float:

@@ -3,10 +3,11 @@ in ``config.json``, as DeepSeek publishes it or transformers writes it).
 
 Routing comes from ``topk_method``: "noaux_tc" (V3: sigmoid scores, correction bias, groups
 ranked by their best two experts), "group_limited_greedy" (V2: softmax, groups ranked by their
-best expert) or "greedy" (V2-Lite: softmax, no groups). YaRN comes from ``rope_scaling``
-(``mscale_all_dim`` is YarnScaling's mscale; a different ``mscale`` would scale the rotary
-features themselves and is refused). Shape keys are required; others take transformers'
-defaults. The MoE balance settings are training choices no config.json states: they keep
+best expert) or "greedy" (V2-Lite: softmax, no groups). YaRN comes from ``rope_scaling`` and
+applies at any length, as transformers applies it (``yarn_always``); ``mscale`` and
+``mscale_all_dim`` are both required and equal, as every DeepSeek config has them (YarnScaling's
+mscale: transformers would scale the rotary features themselves otherwise). Shape keys are
+required; others take transformers' defaults. The MoE balance settings are training choices no config.json states: they keep
 ``MoEArgs``' defaults. ``num_nextn_predict_layers`` is ``num_mtp_layers``, the multi-token
 prediction modules (DeepSeek's configs state 1 with its weights; transformers writes its default 1
 but saves no such weights: ``fit_to_weights`` leaves out the modules a folder's weights lack). A
@@ -38,38 +39,55 @@ _SUPPORTED = {"hidden_act": "silu", "attention_bias": False, "tie_word_embedding
               "moe_layer_freq": 1}
 # topk_method -> (score function, a group's score: the sum of its best n experts' scores)
 _ROUTING = {"noaux_tc": ("sigmoid", 2), "group_limited_greedy": ("softmax", 1), "greedy": ("softmax", 1)}
-_DEFAULTS = {  # transformers' defaults per model_type
-    "deepseek_v3": {"topk_method": "noaux_tc", "norm_topk_prob": True, "routed_scaling_factor": 2.5},
-    "deepseek_v2": {"topk_method": "greedy", "norm_topk_prob": False, "routed_scaling_factor": 1.0},
+_DEFAULTS = {  # transformers' defaults per model_type (V2's null expert groups: one group)
+    "deepseek_v3": {"topk_method": "noaux_tc", "norm_topk_prob": True, "routed_scaling_factor": 2.5, "n_group": 8,
+                    "topk_group": 4, "n_shared_experts": 1, "first_k_dense_replace": 3},
+    "deepseek_v2": {"topk_method": "greedy", "norm_topk_prob": False, "routed_scaling_factor": 1.0, "n_group": 1,
+                    "topk_group": 1, "n_shared_experts": 2, "first_k_dense_replace": 0},
 }
+# rope_scaling's keys for YaRN; transformers' attention_factor would scale the rotary features
+# themselves, which DeepSeek's configs never ask for
+_YARN_KEYS = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast",
+              "beta_slow", "mscale", "mscale_all_dim", "truncate"}
 
 
 def _moe(config: dict, source: str) -> MoEArgs:
     defaults = _DEFAULTS[config["model_type"]]
     method = config.get("topk_method") or defaults["topk_method"]
-    if method not in _ROUTING:
+    if not isinstance(method, str) or method not in _ROUTING:
         raise ValueError(f"{source}: topk_method {method!r} is not supported, only {sorted(_ROUTING)}")
     score_func, group_score_top = _ROUTING[method]
     scoring = config.get("scoring_func", score_func)
     if scoring != score_func:
         raise ValueError(f"{source}: scoring_func {scoring!r} does not go with topk_method {method!r}")
     grouped = method != "greedy"
-    n_groups = config_value(config, "n_group", int, source, default=1) if grouped else 1
+    n_groups = config_value(config, "n_group", int, source, default=defaults["n_group"]) if grouped else 1
+    fields = dict(
+        n_experts=config_value(config, "n_routed_experts", int, source),
+        top_k=config_value(config, "num_experts_per_tok", int, source),
+        hidden_dim=config_value(config, "moe_intermediate_size", int, source),
+        n_shared_experts=_count(config, "n_shared_experts", source, defaults["n_shared_experts"]),
+        score_func=score_func,
+        route_norm=config_value(config, "norm_topk_prob", bool, source, default=defaults["norm_topk_prob"]),
+        route_scale=config_value(config, "routed_scaling_factor", float, source, default=defaults["routed_scaling_factor"]),
+        n_groups=n_groups,
+        topk_groups=config_value(config, "topk_group", int, source, default=defaults["topk_group"]) if grouped else 1,
+        group_score_top=group_score_top if n_groups > 1 else MoEArgs.group_score_top,
+    )
     try:
-        return MoEArgs(
-            n_experts=config_value(config, "n_routed_experts", int, source),
-            top_k=config_value(config, "num_experts_per_tok", int, source),
-            hidden_dim=config_value(config, "moe_intermediate_size", int, source),
-            n_shared_experts=config.get("n_shared_experts") or 0,
-            score_func=score_func,
-            route_norm=config_value(config, "norm_topk_prob", bool, source, default=defaults["norm_topk_prob"]),
-            route_scale=config_value(config, "routed_scaling_factor", float, source, default=defaults["routed_scaling_factor"]),
-            n_groups=n_groups,
-            topk_groups=config_value(config, "topk_group", int, source, default=1) if grouped else 1,
-            group_score_top=group_score_top if n_groups > 1 else MoEArgs.group_score_top,
-        )
-    except ValueError as e:
+        return MoEArgs(**fields)
+    except ValueError as e:  # MoEArgs' own checks, which do not know the file
         raise ValueError(f"{source}: {e}") from None
+
+
+def _count(config: dict, key: str, source: str, default: int) -> int:
+    """A count that may be 0 (shared experts, dense layers, MTP modules); missing or null: ``default``."""
+    value = config.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{source}: {key} {value!r} is not a whole number >= 0")
+    return value
 
 
 def _yarn(config: dict, source: str) -> tuple[float, YarnScaling | None]:
@@ -79,9 +97,13 @@ def _yarn(config: dict, source: str) -> tuple[float, YarnScaling | None]:
         return theta, None
     if rope_type != "yarn":
         raise ValueError(f"{source}: {name}.rope_type {rope_type!r} is not supported, only 'default' or 'yarn'")
+    unknown = sorted(set(params) - _YARN_KEYS)
+    if unknown:
+        raise ValueError(f"{source}: {name}.{unknown[0]} is not supported (DeepSeek's YaRN scales the softmax by "
+                         "mscale_all_dim alone)")
     prefix = f"{name}."
-    mscale = config_value(params, "mscale", float, source, default=1.0, prefix=prefix)
-    mscale_all_dim = config_value(params, "mscale_all_dim", float, source, default=mscale, prefix=prefix)
+    mscale = config_value(params, "mscale", float, source, prefix=prefix)
+    mscale_all_dim = config_value(params, "mscale_all_dim", float, source, prefix=prefix)
     if mscale != mscale_all_dim:
         raise ValueError(f"{source}: {name}.mscale {mscale} differs from mscale_all_dim {mscale_all_dim}; "
                          "only equal values are supported")
@@ -91,6 +113,7 @@ def _yarn(config: dict, source: str) -> tuple[float, YarnScaling | None]:
         beta_fast=config_value(params, "beta_fast", float, source, default=32.0, prefix=prefix),
         beta_slow=config_value(params, "beta_slow", float, source, default=1.0, prefix=prefix),
         mscale=mscale_all_dim,
+        truncate=config_value(params, "truncate", bool, source, default=True, prefix=prefix),
     )
 
 
@@ -102,28 +125,30 @@ def args_from_config(config: dict, source: str = "config.json") -> DeepSeekV3Arg
         raise ValueError(f"{source}: num_key_value_heads {config['num_key_value_heads']} differs from "
                          f"num_attention_heads {n_heads}; multi-head latent attention has one per head")
     theta, yarn = _yarn(config, source)
-    moe = _moe(config, source)
+    moe, moe_defaults = _moe(config, source), _DEFAULTS[config["model_type"]]
+    fields = dict(
+        vocab_size=config_value(config, "vocab_size", int, source),
+        dim=config_value(config, "hidden_size", int, source),
+        n_layers=config_value(config, "num_hidden_layers", int, source),
+        n_dense_layers=_count(config, "first_k_dense_replace", source, moe_defaults["first_k_dense_replace"]),
+        n_heads=n_heads,
+        inter_dim=config_value(config, "intermediate_size", int, source),
+        moe=moe,
+        q_lora_rank=config_value(config, "q_lora_rank", int, source, default=0),  # null: no query bottleneck
+        kv_lora_rank=config_value(config, "kv_lora_rank", int, source),
+        qk_nope_head_dim=config_value(config, "qk_nope_head_dim", int, source),
+        qk_rope_head_dim=config_value(config, "qk_rope_head_dim", int, source),
+        v_head_dim=config_value(config, "v_head_dim", int, source),
+        norm_eps=config_value(config, "rms_norm_eps", float, source, default=1e-6),
+        rope_theta=theta,
+        yarn=yarn,
+        max_seq_len=config_value(config, "max_position_embeddings", int, source, default=4096),
+        num_mtp_layers=_count(config, "num_nextn_predict_layers", source, 0),  # transformers writes 1 and saves no weights
+        yarn_always=yarn is not None,  # as transformers applies rope_scaling, at any length
+    )
     try:
-        return DeepSeekV3Args(
-            vocab_size=config_value(config, "vocab_size", int, source),
-            dim=config_value(config, "hidden_size", int, source),
-            n_layers=config_value(config, "num_hidden_layers", int, source),
-            n_dense_layers=config.get("first_k_dense_replace") or 0,
-            n_heads=n_heads,
-            inter_dim=config_value(config, "intermediate_size", int, source),
-            moe=moe,
-            q_lora_rank=config_value(config, "q_lora_rank", int, source, default=0),  # null: no query bottleneck
-            kv_lora_rank=config_value(config, "kv_lora_rank", int, source),
-            qk_nope_head_dim=config_value(config, "qk_nope_head_dim", int, source),
-            qk_rope_head_dim=config_value(config, "qk_rope_head_dim", int, source),
-            v_head_dim=config_value(config, "v_head_dim", int, source),
-            norm_eps=config_value(config, "rms_norm_eps", float, source, default=1e-6),
-            rope_theta=theta,
-            yarn=yarn,
-            max_seq_len=config_value(config, "max_position_embeddings", int, source, default=4096),
-            num_mtp_layers=config.get("num_nextn_predict_layers") or 0,
-        )
-    except ValueError as e:
+        return DeepSeekV3Args(**fields)
+    except ValueError as e:  # the args' own checks, which do not know the file
         raise ValueError(f"{source}: {e}") from None
 
 
@@ -196,8 +221,13 @@ def fit_to_weights(args: DeepSeekV3Args, names: set[str]) -> DeepSeekV3Args:
 
 def check_config(args: DeepSeekV3Args, config: dict, source: str, target: str) -> None:
     """``config`` describes the architecture of ``args`` (called ``target``): the first difference
-    is a ValueError naming the config.json key and both values."""
+    is a ValueError naming the config.json key and both values. YaRN is compared as the model
+    applies it: a flavor built for a context within the original one applies none."""
     found = args_from_config(config, source)
     if not args.num_mtp_layers:  # the adapter skips the checkpoint's modules
         found = dataclasses.replace(found, num_mtp_layers=0)
-    compare_configs(found, args, _COMPARED, source, target)
+    if found.yarn is not None and not args.yarn_active:
+        raise ValueError(f"{source}: rope_scaling applies YaRN at every length, as transformers does, but {target} "
+                         f"applies it only above {found.yarn.original_max_position_embeddings} positions and is "
+                         f"built for {args.max_seq_len}; model.flavor from_hf_config keeps the checkpoint's YaRN")
+    compare_configs(found, args.with_context(args.max_seq_len), _COMPARED, source, target)

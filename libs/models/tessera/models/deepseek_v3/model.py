@@ -19,6 +19,10 @@ from tessera.models.feed_forward import FeedForward
 from tessera.models.moe import MoE, attach_aux_loss
 from tessera.models.rotary import apply_rope_interleaved, rope_table, yarn_frequencies
 
+# The latent norms' epsilon is fixed, not the config's rms_norm_eps: DeepSeek's reference code and
+# transformers build both with RMSNorm's default.
+LATENT_NORM_EPS = 1e-6
+
 
 class Attention(nn.Module):
     """Multi-head latent attention (DeepSeek-V2 section 2.1, eq. 37-47):
@@ -42,10 +46,10 @@ class Attention(nn.Module):
             self.wq = nn.Linear(args.dim, qk_dim, bias=False)
         else:
             self.wq_a = nn.Linear(args.dim, self.q_lora_rank, bias=False)
-            self.q_norm = nn.RMSNorm(self.q_lora_rank, eps=args.norm_eps)
+            self.q_norm = nn.RMSNorm(self.q_lora_rank, eps=LATENT_NORM_EPS)
             self.wq_b = nn.Linear(self.q_lora_rank, qk_dim, bias=False)
         self.wkv_a = nn.Linear(args.dim, self.kv_lora_rank + self.rope_dim, bias=False)
-        self.kv_norm = nn.RMSNorm(self.kv_lora_rank, eps=args.norm_eps)
+        self.kv_norm = nn.RMSNorm(self.kv_lora_rank, eps=LATENT_NORM_EPS)
         self.wkv_b = nn.Linear(self.kv_lora_rank, args.n_heads * (self.nope_dim + self.v_dim), bias=False)
         self.wo = nn.Linear(args.n_heads * self.v_dim, args.dim, bias=False)
         self.q_scale = args.yarn.attention_factor() if args.yarn_active else 1.0  # softmax_scale * sqrt(qk_head_dim)
@@ -120,4 +124,5 @@ class DeepSeekV3(Decoder):
 
     def rope_table(self) -> torch.Tensor:
         a = self.args
-        return rope_table(yarn_frequencies(a.qk_rope_head_dim, a.rope_theta, a.yarn, a.max_seq_len), a.max_seq_len)
+        return rope_table(yarn_frequencies(a.qk_rope_head_dim, a.rope_theta, a.yarn if a.yarn_active else None),
+                          a.max_seq_len)

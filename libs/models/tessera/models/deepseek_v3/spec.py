@@ -123,6 +123,7 @@ deepseek_v3_spec = ModelSpec(
     hf_adapter=hf_adapter,
     hf_config=hf_config,
     step_hooks=dataclasses.replace(MOE_STEP_HOOKS, set_mtp_scale=set_mtp_scale),
+    with_context=DeepSeekV3Args.with_context,
     refusals=refusals,
     n_experts=_n_experts,
     mtp_layers=_mtp_layers,

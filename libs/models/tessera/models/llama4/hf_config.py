@@ -33,6 +33,7 @@ _COMPARED = (
 )
 _SUPPORTED = {"hidden_act": "silu", "attention_bias": False}
 _CHUNKED, _FULL = "chunked_attention", "full_attention"
+_DEFAULT_THETA = 500000.0  # Llama4TextConfig.default_theta
 
 
 def _layer_list(config: dict, key: str, source: str, allowed: tuple) -> list | None:
@@ -44,7 +45,7 @@ def _layer_list(config: dict, key: str, source: str, allowed: tuple) -> list | N
 
 
 def _rope(config: dict, source: str) -> tuple[float, RopeScaling | None]:
-    name, params, theta = rope_section(config, source)
+    name, params, theta = rope_section(config, source, _DEFAULT_THETA)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         return theta, None
