@@ -40,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 VARIANTS = {
@@ -302,7 +303,7 @@ def run_peer(known) -> None:
           f"{'per CPU-s: titan':>16} {'tessera':>8} {'ratio':>6}  {'peak GiB: titan':>15} {'tessera':>7}  "
           "runs (titan | tessera)")
     tokens_per_step = known.seq_len * 8
-    for nproc in map(int, known.nprocs.split(",")):
+    for nproc in known.nprocs:
         for dtype in known.dtypes.split(","):
             extra = []
             runs, failure = _peer_cell(root, out, known, dtype, nproc, first, tokens_per_step, extra)
@@ -349,7 +350,7 @@ def run_long_context(known) -> None:
             "torchtitan causal (sdpa)": ("torchtitan", [])}
     print(f"llama3 debugmodel, fp32, CP 2, local batch 1, {known.steps} steps (median tokens/s per rank over steps "
           f"{known.warmup + 1}..{known.steps}); load average {os.getloadavg()[0]:.2f}", flush=True)
-    for seq in map(int, known.seqs.split(",")):
+    for seq in known.seqs:
         for name, (which, flags) in runs.items():
             folder = out / f"{name.split(' (')[0].replace(' ', '_')}_{seq}"
             try:
@@ -386,27 +387,46 @@ def run_profile(known, overrides: list[str]) -> None:
     print(f"(step {known.steps} of each run, 1 process; load average {os.getloadavg()[0]:.2f}; traces in {out})")
 
 
-def main() -> int:
+def _at_least(least: int) -> Callable[[str], int]:
+    """An argparse type: a whole number >= least, refused on the command line, not by a traceback
+    (0 repeats) or a run that times nothing."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be >= {least}, not {value}")
+        return value
+    return parse
+
+
+def _counts(text: str) -> list[int]:
+    """An argparse type: comma-separated whole numbers >= 1 (--nprocs, --seqs)."""
+    return [_at_least(1)(part) for part in text.split(",")]
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, help="steps per run (default 30; --long_context: 4)")
-    parser.add_argument("--warmup", type=int,
+    parser.add_argument("--steps", type=_at_least(1), help="steps per run (default 30; --long_context: 4)")
+    parser.add_argument("--warmup", type=_at_least(0),
                         help="steps left out of the timing, rounded up to a log step (metrics.log_freq); "
                              "default 3 (--long_context: 1)")
-    parser.add_argument("--repeats", type=int, default=1, help="interleaved runs of each variant (medians)")
+    parser.add_argument("--repeats", type=_at_least(1), default=1, help="interleaved runs of each variant (medians)")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--peer", action="store_true", help="Tessera vs torchtitan 0.2.2 (needs PEER_ROOT)")
     parser.add_argument("--profile", action="store_true", help="split one step by kind of work")
     parser.add_argument("--peer_root", default=None, help="the torchtitan peer folder (default: $PEER_ROOT)")
     parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--nprocs", default="1,2")
+    parser.add_argument("--nprocs", type=_counts, default="1,2")
     parser.add_argument("--model", default="llama3", choices=("llama3", "deepseek_v3", "qwen3"),
                         help="--peer / --profile: the model both stacks train (peer.py's MODELS)")
-    parser.add_argument("--seq_len", type=int, default=256, help="--peer / --profile: tokens per sequence")
+    parser.add_argument("--seq_len", type=_at_least(1), default=256, help="--peer / --profile: tokens per sequence")
     parser.add_argument("--long_context", action="store_true",
                         help="--peer: block-causal with CP 2 at --seqs, Tessera vs torchtitan")
-    parser.add_argument("--seqs", default="8192,16384", help="--long_context: sequence lengths")
+    parser.add_argument("--seqs", type=_counts, default="8192,16384", help="--long_context: sequence lengths")
     parser.add_argument("--measure", choices=sorted(VARIANTS), help=argparse.SUPPRESS)
-    known, overrides = parser.parse_known_args()
+    known, overrides = parser.parse_known_args(argv)
     if known.long_context and not known.peer:
         parser.error("--long_context is a --peer comparison: add --peer")
     known.steps = (4 if known.long_context else 30) if known.steps is None else known.steps

@@ -83,6 +83,17 @@ def table(names: list[str], runs: list[dict], scalar: str) -> list[str]:
     return rows
 
 
+def check_out(out: Path) -> None:
+    """Refuses an --out whose suffix names no format matplotlib writes (it would fail, or append
+    .png, only after every run was read)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if out.suffix[1:].lower() not in formats:
+        raise CompareError(f"--out {out}: its suffix must name an image format, one of "
+                           f"{', '.join('.' + name for name in sorted(formats))}")
+
+
 def plot(names: list[str], runs: list[dict], scalars: list[str], out: Path) -> None:
     import matplotlib
 
@@ -114,7 +125,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="compare", description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", type=Path, help="runs' dump, TensorBoard or W&B run folders")
     parser.add_argument("--scalar", action="append", help="a logged scalar to compare (repeatable; default: loss)")
-    parser.add_argument("--out", type=Path, default=Path("compare.png"), help="the PNG to write")
+    parser.add_argument("--out", type=Path, default=Path("compare.png"), help="the image to write; its suffix gives the format (.png, .pdf, .svg, ...)")
     parser.add_argument("--names", help="comma-separated names of the runs in the legend (default: the folders' names)")
     return parser
 
@@ -126,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         names = args.names.split(",") if args.names else [run.name or str(run) for run in args.runs]
         if len(names) != len(args.runs):
             raise CompareError(f"--names gives {len(names)} names for {len(args.runs)} runs")
+        check_out(args.out)
         runs = [run_scalars(run) for run in args.runs]
         for run, scalars_of_run in zip(args.runs, runs):
             for scalar in scalars:

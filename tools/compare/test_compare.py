@@ -81,6 +81,8 @@ def test_the_newest_of_several_runs_is_read_and_named(tmp_path, capsys):
                 "metrics.enable_wandb on?)"),
     (["{run}", "--scalar", "los"], "no scalar 'los' (it logs grad_norm, loss, tokens_seen)"),
     (["{run}", "{run}", "--names", "one"], "--names gives 1 names for 2 runs"),
+    (["{tmp}/missing", "--out", "x.xyz"], "--out x.xyz: its suffix must name an image format, one of "),  # before any run is read
+    (["{run}", "--out", "{tmp}/compare"], "empty/compare: its suffix must name an image format, one of "),  # matplotlib would add .png
 ])
 def test_bad_input_is_one_line_exit_2(tmp_path, capsys, argv, message):
     run = _run(tmp_path / "run", [1.0])

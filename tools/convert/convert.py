@@ -14,7 +14,8 @@ config.json beside the safetensors, so transformers' from_pretrained opens the f
 The model weights live under the state name given by --state ("model", as the trainer saves
 them). Nothing is unpickled beyond what torch.load(weights_only=True) allows. An existing output
 is replaced only with --force, and outputs appear whole (written under a hidden name, then
-renamed). Bad input: one line on stderr, exit 2.
+renamed); an output that is, holds or lies inside the source is refused. Bad input: one line on
+stderr, exit 2.
 """
 
 from __future__ import annotations
@@ -105,6 +106,16 @@ def _check_against_model(state_dict: dict, spec, args, source: str, what: str) -
     with torch.device("meta"):
         expected = {key: tuple(value.shape) for key, value in spec.build(args).state_dict().items()}
     check_state_dict(state_dict, expected, source, what)
+
+
+def _check_apart(src: str, dst: str) -> None:
+    """Refuses an output that is, holds or lies inside the source (symbolic links followed):
+    writing it would change the source, and --force would replace the source."""
+    source, output = Path(src).resolve(), Path(dst).resolve()
+    overlap = ("is" if output == source else "lies inside" if source in output.parents
+               else "holds" if output in source.parents else None)
+    if overlap:
+        raise ValueError(f"output {dst} {overlap} the source {src}; write it elsewhere")
 
 
 def _write_output(dst: str, force: bool, is_file: bool, write: Callable[[Path], None]) -> None:
@@ -203,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     if "BUILD_WORKING_DIRECTORY" in os.environ:  # `bazel run` starts in the runfiles tree
         os.chdir(os.environ["BUILD_WORKING_DIRECTORY"])
     try:
+        _check_apart(args.src, args.dst)
         _write_output(args.dst, args.force, args.output_is_file, lambda out: args.func(args, out))
     except (ValueError, OSError) as e:  # FileNotFoundError is an OSError
         print(f"convert: error: {e}", file=sys.stderr)

@@ -56,11 +56,13 @@ def test_dcp_hf_dcp_round_trip_is_identity(tmp_path):
 
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     flavor = ("--model", "llama3", "--flavor", "debugmodel")
-    assert _run("dcp-to-hf", "--model", "llama3", "--flavor", "huge", tmp_path, tmp_path / "o") == 2
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert _run("dcp-to-hf", "--model", "llama3", "--flavor", "huge", empty, tmp_path / "o") == 2
     assert "unknown flavor 'huge' of llama3; known: [" in capsys.readouterr().err
     assert _run("dcp-to-hf", *flavor, tmp_path / "absent", tmp_path / "o") == 2
     assert "DCP checkpoint folder" in capsys.readouterr().err
-    assert _run("hf-to-dcp", *flavor, tmp_path, tmp_path / "o") == 2
+    assert _run("hf-to-dcp", *flavor, empty, tmp_path / "o") == 2
     assert "holds neither model.safetensors" in capsys.readouterr().err
 
     # A checkpoint of another model shape: the first mismatching key and both shapes are named.
@@ -104,13 +106,35 @@ def test_outputs_are_never_overwritten_without_force(tmp_path, capsys):
 
 def test_output_path_errors_are_one_line(tmp_path, capsys):
     _, step_dir = _trained_checkpoint(tmp_path / "ckpt")
-    assert _run("dcp-to-torch", step_dir, tmp_path) == 2
-    assert capsys.readouterr().err.strip() == f"convert: error: output {tmp_path} is a folder; this conversion writes a file"
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    assert _run("dcp-to-torch", step_dir, folder) == 2
+    assert capsys.readouterr().err.strip() == f"convert: error: output {folder} is a folder; this conversion writes a file"
     missing = tmp_path / "no" / "such" / "x.pt"
     assert _run("dcp-to-torch", step_dir, missing) == 2
     assert capsys.readouterr().err.strip() == f"convert: error: output {missing}: its folder {missing.parent} does not exist"
-    assert _run("hf-to-dcp", "--model", "llama3", "--flavor", "debugmodel", tmp_path, step_dir / ".metadata") == 2
+    assert _run("hf-to-dcp", "--model", "llama3", "--flavor", "debugmodel", folder, step_dir / ".metadata") == 2
     assert "is a file; this conversion writes a folder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command, dst, overlap", [
+    (["dcp-to-torch", "--force"], "ckpt/step-1/__0_0.distcp", "lies inside"),  # truncated the checkpoint
+    (["dcp-to-torch"], "ckpt/step-1/whole.pt", "lies inside"),
+    (["dcp-to-hf", "--force", "--flavor", "debugmodel"], "ckpt", "holds"),  # would replace every checkpoint
+    (["hf-to-dcp", "--force", "--flavor", "debugmodel"], "link", "is"),  # a link to the source
+])
+def test_an_output_that_overlaps_the_source_is_refused_and_the_source_kept(tmp_path, capsys, monkeypatch, command, dst, overlap):
+    monkeypatch.chdir(tmp_path)
+    step = Path("ckpt/step-1")
+    step.mkdir(parents=True)
+    files = {".metadata": b"metadata", "__0_0.distcp": b"weights", ARGS_FILE: b"{}"}
+    for name, data in files.items():
+        (step / name).write_bytes(data)
+    Path("link").symlink_to(step.resolve())
+    assert _run(*command, step, dst) == 2
+    assert capsys.readouterr().err == f"convert: error: output {dst} {overlap} the source {step}; write it elsewhere\n"
+    assert {p.name: p.read_bytes() for p in step.iterdir()} == files  # no output, no hidden leftover
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "link"] and list(Path("ckpt").iterdir()) == [step]
 
 
 def _torch_save_no_space(obj, f):  # torch's writer: the file's OSError, then its own RuntimeError
@@ -202,7 +226,9 @@ def test_moe_round_trip_writes_one_tensor_per_expert(tmp_path, model, flavor):
     hf = load_hf(tmp_path / "hf")
     for expert in range(args.moe.n_experts):
         assert torch.equal(hf[f"model.layers.1.mlp.experts.{expert}.up_proj.weight"], weights["layers.1.moe.experts.w3"][expert])
-    assert spec.hf_config.args_from_config(json.loads((tmp_path / "hf" / "config.json").read_text())) == args
+    # the same model (DeepSeek's YaRN, which the flavor's length switches on, on at any length from a config.json)
+    assert spec.hf_config.args_from_config(json.loads((tmp_path / "hf" / "config.json").read_text())) == \
+        spec.with_context(args, args.max_seq_len)
 
     assert _run("hf-to-dcp", "--model", model, tmp_path / "hf", tmp_path / "back") == 0
     back = read_dcp(tmp_path / "back", only="model")

@@ -60,6 +60,9 @@ LAYOUTS = {
 }
 ASYNC = ["--checkpoint.async_mode", "async"]
 STALL_TIMEOUT_S = 3  # comm.train_timeout_seconds of the stalled-rank run; the rank stalls twice that
+# --steps' least: the stalled rank stalls at step 5, a mid-save kill waits for step 4's (not the
+# last) checkpoint, a kill at a step picks one of 3..steps-1
+MIN_STEPS = 5
 
 
 def _command(dump: Path, steps: int, extra: list[str]) -> list[str]:
@@ -304,24 +307,50 @@ def faults(rng: random.Random, steps: int, tmpfs: bool) -> list[Fault]:
     ]
 
 
+def _names() -> list[str]:
+    """Every fault's (with a tmpfs or without) and recovery's name, known before the tmpfs probe."""
+    rng = random.Random(0)  # the kill steps do not matter here
+    every = [fault.name for tmpfs in (True, False) for fault in faults(rng, MIN_STEPS, tmpfs)]
+    return [*dict.fromkeys(every), *(r.name for r in recovery.RECOVERIES)]
+
+
+def _only(parser: argparse.ArgumentParser, only: str | None) -> list[str]:
+    """The --only parts (without it: "", which every name contains); a part that matches no name,
+    or an --only of none, is refused rather than running fewer faults, or all."""
+    if only is None:
+        return [""]
+    parts = [part.strip() for part in only.split(",") if part.strip()]
+    names = _names()
+    unknown = [part for part in parts if not any(part in name for name in names)]
+    if not parts:
+        parser.error(f"--only {only!r} names nothing; the names: {', '.join(names)}")
+    if unknown:
+        parser.error(f"--only: no fault or recovery name contains {' or '.join(map(repr, unknown))}; "
+                     f"the names: {', '.join(names)}")
+    return parts
+
+
 def _cell(value: float) -> str:
     return "-" if math.isnan(value) else f"{value:.2g}"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="faults", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=8, help=f"steps per run (at least {MIN_STEPS})")
     parser.add_argument("--seed", type=int, default=0, help="chooses the random kill steps")
-    parser.add_argument("--only", default="", help="run the faults whose name contains one of these (comma-separated)")
+    parser.add_argument("--only", help="run the faults whose name contains one of these (comma-separated)")
     args = parser.parse_args(argv)
+    if args.steps < MIN_STEPS:
+        parser.error(f"--steps must be >= {MIN_STEPS}: faults strike as late as step {MIN_STEPS} (the stalled rank)")
+    only = _only(parser, args.only)
     work = Path(tempfile.mkdtemp(prefix="tessera-faults-"))
     no_tmpfs = _tmpfs_unavailable(work)
     chosen = [fault for fault in faults(random.Random(args.seed), args.steps, tmpfs=no_tmpfs is None)
-              if any(part in fault.name for part in args.only.split(","))]
-    recoveries = [r for r in recovery.RECOVERIES if any(part in r.name for part in args.only.split(","))]
-    if not chosen and not recoveries:
+              if any(part in fault.name for part in only)]
+    recoveries = [r for r in recovery.RECOVERIES if any(part in r.name for part in only)]
+    if not chosen and not recoveries:  # tmpfs faults alone, and no tmpfs here
         shutil.rmtree(work, ignore_errors=True)
-        parser.error(f"--only {args.only!r} matches no fault")
+        parser.error(f"--only {args.only!r} matches only faults on a real tmpfs, which cannot be mounted here ({no_tmpfs})")
     rows, references = [], {}
     for fault in chosen:
         if fault.layout not in references:  # the uninterrupted run of this layout

@@ -66,8 +66,20 @@ def test_a_killed_rank_costs_no_steps_with_torchft_and_the_steps_since_the_check
     assert restart[1:4] == ("disk", "4", "2") and restart[6] == "= uninterrupted", out
 
 
-def test_an_only_that_matches_no_fault_is_refused(capsys):
+@pytest.mark.parametrize("argv, message", [
+    (["--only", "sigkill-stpe"], "--only: no fault or recovery name contains 'sigkill-stpe'; the names: sigkill-step-single, "),
+    (["--only", "sigterm-single,nosuchfault"], "--only: no fault or recovery name contains 'nosuchfault'; "),  # not sigterm alone
+    (["--only", "nosuchfault,"], "--only: no fault or recovery name contains 'nosuchfault'; "),  # not every fault
+    (["--only", ","], "--only ',' names nothing; the names: "),
+    (["--steps", "4"], "--steps must be >= 5: "),
+    (["--steps", "0"], "--steps must be >= 5: "),
+])
+def test_bad_arguments_are_one_line_before_any_temporary_folder(capsys, monkeypatch, argv, message):
+    def made(*args, **kwargs):
+        raise AssertionError("a temporary folder was made before the arguments were checked")
+    monkeypatch.setattr(faults.tempfile, "mkdtemp", made)
     with pytest.raises(SystemExit) as stop:
-        faults.main(["--only", "sigkill-stpe"])
+        faults.main(argv)
     assert stop.value.code == 2
-    assert "faults: error: --only 'sigkill-stpe' matches no fault" in capsys.readouterr().err
+    usage, error = capsys.readouterr().err.splitlines()
+    assert error.startswith(f"faults: error: {message}"), error
