@@ -8,6 +8,7 @@ import json
 import sys
 
 import datasets
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -127,6 +128,34 @@ def test_bad_parquet_is_one_line_naming_the_file(tmp_path, write, message):
     with pytest.raises(ValueError, match=message) as error:
         load_dataset(path)
     assert "\n" not in str(error.value)
+
+
+def _spoil(path, old, new):
+    data = path.read_bytes()
+    assert data.count(old) == 1
+    path.write_bytes(data.replace(old, new))
+
+
+def test_a_damaged_group_is_one_line_naming_the_file_and_group(tmp_path, monkeypatch):
+    """Found when the group is read (opening reads metadata only); a damaged Arrow batch would
+    otherwise crash the process (pyarrow trusts mapped data), a Parquet page gives several lines."""
+    _save_to_disk(tmp_path / "saved", DOCS, monkeypatch)
+    arrow = next((tmp_path / "saved").glob("*.arrow"))
+    ends = np.cumsum([0] + [len(d) for d in DOCS[GROUP : 2 * GROUP]]).astype("<i4")  # batch 1's text offsets
+    _spoil(arrow, ends.tobytes(), ends[:2].tobytes() + np.int32(10**9).tobytes() + ends[3:].tobytes())
+    _spoil(arrow, b"document 12:", b"\xffocument 12:")  # not UTF-8
+    _write(tmp_path / "bad.parquet", DOCS, GROUP)
+    chunk = pq.ParquetFile(tmp_path / "bad.parquet").metadata.row_group(1).column(1)
+    with open(tmp_path / "bad.parquet", "r+b") as f:  # row group 1's first page header
+        f.seek(chunk.dictionary_page_offset or chunk.data_page_offset)
+        f.write(b"\xff" * 8)
+    for path, row, message in [(arrow.parent, GROUP, f"{arrow}: record batch 1 unreadable .*Offset invariant"),
+                               (arrow.parent, 2 * GROUP + 2, f"{arrow}: record batch 2 unreadable .*UTF-?8"),
+                               (tmp_path / "bad.parquet", GROUP, "bad.parquet: row group 1 unreadable")]:
+        dataset = load_dataset(path)
+        assert dataset[0] == DOCS[0]
+        with pytest.raises(ValueError, match=rf"^\S*{message}[^\n]*\)$"):
+            dataset[row]
 
 
 def test_shuffled_epochs_read_each_group_once_and_resume_exactly(folder, reads):

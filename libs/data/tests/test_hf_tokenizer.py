@@ -398,6 +398,75 @@ def test_unsupported_parts_are_one_line_errors(tmp_path, edit, message):
         load_tokenizer(folder)
 
 
+@pytest.mark.parametrize("edit, message", [
+    ((["normalizer"], "NFC"), "normalizer must be an object, not a string"),
+    ((["normalizer"], {"type": "Sequence", "normalizers": None}), "normalizer.normalizers must be a list, not null"),
+    ((["pre_tokenizer"], "ByteLevel"), "pre_tokenizer must be an object, not a string"),
+    ((["pre_tokenizer"], [1]), "pre_tokenizer must be an object, not a list"),
+    ((["pre_tokenizer", "pretokenizers"], None), "pre_tokenizer.pretokenizers must be a list, not null"),
+    ((["pre_tokenizer", "pretokenizers", 1], 5), r"pre_tokenizer.pretokenizers\[1\] must be an object, not an integer"),
+    ((["pre_tokenizer", "pretokenizers", 0, "pattern"], "abc"), "pre_tokenizer Split pattern must be an object"),
+    ((["pre_tokenizer", "pretokenizers", 0, "pattern"], {"Regex": 5}),
+     "pre_tokenizer Split pattern.Regex must be a string, not an integer"),
+    ((["model", "merges"], 5), "model.merges must be a list, not an integer"),
+    ((["model", "merges"], {"Ġ t": 0}), "model.merges must be a list, not an object"),
+    ((["model", "vocab", "!"], True), "model.vocab must map tokens to non-negative ids"),
+    ((["added_tokens"], 5), "added_tokens must be a list, not an integer"),
+])
+def test_malformed_field_types_are_one_line_errors_naming_the_field(tmp_path, edit, message):
+    doc = _small_doc()
+    _edit(doc, *edit)
+    with pytest.raises(ValueError, match=r"^[^\n]*tokenizer.json: " + message + r"[^\n]*$"):
+        load_tokenizer(write(tmp_path / "t", doc))
+
+
+def _with_added(*tokens):
+    doc = _small_doc()
+    doc["added_tokens"] += [{**doc["added_tokens"][0], "id": i, "content": content} for content, i in tokens]
+    return doc
+
+
+@pytest.mark.parametrize("doc, message", [
+    (_with_added(("<y>", -5)), r"added_tokens entry .* lacks a string content or a non-negative integer id"),
+    (_with_added(("<z>", 5)), r"added token '<z>' has id 5, the id of token 'ą'"),
+    (_with_added(("<a>", 1795), ("<b>", 1795)), r"added token '<b>' has id 1795, the id of token '<a>'"),
+    (_with_added(("<a>", 1795), ("<a>", 1796)), r"added token '<a>' has id 1796 and, elsewhere in the file, id 1795"),
+    (_with_added(("!", 1795)), r"added token '!' has id 1795 and, elsewhere in the file, id 33"),
+    (_with_added(("<x>", 10**9)), r"token id 1000000000 is beyond the 1796 tokens: ids must be below 65536 \(twice"),
+    (_with_added(("<x>", 65536)), r"token id 65536 is beyond the 1796 tokens: ids must be below 65536"),
+    (_with_added(("<x>", 65535), ("!", 33), ("Ġt", _small_doc()["model"]["vocab"]["Ġt"]), ("<x>", 65535)),
+     None),  # restated tokens, the highest id allowed
+])
+def test_token_ids_are_non_negative_unique_and_dense(tmp_path, doc, message):
+    folder = write(tmp_path / "t", doc)
+    if message is None:
+        assert load_tokenizer(folder).vocab_size == 65536
+        return
+    with pytest.raises(ValueError, match=r"^[^\n]*tokenizer.json: " + message + r"[^\n]*$"):
+        load_tokenizer(folder)
+
+
+def test_a_vocab_id_far_beyond_the_tokens_is_refused_before_allocating(tmp_path):
+    doc = _small_doc()
+    doc["model"]["vocab"]["zzzq"] = 10**12  # a decode table of 10**12 entries: MemoryError
+    with pytest.raises(ValueError, match=r"tokenizer.json: token id 1000000000000 is beyond the 1796 tokens"):
+        load_tokenizer(write(tmp_path / "t", doc))
+
+
+def test_malformed_companion_files_and_deep_nesting(tmp_path):
+    write(tmp_path, _small_doc(), {"added_tokens_decoder": [{"content": "x"}]})
+    with pytest.raises(ValueError, match=r"tokenizer_config.json: added_tokens_decoder must be an object, not a list$"):
+        load_tokenizer(tmp_path)
+    write(tmp_path, _small_doc(), {}, {"eos_token_id": True})  # true is not id 1
+    with pytest.raises(ValueError, match=r"config.json: eos_token_id True is not a token of \S+tokenizer.json$"):
+        load_tokenizer(tmp_path)
+    doc = json.dumps({**_small_doc(), "pre_tokenizer": None})
+    deep = '{"type": "Sequence", "pretokenizers": [' * 3000 + "]}" * 3000  # beyond any recursion limit
+    (tmp_path / "tokenizer.json").write_text(doc.replace('"pre_tokenizer": null', f'"pre_tokenizer": {deep}'))
+    with pytest.raises(ValueError, match=r"^\S+tokenizer.json: [^\n]+$"):
+        load_tokenizer(tmp_path)
+
+
 def test_malformed_files(tmp_path):
     with pytest.raises(ValueError, match=r"^\S+/empty: folder holds no tokenizer.json or tokenizer.model$"):
         (tmp_path / "empty").mkdir()

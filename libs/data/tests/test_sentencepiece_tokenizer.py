@@ -239,6 +239,25 @@ def test_bad_files_and_missing_libraries_are_one_line_errors(tmp_path, monkeypat
         load_tokenizer(json_folder)
 
 
+def test_malformed_steps_and_far_ids_are_one_line_errors(tmp_path):
+    write_hf_tokenizer(load_tokenizer(), tmp_path / "b")
+    doc = json.loads((tmp_path / "b" / "tokenizer.json").read_text())
+    for key, inner, steps, message in [  # told from SentencePiece-style files, then named by the reader
+        ("pre_tokenizer", "pretokenizers", 5, "pre_tokenizer.pretokenizers must be a list, not an integer"),
+        ("normalizer", "normalizers", {"a": 1}, "normalizer.normalizers must be a list, not an object"),
+        ("pre_tokenizer", "pretokenizers", [{"type": ["x"]}], "pre_tokenizer must end with ByteLevel"),
+    ]:
+        write_folder(tmp_path / "b", {**doc, key: {"type": "Sequence", inner: steps}})
+        with pytest.raises(ValueError, match=rf"^\S+b/tokenizer.json: {message}"):
+            load_tokenizer(tmp_path / "b")
+    doc = json.loads((bpe_json(tmp_path / "j", legacy=True) / "tokenizer.json").read_text())
+    doc["model"]["vocab"]["▁zzzq"] = 10**9  # the model would get an embedding row per id up to it
+    write_folder(tmp_path / "j", doc)
+    with pytest.raises(ValueError, match=r"^\S+j/tokenizer.json: token id 1000000000 is beyond the \d+ tokens: ids "
+                                         r"must be below 65536 \(twice the number of tokens, at least 65536\)"):
+        load_tokenizer(tmp_path / "j")
+
+
 def test_tessera_data_imports_and_reads_byte_level_files_without_either_library(tmp_path, monkeypatch):
     """tessera.data imported afresh with both libraries made unimportable (restored afterwards)."""
     write_hf_tokenizer(load_tokenizer(), tmp_path)

@@ -246,6 +246,20 @@ def test_an_index_naming_files_outside_its_folder_is_refused(corpus, tmp_path):
             open_shards(bad)
 
 
+@pytest.mark.parametrize("start", [lambda offsets: offsets[5], lambda _: 10**9, lambda _: -7],
+                         ids=["a later document's", "past the end", "negative"])
+def test_offsets_that_decrease_are_refused_when_opened(corpus, tmp_path, start):
+    """The shuffled stream would read wrong tokens or fail deep inside (IndexError) otherwise."""
+    _, folder = corpus
+    bad = _copy(folder, tmp_path)
+    offsets = np.fromfile(bad / "shard-00000.offsets", dtype="<i8")
+    offsets[3] = start(offsets)
+    offsets.tofile(bad / "shard-00000.offsets")
+    with pytest.raises(ValueError, match=r"^\S+shard-00000.offsets: document [34] starts at token -?\d+, before "
+                                         r"document [23] \(token \d+\); offsets never decrease \(damaged file\?\)$"):
+        open_shards(bad)
+
+
 def test_token_ids_are_checked_against_the_vocabulary(corpus, tmp_path):
     _, folder = corpus
     index = json.loads((folder / "index.json").read_text())
@@ -292,6 +306,11 @@ def test_a_folder_without_documents_is_named(corpus, tmp_path):
 def test_bad_mixture_entries(entries, message):
     with pytest.raises(ValueError, match=message):
         parse_mixture(entries)
+
+
+def test_mixture_weights_too_large_to_sum_still_mix_evenly():
+    m = Mixture([1e308, 1e308], seed=0)  # their sum overflows to inf
+    assert np.array_equal(m.weights, [0.5, 0.5]) and np.array_equal(m.counts(4096), [2048, 2048])
 
 
 def test_parse_mixture_and_weight_count():

@@ -95,13 +95,7 @@ class ColumnarDataset(Sequence[str]):
 
     def _group(self, file: int, group: int) -> list:
         if self._cached is None or self._cached[0] != (file, group):
-            path = self.files[file]
-            if path.suffix == PARQUET_SUFFIX:
-                column = _pyarrow()[1].ParquetFile(path, memory_map=True).read_row_group(
-                    group, columns=[self.text_field]).column(0)
-            else:
-                column = _arrow_batch(path, group).column(self.text_field)
-            self._cached = ((file, group), column.to_pylist())
+            self._cached = ((file, group), _read_column(self.files[file], group, self.text_field))
         return self._cached[1]
 
     def _open(self) -> list[_Chunk]:
@@ -114,13 +108,37 @@ class ColumnarDataset(Sequence[str]):
         return chunks
 
 
+def _read_column(path: Path, group: int, text_field: str) -> list:
+    """The `text_field` values of group `group` (a Parquet row group, an Arrow record batch). The
+    column is validated in full first (offsets inside their buffers, UTF-8): pyarrow trusts mapped
+    Arrow data, and a damaged file would crash the process in to_pylist. Any pyarrow error is one
+    line naming the file and the group."""
+    pa, pq = _pyarrow()
+    parquet = path.suffix == PARQUET_SUFFIX
+    try:
+        if parquet:
+            column = pq.ParquetFile(path, memory_map=True).read_row_group(group, columns=[text_field]).column(0)
+        else:
+            column = _arrow_batch(path, group).column(text_field)
+        column.validate(full=True)
+        return column.to_pylist()
+    except (pa.ArrowException, OSError) as e:
+        what = "row group" if parquet else "record batch"
+        raise ValueError(f"{path}: {what} {group} unreadable ({_one_line(e)})") from None
+
+
+def _one_line(error: Exception) -> str:
+    """pyarrow's message (often several lines, at times with control bytes) as one line."""
+    return " ".join("".join(c if c.isprintable() else " " for c in str(error)).split())
+
+
 def _parquet_groups(path: Path) -> tuple:
     """The schema and rows per row group, from the footer."""
     pa, pq = _pyarrow()
     try:
         meta = pq.ParquetFile(path, memory_map=True)
-    except (pa.ArrowInvalid, OSError) as e:
-        raise ValueError(f"{path}: not a readable Parquet file ({e})") from None
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(f"{path}: not a readable Parquet file ({_one_line(e)})") from None
     return meta.schema_arrow, [meta.metadata.row_group(g).num_rows for g in range(meta.num_row_groups)]
 
 
@@ -128,8 +146,8 @@ def _arrow_stream(path: Path):
     pa, _ = _pyarrow()
     try:
         return pa.ipc.open_stream(pa.memory_map(str(path)))
-    except (pa.ArrowInvalid, OSError) as e:
-        raise ValueError(f"{path}: not a readable Arrow stream file ({e})") from None
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(f"{path}: not a readable Arrow stream file ({_one_line(e)})") from None
 
 
 def _arrow_groups(path: Path) -> tuple:
@@ -138,8 +156,8 @@ def _arrow_groups(path: Path) -> tuple:
     reader = _arrow_stream(path)
     try:
         return reader.schema, [batch.num_rows for batch in reader]
-    except pa.ArrowInvalid as e:
-        raise ValueError(f"{path}: not a readable Arrow stream file ({e})") from None
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(f"{path}: not a readable Arrow stream file ({_one_line(e)})") from None
 
 
 def _arrow_batch(path: Path, group: int):

@@ -50,6 +50,9 @@ _CONFIG_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token", "sep_t
 _BOS_LIKE = re.compile(r"begin.of.(text|sentence)|startoftext|^<s>$|^<bos>$", re.IGNORECASE)
 _EOS_LIKE = re.compile(r"end.of.(text|sentence)|endoftext|^</s>$|^<eos>$", re.IGNORECASE)
 _NO_MERGE = (math.inf, -1)  # sorts after every (merge index, id)
+_JSON_TYPES = {dict: "an object", list: "a list", str: "a string", int: "an integer", float: "a number",
+               bool: "true or false", type(None): "null"}
+_MIN_ID_LIMIT = 1 << 16  # ids below it are always allowed (check_id_range)
 
 
 def byte_level_chars() -> list[str]:
@@ -97,14 +100,15 @@ def read_hf_tokenizer(path: str | os.PathLike, doc: dict | None = None) -> HFTok
 
     vocab, merges = _vocab_and_merges(model, path)
     token_bytes = {key: _key_bytes(key) for key in vocab}
+    added = _added_tokens(doc, path)
+    special_tokens = _added_ids(added, vocab, token_bytes, path)
+    check_id_range(path, {*vocab.values(), *special_tokens.values()})
     singles = {token_bytes[key][0]: i for key, i in vocab.items() if len(key) == 1 and token_bytes[key]}
     dropped = bytes(b for b in range(256) if b not in singles)
     if dropped and model.get("unk_token"):
         raise ValueError(f"{path}: bytes without a token and an unk_token: unknown-token mapping is not supported")
     ranks, decode_only = _ranks(vocab, merges, token_bytes, singles, bool(model.get("ignore_merges")), path)
 
-    added = _added_tokens(doc, path)
-    special_tokens = {t["content"]: t["id"] for t in added}
     flags = [field.name for field in dataclasses.fields(TokenMatch)]  # named as in added_tokens
     matching = {t["content"]: TokenMatch(**{flag: bool(t.get(flag)) for flag in flags}) for t in added}
     named = resolve_config_tokens(path, special_tokens, vocab)
@@ -160,9 +164,37 @@ def read_json(path: str, optional: bool = False) -> dict:
         raise ValueError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
     except UnicodeDecodeError:
         raise ValueError(f"{path}: not UTF-8 text") from None
+    except RecursionError:
+        raise ValueError(f"{path}: not valid JSON (nested too deeply)") from None
     if not isinstance(doc, dict):
         raise ValueError(f"{path}: expected a JSON object at the top level")
     return doc
+
+
+def _json_field(value, kind: type, path: str, field: str, required: bool = False):
+    """`value`, read from `field` of the JSON file `path`, if it is a `kind` (true and false are not
+    integers) or, unless `required`, null (absent); otherwise one ValueError line naming both, not a
+    traceback where it is used."""
+    if (value is None and not required) or (isinstance(value, kind) and not isinstance(value, bool)):
+        return value
+    found = _JSON_TYPES.get(type(value), type(value).__name__)
+    raise ValueError(f"{path}: {field} must be {_JSON_TYPES[kind]}, not {found}")
+
+
+def _is_id(value) -> bool:
+    """A token id: a non-negative integer, not true or false (which Python counts as 0 and 1)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def check_id_range(path: str, ids: set[int]) -> None:
+    """Refuses an id of at least twice the number of tokens, or 65536 for small tokenizers: the
+    model has an embedding row per id up to the highest, so one stray id (10**9) would allocate
+    terabytes, while real tokenizers are dense but for small gaps (Llama 3: 128,256 tokens, ids up
+    to 128,255)."""
+    limit = max(2 * len(ids), _MIN_ID_LIMIT)
+    if max(ids, default=0) >= limit:
+        raise ValueError(f"{path}: token id {max(ids)} is beyond the {len(ids)} tokens: ids must be below {limit} "
+                         f"(twice the number of tokens, at least {_MIN_ID_LIMIT}), one embedding row each")
 
 
 def _check_model(model: dict, path: str) -> None:
@@ -176,11 +208,27 @@ def _check_model(model: dict, path: str) -> None:
             raise ValueError(f"{path}: model.{key} = {model[key]!r} is not supported")
 
 
+def _steps(step, inner: str, path: str, field: str) -> list[dict]:
+    """The steps of a normalizer or pre-tokenizer (`field` of the file; null: none), Sequences (their
+    steps in `inner`) flattened in order; a loop, not recursion: JSON may nest deeper than Python
+    recurses."""
+    steps, todo = [], [(field, step, False)]
+    while todo:
+        field, step, required = todo.pop()
+        step = _json_field(step, dict, path, field, required)
+        if step is None:
+            continue
+        if step.get("type") == "Sequence":
+            parts = _json_field(step.get(inner), list, path, f"{field}.{inner}", required=True)
+            todo += [(f"{field}.{inner}[{i}]", part, True) for i, part in reversed(list(enumerate(parts)))]
+        else:
+            steps.append(step)
+    return steps
+
+
 def _is_nfc(normalizer, path: str) -> bool:
     """True for NFC, False for none; anything else changes text in ways tiktoken does not."""
-    steps = [normalizer] if normalizer is not None else []
-    while any(s.get("type") == "Sequence" for s in steps):
-        steps = [n for s in steps for n in (s.get("normalizers", []) if s.get("type") == "Sequence" else [s])]
+    steps = _steps(normalizer, "normalizers", path, "normalizer")
     unsupported = [s.get("type") for s in steps if s.get("type") != "NFC"]
     if unsupported:
         raise ValueError(f"{path}: normalizer {unsupported[0]!r} is not supported (only none or NFC)")
@@ -189,9 +237,7 @@ def _is_nfc(normalizer, path: str) -> bool:
 
 def _split_patterns(pre_tokenizer, path: str) -> tuple[str, ...]:
     """The split regexes of ByteLevel / Split(Isolated) / Sequence pre-tokenizers, in order."""
-    steps = [pre_tokenizer] if pre_tokenizer is not None else []
-    while any(s.get("type") == "Sequence" for s in steps):
-        steps = [p for s in steps for p in (s.get("pretokenizers", []) if s.get("type") == "Sequence" else [s])]
+    steps = _steps(pre_tokenizer, "pretokenizers", path, "pre_tokenizer")
     if not steps or steps[-1].get("type") != "ByteLevel":
         raise ValueError(f"{path}: pre_tokenizer must end with ByteLevel (byte-level BPE only)")
     patterns = []
@@ -217,8 +263,10 @@ def _split_regex(step: dict, path: str) -> str:
     if step.get("behavior") != "Isolated" or step.get("invert"):
         how = f"behavior {step.get('behavior')!r}" + (", invert" if step.get("invert") else "")
         raise ValueError(f"{path}: pre_tokenizer Split with {how} is not supported (Isolated only)")
-    pattern = step.get("pattern") or {}
-    text = pattern["Regex"] if "Regex" in pattern else regex.escape(pattern.get("String", ""))
+    pattern = _json_field(step.get("pattern"), dict, path, "pre_tokenizer Split pattern") or {}
+    kind = "Regex" if "Regex" in pattern else "String"
+    text = _json_field(pattern.get(kind), str, path, f"pre_tokenizer Split pattern.{kind}") or ""
+    text = text if kind == "Regex" else regex.escape(text)
     if not text:
         raise ValueError(f"{path}: pre_tokenizer Split without a pattern")
     try:
@@ -232,13 +280,13 @@ def _vocab_and_merges(model: dict, path: str) -> tuple[dict[str, int], dict[tupl
     """The vocab and HF's merge table: (left id, right id) -> (merge index, id of the result);
     a pair listed twice keeps its last index, as in HF."""
     vocab = model.get("vocab")
-    if not isinstance(vocab, dict) or not all(isinstance(i, int) and i >= 0 for i in vocab.values()):
+    if not isinstance(vocab, dict) or not all(_is_id(i) for i in vocab.values()):
         raise ValueError(f"{path}: model.vocab must map tokens to non-negative ids")
     if len(set(vocab.values())) < len(vocab):
         twice = [i for i, n in Counter(vocab.values()).items() if n > 1]
         raise ValueError(f"{path}: model.vocab gives id {twice[0]} to more than one token")
     merges = {}
-    for index, merge in enumerate(model.get("merges") or []):
+    for index, merge in enumerate(_json_field(model.get("merges"), list, path, "model.merges") or []):
         pair = merge.split(" ") if isinstance(merge, str) else merge
         if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(p, str) for p in pair)):
             raise ValueError(f"{path}: merge #{index} {merge!r} is not a pair of tokens")
@@ -287,10 +335,31 @@ def _check_order(canonical: list[tuple[int, int]], vocab: dict[str, int], path: 
 
 
 def _added_tokens(doc: dict, path: str) -> list[dict]:
-    tokens = doc.get("added_tokens") or []
+    tokens = _json_field(doc.get("added_tokens"), list, path, "added_tokens") or []
     for t in tokens:
-        if not (isinstance(t, dict) and isinstance(t.get("content"), str) and isinstance(t.get("id"), int)):
-            raise ValueError(f"{path}: added_tokens entry {str(t)[:60]!r} lacks a string content or an integer id")
+        if not (isinstance(t, dict) and isinstance(t.get("content"), str) and _is_id(t.get("id"))):
+            raise ValueError(f"{path}: added_tokens entry {str(t)[:60]!r} lacks a string content or a "
+                             "non-negative integer id")
+    return tokens
+
+
+def _added_ids(added: list[dict], vocab: dict[str, int], token_bytes: dict[str, bytes | None],
+               path: str) -> dict[str, int]:
+    """Content -> id of the added tokens. An id standing for two texts (encoded for one, decoded
+    as the other) or a token given two ids is refused; an added token may restate a vocab token at
+    its id (HF's trainer lists specials in both, and transformers reads them so), verbatim or as
+    the byte-level spelling of its text (as `hf_tokenizer_files` writes decode-only specials)."""
+    holders = {i: (key, token_bytes[key] or key.encode("utf-8")) for key, i in vocab.items()}
+    tokens: dict[str, int] = {}
+    for t in added:
+        content, i = t["content"], t["id"]
+        stated = tokens.get(content, vocab.get(content, i))
+        if stated != i:
+            raise ValueError(f"{path}: added token {content!r} has id {i} and, elsewhere in the file, id {stated}")
+        holder, data = holders.setdefault(i, (content, content.encode("utf-8")))
+        if content != holder and data != content.encode("utf-8"):
+            raise ValueError(f"{path}: added token {content!r} has id {i}, the id of token {holder!r}")
+        tokens[content] = i
     return tokens
 
 
@@ -311,7 +380,7 @@ def config_tokens(path: str) -> list[str | None]:
     origin = os.path.join(os.path.dirname(os.path.abspath(path)), "tokenizer_config.json")
     config = read_json(origin, optional=True)
     names = [_config_token(config, key, origin) for key in _CONFIG_TOKEN_KEYS]
-    decoder = config.get("added_tokens_decoder") or {}
+    decoder = _json_field(config.get("added_tokens_decoder"), dict, origin, "added_tokens_decoder") or {}
     return names + [t.get("content") for t in decoder.values() if isinstance(t, dict)]
 
 
@@ -347,7 +416,7 @@ def bos_eos(path: str, special_tokens: dict[str, int], named: dict[str, int], kn
         if token_id is None:
             token_id = model_config.get(f"{role}_token_id")
             token_id = token_id[0] if isinstance(token_id, list) and token_id else token_id
-            if token_id is not None and (not isinstance(token_id, int) or token_id not in known):
+            if token_id is not None and (not _is_id(token_id) or token_id not in known):
                 raise ValueError(f"{model_config_path}: {role}_token_id {token_id!r} is not a token of {path}")
         if token_id is None:
             token_id = next((i for t, i in sorted(special_tokens.items(), key=lambda x: x[1]) if like.search(t)), None)

@@ -35,10 +35,15 @@ def parse_mixture(entries: list[str]) -> list[tuple[str, float]]:
 
 
 class Mixture:
+    """The dataset of each window for positive, finite, relative `weights`: normalised to sum 1
+    after scaling by the largest, so that no size overflows (1e308, 1e308 is an even mix, while
+    their plain sum is inf and would make every weight 0)."""
+
     def __init__(self, weights: list[float], seed: int):
         if not weights or any(not (math.isfinite(w) and w > 0) for w in weights):
             raise ValueError(f"mixture weights must be positive numbers, got {weights}")
-        self.weights = np.asarray(weights, dtype=np.float64) / sum(weights)
+        scaled = np.asarray(weights, dtype=np.float64) / max(weights)
+        self.weights = scaled / scaled.sum()
         self._seed = seed
         self._heaviest = int(np.argmax(self.weights))
         # Rounds of at least D^2 windows keep the heaviest dataset's per-round count >= 0.

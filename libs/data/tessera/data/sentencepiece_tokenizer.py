@@ -25,7 +25,7 @@ import json
 from typing import Callable, Iterable
 
 from tessera.data.added_tokens import AddedTokens
-from tessera.data.hf_tokenizer import bos_eos, config_tokens, resolve_config_tokens, tokenizer_name
+from tessera.data.hf_tokenizer import bos_eos, check_id_range, config_tokens, resolve_config_tokens, tokenizer_name
 
 
 class SentencePieceTokenizer:
@@ -63,10 +63,15 @@ def is_sentencepiece_json(doc: dict) -> bool:
 
 
 def _step_types(step, inner: str) -> set:
-    """The types of a pre-tokenizer or normalizer and of the steps of its Sequences."""
-    if not isinstance(step, dict):
-        return set()
-    return {step.get("type"), *(t for s in step.get(inner) or [] for t in _step_types(s, inner))}
+    """The types of a pre-tokenizer or normalizer and of the steps of its Sequences. Malformed parts
+    are skipped here (the reader the file goes to names them); a loop, as in hf_tokenizer._steps."""
+    types, todo = set(), [step]
+    while todo:
+        step = todo.pop()
+        if isinstance(step, dict):
+            types.add(step.get("type") if isinstance(step.get("type"), str) else None)
+            todo += step.get(inner) if isinstance(step.get(inner), list) else []
+    return types
 
 
 def read_sentencepiece_json(path: str, doc: dict) -> SentencePieceTokenizer:
@@ -86,6 +91,7 @@ def read_sentencepiece_json(path: str, doc: dict) -> SentencePieceTokenizer:
     special_tokens = {t.content: i for i, t in sorted(tok.get_added_tokens_decoder().items())}
     named = {key: tok.token_to_id(n) for key, n in zip(("bos_token", "eos_token"), names) if n is not None}
     ids = set(tok.get_vocab(with_added_tokens=True).values())
+    check_id_range(path, ids)
     bos_id, eos_id = bos_eos(path, special_tokens, named, ids)
     identity = json.dumps(doc, sort_keys=True, ensure_ascii=False).encode()
     return SentencePieceTokenizer(

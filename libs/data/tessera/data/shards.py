@@ -155,7 +155,19 @@ def _open_shard(folder: Path, entry: dict, dtype: np.dtype, index_path: Path) ->
             f"{offsets_path}: index/shard mismatch: documents span tokens {int(offsets[0])}..{int(offsets[-1])}, "
             f"the shard holds {num_tokens}"
         )
+    _check_monotonic(offsets, offsets_path)
     return Shard(tokens_path, open(tokens_path, "rb", buffering=0), offsets, num_tokens)
+
+
+def _check_monotonic(offsets: np.ndarray, path: Path) -> None:
+    """Document starts must not decrease (with the first 0 and the last the token count, that keeps
+    every one inside the shard): the stream would otherwise read wrong tokens, or fail deep inside.
+    One pass over the map (a byte per document of scratch) when the shard is opened."""
+    falls = offsets[1:] < offsets[:-1]
+    if falls.any():
+        doc = int(np.argmax(falls)) + 1
+        raise ValueError(f"{path}: document {doc} starts at token {int(offsets[doc])}, before document {doc - 1} "
+                         f"(token {int(offsets[doc - 1])}); offsets never decrease (damaged file?)")
 
 
 def check_tokenizer(dataset: ShardDataset, tokenizer) -> None:
