@@ -25,7 +25,7 @@ def _run(folder, losses, tags=("loss", "tokens_seen")):
 
 def test_table_and_png_of_two_runs_one_in_torchtitan_s_tags(tmp_path, capsys):
     a = _run(tmp_path / "a", LOSSES["a"])
-    b = _run(tmp_path / "b", LOSSES["b"], tags=("loss_metrics/global_avg_loss", "ntokens_seen"))
+    b = _run(tmp_path / "b", LOSSES["b"], tags=("loss_metrics/global_avg_loss", "n_tokens_seen"))
     out = tmp_path / "loss.png"
     assert compare.main([str(a), str(b), "--scalar", "loss", "--scalar", "grad_norm", "--out", str(out)]) == 0
     text = capsys.readouterr().out
@@ -50,14 +50,14 @@ def test_a_wandb_offline_run_reads_as_what_was_logged(tmp_path, monkeypatch, cap
     losses = [8.0 - step / 1000 for step in range(1, 801)]
     run = wandb.init(project="compare-test", dir=tmp_path / "wandb_run" / "tb" / "20261204-000000")
     for step, loss in enumerate(losses, start=1):
-        run.log({"loss_metrics/global_avg_loss": loss, "ntokens_seen": 64 * step, "note": "text"}, step=step)
+        run.log({"loss_metrics/global_avg_loss": loss, "n_tokens_seen": 64 * step, "note": "text"}, step=step)
     run.finish()
     wandb.teardown()
     (log,) = (tmp_path / "wandb_run").rglob("run-*.wandb")
     assert log.stat().st_size > 3 * 32 * 1024
     scalars = compare.run_scalars(tmp_path / "wandb_run")
     assert scalars == {"loss_metrics/global_avg_loss": dict(enumerate(losses, start=1)),
-                       "ntokens_seen": {step: 64.0 * step for step in range(1, 801)}}
+                       "n_tokens_seen": {step: 64.0 * step for step in range(1, 801)}}
     tensorboard = _run(tmp_path / "tensorboard", losses[:4])
     assert compare.main([str(tensorboard), str(log.parent), "--names", "tb,wandb", "--out", str(tmp_path / "x.png")]) == 0
     rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines() if line.startswith("  ")}

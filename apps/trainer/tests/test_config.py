@@ -109,6 +109,22 @@ def test_parse_overrides_keeps_order():
     assert parse_overrides(["--a.b", "1", "--a.b=2"]) == [("a", "b", "1"), ("a", "b", "2")]
 
 
+def test_torchtitan_command_line_spellings():
+    """tyro's, as torchtitan's docs write them: a bool key alone is true, its no_ (or no-) form
+    false, hyphens stand for underscores; other keys still need a value."""
+    config = load_config(["--checkpoint.enable", "--compile.no-enable", "--training.local-batch-size", "3",
+                          "--metrics.enable_tensorboard", "--activation_checkpoint.no_preserve_rng_state"])
+    assert (config.checkpoint.enable, config.compile.enable, config.training.local_batch_size) == (True, False, 3)
+    assert config.metrics.enable_tensorboard and not config.activation_checkpoint.preserve_rng_state
+    assert parse_overrides(["--checkpoint.enable", "false", "--job.config-file", "x.toml"]) == [
+        ("checkpoint", "enable", "false"), ("job", "config_file", "x.toml")]
+    for argv, message in ((["--checkpoint.no_enable=true"], "takes no value: it sets checkpoint.enable false"),
+                          (["--checkpoint.no_folder", "x"], "unknown config key checkpoint.no_folder"),  # not a bool
+                          (["--checkpoint.folder", "--checkpoint.enable"], "needs a value, got the option")):
+        with pytest.raises(ConfigError, match=message):
+            load_config(argv)
+
+
 def test_every_key_declares_a_help_line():
     keys = declared(JobConfig)
     assert len(keys) > 150 and all(facts.help and "\n" not in facts.help for facts in keys.values())

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from tessera.trainer.lr_schedule import build_lr_scheduler, lr_factor
+from tessera.trainer.lr_schedule import LockstepSchedulers, build_lr_scheduler, lr_factor
 
 
 def factors(total, **kw):
@@ -67,3 +67,31 @@ def test_scheduler_drives_optimizer_lr():
         opt.step()
         sched.step()
     assert seen == pytest.approx(factors(6))
+
+
+@pytest.mark.parametrize("new_lr", [1.0, 2.0])
+def test_a_resumed_schedule_applies_the_lr_it_logs(new_lr):
+    """A checkpoint of a run at lr 1 loads into a run at ``new_lr``: from the first resumed step
+    the lr applied is the one logged (get_last_lr), this run's, and a changed lr is kept to be said."""
+    schedule = dict(warmup_steps=0, decay_ratio=None, decay_type="linear", min_lr_factor=0.0)
+
+    def run(lr):
+        params = [torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))]
+        opt = torch.optim.AdamW([{"params": params[:1], "lr": lr}, {"params": params[1:], "lr": lr / 4}], lr=lr)
+        return opt, LockstepSchedulers([build_lr_scheduler(opt, 4, **schedule)], lr)
+
+    opt, sched = run(1.0)
+    for _ in range(2):
+        opt.step()
+        sched.step()
+    saved_opt, saved_sched = opt.state_dict(), sched.state_dict()
+    opt, sched = run(new_lr)
+    opt.load_state_dict(saved_opt)  # the checkpoint's lrs, as the trainer loads the optimizer first
+    sched.load_state_dict(saved_sched)
+    assert sched.replaced == (None if new_lr == 1.0 else 1.0)
+    for step in (3, 4):
+        factor = lr_factor(step, total_steps=4, **schedule)
+        assert sched.get_last_lr() == pytest.approx([new_lr * factor])
+        assert [group["lr"] for group in opt.param_groups] == pytest.approx([new_lr * factor, new_lr / 4 * factor])
+        opt.step()
+        sched.step()

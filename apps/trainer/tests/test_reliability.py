@@ -293,10 +293,35 @@ def test_unusable_config_file_is_named(tmp_path, content, message):
     (["--training.steps", "x"], "config key training.steps: value 'x' is not an int"),
     (["--training.max_skipped_steps", "-1"], "config key training.max_skipped_steps: must be >= 0"),
     (["--job.stop_grace_seconds", "0"], "config key job.stop_grace_seconds: 0 must be >= 1"),
+    (["--parallelism.context_parallel_load_balancer", ""],  # torchtitan: "cannot be an empty string"
+     r"config key parallelism.context_parallel_load_balancer: '' is not one of \['headtail', None\]"),
+    (["--checkpoint.enable", "--checkpoint.exclude_from_loading", "optimizer,nosuch"],
+     r"config key checkpoint.exclude_from_loading: \['nosuch'\] not in .*"),
+    (["--compile.enable", "--compile.components", ""], "config key compile.components is empty: compile.enable would compile nothing"),
+    (["--job.save_config_file", "../job.toml"], "config key job.save_config_file: '../job.toml' must be a file name inside job.dump_folder"),
+    (["--job.save_config_file", "/tmp/job.json"], "config key job.save_config_file: '/tmp/job.json' must be a file name inside job.dump_folder"),
 ])
 def test_bad_command_line_values(argv, message):
     with pytest.raises(ConfigError, match=f"^{message}$"):
         load_config(argv)
+
+
+@pytest.mark.parametrize("argv, message", [  # options that would do nothing
+    (["--checkpoint.exclude_from_loading", "optimizer"], "checkpoint.exclude_from_loading leaves states out of a resume: "
+     "it needs checkpoint.enable = true (or an initial_load_path with initial_load_model_only = false)"),
+    (["--debug.fault_at_step", "2", "--debug.fault_rank", "1"],
+     "debug.fault_rank 1 is not a rank of this 1-rank job: the fault would never fire"),
+    (["--debug.fault_at_step", "7", "--training.steps", "6"],
+     "debug.fault_at_step 7 is after the last step, training.steps 6: the fault would never fire"),
+])
+def test_an_option_that_would_do_nothing_is_refused(argv, message):
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
+        make_plan(load_config(argv), 1, check_only=True)
+
+
+def test_profiling_that_writes_no_trace_is_a_note(capsys):
+    load_config(["--profiling.enable_profiling", "--training.steps", "5"])
+    assert "note: profiling.profile_freq 10 exceeds training.steps 5: no trace will be written" in capsys.readouterr().err
 
 
 def test_nan_in_a_config_file(tmp_path):
@@ -415,3 +440,8 @@ def test_training_text_shorter_than_one_sequence_is_refused(tmp_path, capsys):
     assert main([*SMALL, "--job.dump_folder", str(tmp_path / "dump"), "--training.steps", "2",
                  "--training.dataset_path", str(text)]) == 2
     assert capsys.readouterr().err.strip() == f"error: dataset {text} holds fewer tokens than one sequence (seq_len + 1 = 33)"
+
+
+def test_a_port_beyond_tcp_is_one_line(capsys):
+    assert main(["--nproc", "2", "--port", "99999", "--check"]) == 2
+    assert capsys.readouterr().err == "error: --port 99999 is not a TCP port (1 to 65535)\n"

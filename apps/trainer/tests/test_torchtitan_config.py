@@ -230,7 +230,7 @@ def test_tensorboard_carries_torchtitan_s_tags_beside_its_own(tmp_path):
         assert [(e.step, e.value) for e in ours] == [(e.step, e.value) for e in theirs] != [], name
     losses = [e.value for e in events.Scalars("loss_metrics/global_avg_loss")]
     assert losses == pytest.approx([h["loss"] for h in history if "loss" in h])
-    assert [e.value for e in events.Scalars("ntokens_seen")] == [64, 128]  # 2 sequences x 32 tokens a step
+    assert [e.value for e in events.Scalars("n_tokens_seen")] == [64, 128]  # 2 sequences x 32 tokens a step
     assert {"grad_norm", "tflops", "lr"} <= tags
 
 

@@ -125,6 +125,10 @@ class Checkpointer:
             why = (f" (passing over {', '.join(damaged)}: no .metadata, damaged after it was written; set aside as "
                    "step-N.incomplete when that step is saved again)" if damaged else "")
             self._say(f"loaded {self.folder / f'step-{loaded}'}{why}; training continues after step {self.train_state.step}")
+            scheduler = self.states["lr_scheduler"]
+            if scheduler.replaced is not None:
+                self._say(f"optimizer.lr {scheduler.lr:g} replaces the checkpoint's {scheduler.replaced:g} from step "
+                          f"{self.train_state.step + 1} on")
         else:
             if self.initial is not None:
                 self._load_initial(*self.initial)

@@ -250,7 +250,9 @@ class Checkpoint:
     keep_latest_k: int = key(10, "keep this many newest checkpoints; 0: all", bound=">= 0")
     load_step: int = key(-1, "resume from this step; -1: the newest")
     exclude_from_loading: list[str] = key(
-        [], "state left out when resuming: model, optimizer, lr_scheduler, dataloader, train_state")
+        [], "state left out when resuming: model, optimizer, lr_scheduler, dataloader, train_state, rng (per-rank "
+        "random state), replicas (fault tolerance's semi-sync state)",
+        choices=("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng", "replicas"))
     last_save_model_only: bool = key(True, "beside the final full checkpoint, also export the model alone")
     export_dtype: str = key(
         "float32", "dtype of model-only and HF exports: float32, bfloat16 or float16", choices=tuple(EXPORT_DTYPES))
@@ -535,7 +537,7 @@ def _convert(section: str, key: str, value: typing.Any, from_cli: bool) -> typin
     name = _type_name(tp)
     bad = ConfigError(f"config key {section}.{key}: value {value!r} is not {'an' if name[0] in 'aeiou' else 'a'} {name}")
     if _is_optional(tp):
-        if value is None or (from_cli and str(value).lower() in ("none", "null", "")):
+        if value is None or (from_cli and str(value).lower() in ("none", "null")):
             return None
         tp = next(a for a in typing.get_args(tp) if a is not type(None))
     if tp == list[list[str]]:  # on the command line: lists split by ";", items by ","
@@ -579,7 +581,11 @@ def _split_key(dotted: str) -> tuple[str, str]:
 
 
 def parse_overrides(argv: list[str]) -> list[tuple[str, str, str]]:
-    """['--training.steps', '10', '--metrics.log_freq=1'] -> [(section, key, raw value), ...]."""
+    """['--training.steps', '10', '--metrics.log_freq=1'] -> [(section, key, raw value), ...].
+
+    torchtitan's command line (tyro) is read too: hyphens for underscores
+    (--training.local-batch-size 4), a bool key without a value for true (--checkpoint.enable) and
+    its ``no_`` form for false (--checkpoint.no_enable, --checkpoint.no-enable)."""
     overrides = []
     i = 0
     while i < len(argv):
@@ -587,17 +593,38 @@ def parse_overrides(argv: list[str]) -> list[tuple[str, str, str]]:
         if not arg.startswith("--"):
             raise ConfigError(f"unexpected argument {arg!r}: options look like --section.key value")
         name, eq, value = arg[2:].partition("=")
-        if not eq:
-            if i + 1 >= len(argv):
-                raise ConfigError(f"option --{name} needs a value")
+        section, key = _split_key(name.replace("-", "_"))
+        flag = _bool_flag(section, key)
+        alone = i + 1 >= len(argv) or argv[i + 1].startswith("--")
+        if flag is not None and flag[0] != key:  # the no_ form
+            if eq:
+                raise ConfigError(f"option --{name} takes no value: it sets {section}.{flag[0]} false")
+            key, value = flag
+        elif not eq and flag is not None and alone:
+            value = "true"
+        elif not eq:
+            if alone:
+                raise ConfigError(f"option --{name} needs a value" + (f", got the option {argv[i + 1].split('=')[0]}"
+                                                                      if i + 1 < len(argv) else ""))
             value = argv[i + 1]
-            if value.startswith("--"):
-                raise ConfigError(f"option --{name} needs a value, got the option {value.split('=')[0]}")
             i += 1
-        section, key = _split_key(name)
         overrides.append((section, key, value))
         i += 1
     return overrides
+
+
+def _bool_flag(section: str, key: str) -> tuple[str, str] | None:
+    """(key, "true") for a bool key, (the key it negates, "false") for tyro's no_<bool key>,
+    else None (another key, or none: _apply names it)."""
+    *tables, leaf = key.split(".")
+    negated = ".".join([*tables, leaf[3:]]) if leaf.startswith("no_") else None
+    for name, value in ((key, "true"), (negated, "false")):
+        try:
+            if name and _field_type(section, name) in (bool, bool | None):
+                return name, value
+        except ConfigError:
+            pass
+    return None
 
 
 def _set_key(config: JobConfig, dotted: str, value: typing.Any) -> None:
@@ -725,6 +752,9 @@ def validate(config: JobConfig, accepted: frozenset[str] = frozenset()) -> None:
         parse_mixture(config.training.dataset_mixture)
     except ValueError as e:
         raise ConfigError(f"config key training.dataset_mixture: {e}") from None
+    saved = config.job.save_config_file
+    if saved and (Path(saved).is_absolute() or ".." in Path(saved).parts):
+        raise ConfigError(f"config key job.save_config_file: {saved!r} must be a file name inside job.dump_folder")
     if config.training.dataset_mixture and (config.training.dataset_path or config.training.dataset != "default"):
         raise ConfigError("config key training.dataset_mixture replaces training.dataset and dataset_path; set one of them")
     for section in ("training", "validation"):
@@ -735,6 +765,11 @@ def validate(config: JobConfig, accepted: frozenset[str] = frozenset()) -> None:
     if prof.enable_profiling and prof.profiler_warmup + prof.profiler_active > prof.profile_freq:
         raise ConfigError(f"config keys profiling.profiler_warmup {prof.profiler_warmup} + profiler_active "
                           f"{prof.profiler_active} exceed profile_freq {prof.profile_freq}: each trace's steps must fit in one period")
+    if prof.enable_profiling and prof.profile_freq > config.training.steps:  # a shipped config run short: a note
+        note(f"profiling.profile_freq {prof.profile_freq} exceeds training.steps {config.training.steps}: "
+             "no trace will be written")
+    if config.compile.enable and not config.compile.components:
+        raise ConfigError("config key compile.components is empty: compile.enable would compile nothing")
     if config.validation.steps < 1 and config.validation.steps != -1:
         raise ConfigError(f"config key validation.steps: {config.validation.steps} must be >= 1 or -1 (the whole set)")
     unknown = [name for name in config.model.converters if name not in registered_converters()]

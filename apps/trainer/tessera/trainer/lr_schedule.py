@@ -57,6 +57,7 @@ class LockstepSchedulers:
         """lr: the optimizer's lr, of which get_last_lr gives the scheduled share (a group's
         lr_scale left out)."""
         self.schedulers, self.lr = schedulers, lr
+        self.replaced: float | None = None  # a loaded checkpoint's optimizer.lr, where it differs from lr
 
     def step(self) -> None:
         for scheduler in self.schedulers:
@@ -71,8 +72,17 @@ class LockstepSchedulers:
         return {"last_epoch": first["last_epoch"], "_step_count": first["_step_count"]}
 
     def load_state_dict(self, state: dict) -> None:
-        """The position; each optimizer's own lrs come back with its state (loaded before)."""
+        """The position. Every group's lr follows this run's lr from there, also where the
+        optimizer's state (loaded before) brought a checkpoint's other lr: the lr logged is the lr
+        applied, from the first step on. That other lr is kept in ``replaced`` to be said."""
+        self.replaced = None
         for scheduler in self.schedulers:
+            factor = scheduler.lr_lambdas[0](state["last_epoch"])
+            for group, base in zip(scheduler.optimizer.param_groups, scheduler.base_lrs):
+                saved = group.get("initial_lr", base)
+                if self.replaced is None and not math.isclose(saved, base, rel_tol=1e-6):
+                    self.replaced = self.lr * saved / base
+                group["initial_lr"], group["lr"] = base, base * factor
             own = scheduler.state_dict()
             own.update(last_epoch=state["last_epoch"], _step_count=state["_step_count"],
                        _last_lr=[group["lr"] for group in scheduler.optimizer.param_groups])

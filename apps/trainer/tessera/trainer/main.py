@@ -149,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
             if value is not None and nproc is None:
                 raise ConfigError(f"{flag} needs --nproc")
         node_rank, port = _count("--node_rank", node_rank), _positive_int("--port", port)
+        if port is not None and port > 65535:
+            raise ConfigError(f"--port {port} is not a TCP port (1 to 65535)")
         max_restarts = _count("--max_restarts", max_restarts)
         check, argv = _take_option(argv, "--check", takes_value=False)
         check_world_size, argv = _take_option(argv, "--check_world_size")

@@ -111,7 +111,7 @@ def all_reduce_scalar(value: torch.Tensor, mesh: DeviceMesh | None, op=dist.Redu
 TORCHTITAN_TAGS = {
     "loss": "loss_metrics/global_avg_loss",
     "loss_max": "loss_metrics/global_max_loss",
-    "tokens_seen": "ntokens_seen",
+    "tokens_seen": "n_tokens_seen",
     "tps": "throughput(tps)",
     "mfu_pct": "mfu(%)",
     "seconds_per_step": "time_metrics/end_to_end(s)",

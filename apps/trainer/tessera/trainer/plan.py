@@ -149,6 +149,7 @@ def make_plan(config: JobConfig, world_size: int, device: str | None = None, *, 
     dataset = _source_or_note(lambda: dataset_source(training), notes if check_only else None)
     validation = _source_or_note(lambda: _validation_source(config), notes if check_only else None) if config.validation.enable else None
     fault_tolerance = fault_tolerance_plan(config, dims, meta_model, device, notes if check_only else None)
+    _check_fault(config, world_size * fault_tolerance.groups)
     batch, pipeline = _batch(config, dims, fault_tolerance.groups), _pipeline(config, spec, args, meta_model, dims, device)
     mtp_scale = _multi_token_prediction(config, spec, args)
     loss_parallel = dims.tp_enabled and not par.disable_loss_parallel
@@ -570,6 +571,9 @@ def _check_checkpoint(config: JobConfig, spec: ModelSpec, world_size: int) -> No
         raise ConfigError(f"checkpoint.create_seed_checkpoint needs a single process, not {world_size}: seed weights are written before any sharding")
     if not ckpt.enable and ckpt.load_step != -1:
         raise ConfigError("checkpoint.load_step needs checkpoint.enable = true")
+    if ckpt.exclude_from_loading and not ckpt.enable and (not ckpt.initial_load_path or ckpt.initial_load_model_only):
+        raise ConfigError("checkpoint.exclude_from_loading leaves states out of a resume: it needs checkpoint.enable = "
+                          "true (or an initial_load_path with initial_load_model_only = false)")
     if not ckpt.enable and ckpt.last_save_in_hf:
         raise ConfigError("checkpoint.last_save_in_hf needs checkpoint.enable = true")
     if ckpt.initial_load_in_hf and initial_load_folder(config) is None:
@@ -579,6 +583,18 @@ def _check_checkpoint(config: JobConfig, spec: ModelSpec, world_size: int) -> No
         raise ConfigError("checkpoint.initial_load_in_hf loads model weights only: set initial_load_model_only = true")
     if (ckpt.initial_load_in_hf or ckpt.last_save_in_hf) and spec.hf_adapter is None:
         raise ConfigError(f"model {spec.name} has no Hugging Face adapter (checkpoint.initial_load_in_hf/last_save_in_hf)")
+
+
+def _check_fault(config: JobConfig, ranks: int) -> None:
+    """An injected fault (debug.fault_at_step) that can fire: a rank of the job, a step it trains."""
+    debug = config.debug
+    if not debug.fault_at_step:
+        return
+    if debug.fault_rank >= ranks:
+        raise ConfigError(f"debug.fault_rank {debug.fault_rank} is not a rank of this {ranks}-rank job: the fault would never fire")
+    if debug.fault_at_step > config.training.steps:
+        raise ConfigError(f"debug.fault_at_step {debug.fault_at_step} is after the last step, "
+                          f"training.steps {config.training.steps}: the fault would never fire")
 
 
 def _check_paths(config: JobConfig, notes: list[str] | None) -> None:

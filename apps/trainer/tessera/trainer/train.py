@@ -111,10 +111,12 @@ def _train(plan: JobPlan, info) -> list[dict]:
         dump.mkdir(parents=True, exist_ok=True)
         if config.job.print_config or config.job.print_args:
             print(json.dumps(to_dict(config), indent=2), flush=True)
-        if config.job.save_config_file:
+        if config.job.save_config_file:  # whole or not at all: written beside, then renamed
             saved = dump / config.job.save_config_file
             saved.parent.mkdir(parents=True, exist_ok=True)
-            saved.write_text(json.dumps(to_dict(config), indent=2))
+            partial = saved.with_name(f".{saved.name}.partial")
+            partial.write_text(json.dumps(to_dict(config), indent=2))
+            os.replace(partial, saved)
 
     _seed_everything(plan.seed, config.debug.deterministic, config.debug.deterministic_warn_only)
     tokenizer = load_tokenizer(tokenizer_source(config))
