@@ -78,6 +78,33 @@ def test_each_part_builds_adamw_then_muon_with_group_lrs():
     assert sum(len(g["params"]) for o in (adamw, muon) for g in o.param_groups) == len(list(model.parameters()))
 
 
+def test_adam_is_torchs_adam_with_weight_decay_in_the_gradient():
+    """torchtitan's optimizer.name 'Adam': one step equals torch.optim.Adam's (weight decay added
+    to the gradient) over the same groups."""
+    groups, plan = _groups("--optimizer.name", "Adam", "--optimizer.param_groups", "norms,weight_decay=0",
+                           "--optimizer.lr", "0.01", "--optimizer.weight_decay", "0.5")
+    assert {algorithm for _, algorithm in groups} == {"adamw"}
+    torch.manual_seed(0)
+    model = get_model_spec("llama3").build(plan.model_args)
+    reference = {name: p.detach().clone().requires_grad_() for name, p in model.named_parameters()}
+    for name, p in model.named_parameters():
+        p.grad = reference[name].grad = torch.randn_like(p)
+    adam, = part_optimizers(model, plan.optimizer)
+    assert type(adam) is torch.optim.Adam
+    norms = {name for name in reference if "norm" in name}
+    torch.optim.Adam([{"params": [reference[n] for n in norms], "weight_decay": 0.0},
+                      {"params": [p for n, p in reference.items() if n not in norms]}],
+                     lr=0.01, betas=plan.optimizer.betas, eps=plan.optimizer.eps, weight_decay=0.5).step()
+    adam.step()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p, reference[name], rtol=0, atol=1e-6)
+    with pytest.raises(ConfigError, match="it has no Adam"):
+        _groups("--optimizer.name", "Adam", *BF16)
+
+
+BF16 = ["--optimizer.state_dtype", "bfloat16", "--optimizer.implementation", "for-loop"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--optimizer.param_groups", "nroms,weight_decay=0"],
      "optimizer.param_groups ['nroms', 'weight_decay=0']: 'nroms' is neither a role (norms, biases, embeddings, output, "

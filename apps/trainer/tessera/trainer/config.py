@@ -78,8 +78,9 @@ class Model:
 
 @dataclasses.dataclass
 class Optimizer:
-    name: str = key("AdamW", "AdamW, or Muon: Muon for hidden matrices, AdamW for the rest (optimizer.muon_exclude)",
-                    choices=("AdamW", "Muon"))
+    name: str = key("AdamW", "AdamW; Adam (torch's: weight decay added to the gradient, as torchtitan's); or Muon: "
+                    "Muon for hidden matrices, AdamW for the rest (optimizer.muon_exclude)",
+                    choices=("AdamW", "Adam", "Muon"))
     lr: float = key(8e-4, "peak learning rate", bound=">= 0")
     beta1: float = key(0.9, "AdamW beta1")
     beta2: float = key(0.95, "AdamW beta2")

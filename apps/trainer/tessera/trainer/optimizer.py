@@ -43,9 +43,10 @@ def part_optimizers(part: torch.nn.Module, plan: OptimizerPlan) -> list[torch.op
     adamw = dict(lr=plan.lr, betas=plan.betas, eps=plan.eps, weight_decay=plan.weight_decay)
     if groups["adamw"] and plan.state_dtype is not None:
         optimizers.append(AdamW(groups["adamw"], **adamw, state_dtype=plan.state_dtype))
-    elif groups["adamw"]:
-        optimizers.append(torch.optim.AdamW(groups["adamw"], **adamw, foreach=plan.implementation == "foreach",
-                                            fused=plan.implementation == "fused"))
+    elif groups["adamw"]:  # Adam: torch's, weight decay in the gradient (the "adamw" groups of every non-Muon run)
+        kind = torch.optim.Adam if plan.name == "Adam" else torch.optim.AdamW
+        optimizers.append(kind(groups["adamw"], **adamw, foreach=plan.implementation == "foreach",
+                               fused=plan.implementation == "fused"))
     if groups["muon"]:
         muon = plan.muon
         optimizers.append(Muon(groups["muon"], lr=plan.lr, weight_decay=plan.weight_decay, momentum=muon.momentum,

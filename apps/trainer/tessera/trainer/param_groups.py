@@ -84,7 +84,7 @@ def resolve_groups(opt, meta_model: Callable[[], nn.Module], spec: ModelSpec,
     only when there are entries or Muon), and warnings for selectors that select nothing. An
     entry that selects nothing (every parameter it names already taken) is refused: it would
     change nothing."""
-    if not opt.param_groups and opt.name == "AdamW":
+    if not opt.param_groups and opt.name != "Muon":
         return (ParamGroup("default", "adamw", opt.weight_decay, 1.0, None),), []
     model = meta_model()
     roles, warnings = _roles(model, spec), []

@@ -224,6 +224,9 @@ def _optimizer(config: JobConfig, spec: ModelSpec,
         for name in (f.name for f in dataclasses.fields(Optimizer) if f.name.startswith("muon_")):
             if getattr(opt, name) != getattr(defaults, name):
                 raise ConfigError(f"optimizer.{name} applies only with optimizer.name = 'Muon' (this run: {opt.name!r})")
+    if opt.state_dtype != "float32" and opt.name == "Adam":
+        raise ConfigError(f"optimizer.state_dtype {opt.state_dtype!r} runs Tessera's AdamW, which decouples weight decay: "
+                          "it has no Adam (optimizer.name 'Adam')")
     if opt.state_dtype != "float32" and opt.implementation != "for-loop":
         raise ConfigError(f"optimizer.state_dtype {opt.state_dtype!r} runs Tessera's for-loop AdamW (torch's kernels keep "
                           f"the moments in the parameters' dtype): set optimizer.implementation = 'for-loop', not "
