@@ -7,12 +7,13 @@ best expert) or "greedy" (V2-Lite: softmax, no groups). YaRN comes from ``rope_s
 applies at any length, as transformers applies it (``yarn_always``); ``mscale`` and
 ``mscale_all_dim`` are both required and equal, as every DeepSeek config has them (YarnScaling's
 mscale: transformers would scale the rotary features themselves otherwise). Shape keys are
-required; others take transformers' defaults. The MoE balance settings are training choices no config.json states: they keep
-``MoEArgs``' defaults. ``num_nextn_predict_layers`` is ``num_mtp_layers``, the multi-token
-prediction modules (DeepSeek's configs state 1 with its weights; transformers writes its default 1
-but saves no such weights: ``fit_to_weights`` leaves out the modules a folder's weights lack). A
-model without modules loads a checkpoint with them as before (the adapter skips their weights),
-so ``check_config`` compares the count only for a model with some.
+required; others take transformers' defaults. The MoE balance settings are training choices no
+config.json states: they keep ``MoEArgs``' defaults. ``num_nextn_predict_layers`` is
+``num_mtp_layers``, the multi-token prediction modules (none when missing; DeepSeek's configs
+state 1 with its weights; transformers writes its default 1 but saves no such weights:
+``fit_to_weights`` leaves out the modules a folder's weights lack). A model without modules
+loads a checkpoint with them as before (the adapter skips their weights), so ``check_config``
+compares the count only for a model with some.
 """
 
 import dataclasses
