@@ -108,10 +108,12 @@ def test_load_step_resumes_an_older_checkpoint_exactly(run4, tmp_path, capsys):
     dump = copy_steps(run4, tmp_path, 2, 4)
     resumed = run(dump, "--training.steps", "4", *CKPT, "--checkpoint.load_step", "2")
     assert numbers(resumed) == numbers(run4[0])[2:]
-    # step-4 was there: kept, and said so rather than "saved"
-    out = capsys.readouterr().out
-    assert f"checkpoint: {dump / 'checkpoint' / 'step-4'} already holds a complete checkpoint, kept as it is" in out
-    assert "saved" not in out
+    # step-4 was there, of the run resumed over: set aside (kept), and this run's own saved
+    folder = dump / "checkpoint"
+    captured = capsys.readouterr()
+    assert f"checkpoint: saved {folder / 'step-4'} in " in captured.out
+    assert steps_in(folder) == ["step-2", "step-4", "step-4.superseded"]
+    assert_same(read_dcp(folder / "step-4.superseded"), read_dcp(run4[1] / "checkpoint" / "step-4"))
 
 
 def test_a_damaged_checkpoint_is_set_aside_and_its_export_kept_on_resume(run4, tmp_path, capsys):

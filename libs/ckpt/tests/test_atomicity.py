@@ -1,4 +1,5 @@
-"""A save that dies half-way leaves the last good checkpoint loadable and untouched."""
+"""A save that dies half-way leaves the last good checkpoint loadable and untouched; a published
+folder's files were fsynced before it appeared (a power loss never publishes an empty file)."""
 
 import os
 import re
@@ -12,7 +13,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.filesystem import _FileSystemWriter
 
-from tessera.ckpt import CheckpointManager, ModelState, OptimizerState
+from tessera.ckpt import CheckpointManager, ModelState, OptimizerState, export_hf
 
 # Saves step 1, then SIGKILLs itself while saving step 2: after the data file is written and
 # before DCP writes .metadata, i.e. mid-save.
@@ -94,3 +95,45 @@ def test_writer_exception_keeps_previous_step(tmp_path, monkeypatch, async_mode)
     assert fresh.load() == 1
     assert torch.equal(fresh_model.weight, good["weight"])
     manager.close()
+
+
+def _record_fsyncs(monkeypatch):
+    """The paths os.fsync is called on, in order (as named at that moment)."""
+    synced = []
+    fsync = os.fsync
+
+    def recording(fd):
+        synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording)
+    return synced
+
+
+def _assert_synced_before_publish(synced, tmp, final):
+    """Every file in ``final`` was fsynced in ``tmp`` (DCP syncs ``.metadata`` as ``.metadata.tmp``
+    and renames it), then ``tmp`` itself (its entries), then the parent after the rename."""
+    before = synced[:synced.index(tmp)] if tmp in synced else synced
+    names = sorted(p.name for p in final.iterdir())
+    assert [n for n in names if tmp / n not in before and tmp / f"{n}.tmp" not in before] == []
+    assert tmp in synced, "the folder's entries were not synced before it was published"
+    assert final.parent in synced[synced.index(tmp):]
+
+
+def test_a_save_fsyncs_every_file_and_the_folder_before_publishing(tmp_path, monkeypatch):
+    synced = _record_fsyncs(monkeypatch)
+    _, manager = _model_manager(tmp_path, extra_files={"model_args.json": b"{}", "notes.txt": tmp_path / "x"})
+    (tmp_path / "x").write_bytes(b"copied")
+    manager.save(1)
+    assert {p.name for p in (tmp_path / "step-1").iterdir()} >= {".metadata", "model_args.json", "notes.txt"}
+    _assert_synced_before_publish(synced, tmp_path / ".step-1.tmp", tmp_path / "step-1")
+
+
+def test_a_hugging_face_export_fsyncs_every_file_and_the_folder_before_publishing(tmp_path, monkeypatch):
+    synced = _record_fsyncs(monkeypatch)
+    model = nn.ModuleDict({"a": nn.Linear(4, 4, bias=False), "b": nn.Linear(4, 4, bias=False)})
+    assert export_hf(model, tmp_path / "hf", lambda sd: sd, max_shard_bytes=64, extra_files={"config.json": b"{}"})
+    assert {p.name for p in (tmp_path / "hf").iterdir()} == {
+        "config.json", "model.safetensors.index.json", "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors"}
+    _assert_synced_before_publish(synced, tmp_path / ".hf.tmp", tmp_path / "hf")

@@ -5,6 +5,7 @@ over the ranks): every weight within 1e-7 (fp32, only the reduction order differ
 
 import copy
 import io
+import time
 
 import torch
 import torch.distributed as dist
@@ -13,6 +14,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+import tessera.ckpt.manager
 from tessera.ckpt import CheckpointManager, ModelState, OptimizerState, RankLocalState, rng_state
 from tessera.mesh.testing import run_on_ranks
 
@@ -153,3 +155,25 @@ def test_fsdp4_checkpoint_loads_under_fsdp2_and_single_process(tmp_path):
     _assert_same(optim, loaded_optim)
     assert loader.position == 10
     torch.testing.assert_close(_continue(model, optimizer, 0, 1), uninterrupted, rtol=0, atol=1e-7)
+
+
+def _resume_older_and_save(rank, world_size, folder):
+    model, optimizer = _fsdp_toy(world_size, seed=0)
+    states = _states(model, optimizer, Loader(rank), rank)
+    for step in (1, 2):
+        CheckpointManager(folder, states, interval=1).save(step)
+    manager = CheckpointManager(folder, states, interval=1)
+    set_aside = tessera.ckpt.manager.set_aside
+    tessera.ckpt.manager.set_aside = lambda *args: time.sleep(1) or set_aside(*args)  # rank 0: late
+    try:
+        return manager.load(1), manager.save(2)
+    finally:
+        tessera.ckpt.manager.set_aside = set_aside  # the ranks stay up for other tests
+
+
+def test_every_rank_saves_anew_the_step_a_resume_from_an_older_one_set_aside(tmp_path):
+    """Rank 0 sets step-2 aside before any rank looks for it (a barrier): no rank finds it still
+    there and skips the save the others write."""
+    folder = tmp_path / "ckpt"
+    assert run_on_ranks(_resume_older_and_save, 2, str(folder), timeout_s=60) == [(1, True), (1, True)]
+    assert sorted(p.name for p in folder.iterdir()) == ["step-1", "step-2", "step-2.superseded"]

@@ -91,6 +91,58 @@ def test_keep_all_and_no_resave_of_existing_step(tmp_path):
     assert _data_file(tmp_path / "step-1").stat().st_mtime_ns == before
 
 
+def _names(folder):
+    return sorted(p.name for p in Path(folder).iterdir())
+
+
+def test_a_resume_from_an_older_step_sets_the_newer_ones_aside_at_its_first_save(tmp_path):
+    """Steps 2..8 from an earlier run; this one resumes from step 4 with keep_latest_k=2. The newer
+    checkpoints are of the timeline it leaves: its first save sets them aside (kept, never loaded
+    nor counted), so retention keeps what it resumed from and wrote, its own step 6 is saved
+    rather than the stale one kept, and a later resume picks this run's progress. A load alone
+    (load_only, tools) changes nothing."""
+    model, optimizer = _trained()
+    train = Counter()
+    earlier = _manager(tmp_path, model, optimizer, train=train)
+    for step in (2, 4, 6, 8):
+        train.value = step
+        earlier.save(step)
+    manager = _manager(tmp_path, model, optimizer, train=train, keep_latest_k=2)
+    assert manager.load(4) == 4 and train.value == 4
+    assert _names(tmp_path) == ["step-2", "step-4", "step-6", "step-8"]
+    train.value = 105
+    assert manager.save(5)
+    assert _names(tmp_path) == ["step-4", "step-5", "step-6.superseded", "step-8.superseded"]
+    train.value = 106
+    assert manager.save(6)
+    assert _names(tmp_path) == ["step-5", "step-6", "step-6.superseded", "step-8.superseded"]
+    resumed = Counter()
+    assert _manager(tmp_path, *_trained(seed=1), train=resumed).load() == 6 and resumed.value == 106
+    assert read_dcp(tmp_path / "step-8.superseded", only="train") == {"value": 8}
+
+
+def test_only_the_checkpoints_a_load_passed_over_are_set_aside(tmp_path):
+    """A newer checkpoint published after this run loaded (another fault-tolerance replica group
+    writing) is of the same run: kept."""
+    model, optimizer = _trained()
+    _manager(tmp_path, model, optimizer).save(2)
+    manager = _manager(tmp_path, model, optimizer)
+    assert manager.load() == 2
+    _manager(tmp_path, model, optimizer).save(3)
+    manager.save(4)
+    assert _names(tmp_path) == ["step-2", "step-3", "step-4"]
+
+
+def test_retention_never_deletes_the_checkpoint_just_written(tmp_path):
+    """keep_latest_k keeps the newest k and the one just written: a seed (step 0) written into
+    a folder of newer checkpoints stays."""
+    model, optimizer = _trained()
+    for step in (2, 4):
+        _manager(tmp_path, model, optimizer).save(step)
+    _manager(tmp_path, model, optimizer, keep_latest_k=1).save(0, model_only=True)
+    assert _names(tmp_path) == ["step-0", "step-4"]
+
+
 def test_load_newest_explicit_and_missing(tmp_path):
     model, optimizer = _trained()
     loader, train = Counter(5), Counter(3)

@@ -54,8 +54,9 @@ def _steps(folder: Path, complete: bool) -> list[int]:
     return sorted(steps)
 
 
-def fsync_dir(path: Path) -> None:
-    """Makes a rename inside ``path`` durable."""
+def fsync_path(path: Path) -> None:
+    """Makes a file's data, or a folder's entries (new files, renames), durable: without it a
+    power loss may leave a published name pointing at an empty file."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -64,9 +65,11 @@ def fsync_dir(path: Path) -> None:
 
 
 def publish(tmp: Path, final: Path) -> None:
-    """Atomically turns a fully written tmp folder into its final name."""
+    """Atomically turns a fully written tmp folder (its files already fsynced) into its final
+    name; its entries are synced first, so the rename cannot outlive them in a power loss."""
+    fsync_path(tmp)
     os.rename(tmp, final)
-    fsync_dir(final.parent)
+    fsync_path(final.parent)
 
 
 def remove_stale_tmp(folder: Path) -> None:
@@ -85,19 +88,20 @@ def discard(path: Path) -> None:
     """Hides the folder first, so a crash mid-delete leaves no half-deleted ``step-<N>``."""
     doomed = path.parent / f".{path.name}.deleting"
     os.rename(path, doomed)
-    fsync_dir(path.parent)
+    fsync_path(path.parent)
     shutil.rmtree(doomed)
 
 
-def set_aside(path: Path) -> Path:
-    """Renames an incomplete ``step-<N>`` to ``step-<N>.incomplete`` (``-2``, ``-3``... if taken),
-    so a save of that step can go ahead and the files are kept for whoever wants to look."""
-    target, n = path.with_name(f"{path.name}.incomplete"), 1
+def set_aside(path: Path, why: str = "incomplete") -> Path:
+    """Renames ``step-<N>`` to ``step-<N>.<why>`` (``-2``, ``-3``... if taken): out of what loading
+    and retention see, so a save of that step can go ahead, with the files kept for whoever
+    wants to look (``incomplete``: damaged; ``superseded``: of a timeline a resume left)."""
+    target, n = path.with_name(f"{path.name}.{why}"), 1
     while target.exists():
         n += 1
-        target = path.with_name(f"{path.name}.incomplete-{n}")
+        target = path.with_name(f"{path.name}.{why}-{n}")
     os.rename(path, target)
-    fsync_dir(path.parent)
+    fsync_path(path.parent)
     return target
 
 
@@ -136,9 +140,12 @@ def check_extra_files(files: ExtraFiles) -> None:
 
 
 def write_extra_files(folder: Path, files: ExtraFiles) -> None:
-    """Writes ``files`` into ``folder`` (bytes as given, paths copied), before it is published."""
+    """Writes ``files`` into ``folder`` (bytes as given, paths copied), fsynced like DCP's own
+    files, before it is published."""
     for name, content in files.items():
+        target = folder / name
         if isinstance(content, bytes):
-            (folder / name).write_bytes(content)
+            target.write_bytes(content)
         else:
-            shutil.copyfile(content, folder / name)
+            shutil.copyfile(content, target)
+        fsync_path(target)

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from tessera.ckpt.folders import ExtraFiles, check_extra_files, publish, write_extra_files
+from tessera.ckpt.folders import ExtraFiles, check_extra_files, fsync_path, publish, write_extra_files
 from tessera.ckpt.formats import check_state_dict
 from tessera.ckpt.paths import is_file_name
 
@@ -102,18 +102,21 @@ def _write_file(path: Path, tensors: dict[str, torch.Tensor]) -> None:
         if code is None:
             raise
         raise OSError(int(code[1]), os.strerror(int(code[1])), str(path)) from e
+    fsync_path(path)
 
 
 def _write_files(folder: Path, plan: Plan, total_size: int, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
     """Writes the planned files, taking ``(name, tensor)`` pairs from ``tensors`` in plan order:
     one file's tensors are held at a time. Several files get ``model.safetensors.index.json``
-    ({"metadata": {"total_size": bytes}, "weight_map": {name: file}})."""
+    ({"metadata": {"total_size": bytes}, "weight_map": {name: file}}). Each file is fsynced, as
+    DCP does its own, so an export published by renaming its folder holds whole files."""
     folder.mkdir(parents=True, exist_ok=True)
     for filename, names in plan:
         _write_file(folder / filename, dict(itertools.islice(tensors, len(names))))
     if len(plan) > 1:
         index = {"metadata": {"total_size": total_size}, "weight_map": {n: f for f, names in plan for n in names}}
         (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        fsync_path(folder / INDEX_FILE)
 
 
 def save_hf(state_dict: dict[str, torch.Tensor], folder: str | os.PathLike, max_shard_bytes: int = 5 * 10**9) -> None:

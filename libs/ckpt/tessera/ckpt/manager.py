@@ -99,6 +99,7 @@ class CheckpointManager:
         self._async_group = None
         self._stager = None
         self._pending: Future | None = None
+        self._passed_over: list[int] | None = None  # set by load(), used up by the next write
         self._committer: ThreadPoolExecutor | None = None
         if async_mode != "disabled":
             # Background saves get their own gloo group: sharing the training group's
@@ -137,6 +138,7 @@ class CheckpointManager:
         A step that already has a complete checkpoint is not saved again, so the last good
         checkpoint is never overwritten; an incomplete ``step-<step>`` (no ``.metadata``: a copy
         cut short or damaged, never a save of ours in progress) is moved to ``step-<step>.incomplete``.
+        The first save after ``load()`` first sets aside the newer checkpoints it passed over (see there).
         """
         return self._write(step_folder(self.folder, step), model_only)
 
@@ -172,6 +174,7 @@ class CheckpointManager:
 
     def _write(self, final: Path, model_only: bool) -> bool:
         self.wait()
+        self._set_aside_passed_over()
         if is_complete(final):
             logger.info("checkpoint %s already exists; not saving it again", final)
             return False
@@ -206,6 +209,25 @@ class CheckpointManager:
         self._pending = self._committer.submit(self._finish_async_save, upload, tmp, final, started)
         return True
 
+    def _set_aside_passed_over(self) -> None:
+        """At the first write after ``load()`` (collective): the complete checkpoints newer than
+        the step loaded that were there at the load are of a timeline this run left; renamed
+        ``step-<N>.superseded`` they are kept but no longer resumed from, counted by retention or
+        kept instead of this run's own save of their step."""
+        steps, self._passed_over = self._passed_over, None
+        if steps is None:
+            return
+        try:
+            if self._rank == 0:
+                moved = [set_aside(step_folder(self.folder, step), "superseded").name
+                         for step in steps if is_complete(step_folder(self.folder, step))]
+                if moved:
+                    logger.warning("this run resumed from an older step and now saves its own: set the newer "
+                                   "checkpoints aside as %s (never loaded or deleted; remove them when unwanted)",
+                                   ", ".join(moved))
+        finally:  # every rank looks for the step to save only after the renames
+            self._barrier()
+
     def _finish_async_save(self, upload: Future, tmp: Path, final: Path, started: float) -> None:
         with self._storage_errors_named():
             try:
@@ -237,9 +259,10 @@ class CheckpointManager:
         write_extra_files(tmp, self.extra_files)
         publish(tmp, final)
         logger.info("checkpoint saved to %s in %.2fs", final, time.perf_counter() - started)
-        if self.keep_latest_k:
+        if self.keep_latest_k:  # the newest k, and always the one just written (a seed among newer steps)
             for old in complete_steps(self.folder)[: -self.keep_latest_k]:
-                remove_step(self.folder, old)
+                if step_folder(self.folder, old) != final:
+                    remove_step(self.folder, old)
 
     def _model_export(self) -> dict[str, Any]:
         dtype = EXPORT_DTYPES[self.export_dtype]
@@ -318,6 +341,13 @@ class CheckpointManager:
 
         A model-only checkpoint restores just the model states. The first state is read and
         applied before the others, so a check of its own fails before their shapes are compared.
+
+        The complete checkpoints newer than ``step`` found now are another timeline once this run
+        trains on from ``step``: the next ``save()`` or ``export_model()`` sets them aside as
+        ``step-<N>.superseded`` (kept, never loaded or deleted), so retention never counts them
+        against the checkpoint resumed from or the one just written, this run saves its own of
+        their steps, and a later ``load()`` resumes from this run's progress. A load alone (no
+        save) changes nothing; checkpoints published after it (another writer) are not touched.
         """
         self.wait()
         if step == -1:
@@ -358,4 +388,5 @@ class CheckpointManager:
             for name in group:
                 self.states[name].load_state_dict(state_dict[name])
         logger.info("checkpoint step %d loaded from %s in %.2fs", step, path, time.perf_counter() - started)
+        self._passed_over = [n for n in complete_steps(self.folder) if n > step]
         return step
