@@ -1,7 +1,8 @@
 """Hugging Face tokenizer.json files through tiktoken, read and written: ids against a naive
-implementation of HF's byte-level BPE written here, round trips, BOS/EOS rules and one-line
-errors. Every tokenizer.json is written by the library from the default ranks (in other layouts,
-some edited as other producers write them), no third-party file."""
+implementation of HF's byte-level BPE written here and, for token ids, against `tokenizers` and
+transformers' AutoTokenizer themselves; round trips, BOS/EOS rules and one-line errors. Every
+tokenizer.json is written by the library from the default ranks (in other layouts, some edited as
+other producers write them) or trained here by `tokenizers`."""
 
 import json
 import random
@@ -10,11 +11,12 @@ from pathlib import Path
 
 import pytest
 import regex
+import tokenizers
 
 import tessera.data
 from tessera.data import Tokenizer, hf_tokenizer_files, load_tokenizer, read_ranks, write_hf_tokenizer
 from tessera.data.hf_tokenizer import byte_level_chars
-from tessera.data.tokenizer import LLAMA3_SPLIT_PATTERN, _MAX_RUN_CHARS
+from tessera.data.tokenizer import LLAMA3_SPECIAL_TOKENS, LLAMA3_SPLIT_PATTERN, _MAX_RUN_CHARS
 
 RANKS = read_ranks(Path(tessera.data.__file__).parent / "assets" / "tokenizer.model")
 GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -161,14 +163,31 @@ def check_matches_reference(tok, doc, round_trip=True):
             assert tok.decode(ids) == text
 
 
+def check_transformers_ids(tok, folder):
+    """transformers' AutoTokenizer on `folder` has `tok`'s special tokens at their ids and gives its
+    ids for text, special-token text inside included."""
+    from transformers import AutoTokenizer
+
+    auto = AutoTokenizer.from_pretrained(str(folder))
+    assert auto.get_added_vocab() == tok.special_tokens
+    specials = " ".join(tok.special_tokens)
+    for text in [*texts(), specials, f"x{specials}y"]:
+        assert auto.encode(text, add_special_tokens=False) == tok.encode(text, False, False), text
+    return auto
+
+
 def check_rewrites(tok, folder):
-    """`tok` written by the library and read back is the same tokenizer."""
+    """`tok` written by the library and read back is the same tokenizer, and transformers reads the
+    files with its ids, BOS and EOS (BOS prepended, as in training)."""
     write_hf_tokenizer(tok, folder)
     back = load_tokenizer(folder)
     assert (back.ranks, back.patterns, back.special_tokens, back.decode_only) == (
         tok.ranks, tok.patterns, tok.special_tokens, tok.decode_only)
     assert (back.bos_id, back.eos_id, back.nfc, back.vocab_size, back.fingerprint) == (
         tok.bos_id, tok.eos_id, tok.nfc, tok.vocab_size, tok.fingerprint)
+    auto = check_transformers_ids(tok, folder)
+    assert (auto.bos_token_id, auto.eos_token_id) == (tok.bos_id, tok.eos_id)
+    assert auto.encode("plain text") == tok.encode("plain text", bos=True, eos=False)
     return back
 
 
@@ -216,8 +235,12 @@ def test_what_the_writer_refuses():
     with pytest.raises(ValueError, match=r"^t: id 2048 decodes to the bytes of token id 300; a tokenizer.json vocab"):
         hf_tokenizer_files(Tokenizer(RANKS, "t", decode_only={2048: token}))
     with pytest.raises(ValueError, match=r"^t: token b'.+' is emitted only as a whole piece \(HF's ignore_merges\), "
-                                         r"which would emit the decode-only id 2048 too$"):
+                                         r"which would emit id 1792, a vocab entry BPE never builds, too$"):
         hf_tokenizer_files(Tokenizer(shuffled_ranks(), "t", decode_only={2048: b"<|pad|>"}))
+    with pytest.raises(ValueError, match=r"^t: special token 'a' \(id 1794\) is also the vocab key of id 97; "
+                                         r"tokenizers would give it that id$"):
+        hf_tokenizer_files(Tokenizer(RANKS, "t", special_tokens={"<|begin_of_text|>": 1792, "<|end_of_text|>": 1793,
+                                                                 "a": 1794}))
 
 
 def test_all_split_merges_with_ignore_merges(tmp_path):
@@ -238,6 +261,7 @@ def test_gpt2_byte_level_nfc_and_specials_anywhere(tmp_path):
     tok = load_tokenizer(write(tmp_path / "t", doc))  # no tokenizer_config.json
     assert tok.ranks == ids and tok.vocab_size == 5002
     assert tok.special_tokens == added and (tok.bos_id, tok.eos_id) == (0, 1)  # by their names
+    assert all(doc["model"]["vocab"][t] == i for t, i in added.items())  # tokenizers ignores added_tokens' ids
     check_matches_reference(tok, doc, round_trip=False)  # NFC changes text
     assert tok.decode(tok.encode("plain ascii\n", True, True)) == "<s>plain ascii\n</s>"
     with pytest.raises(ValueError, match="token id 4000 is outside the vocabulary .* or has no token"):
@@ -294,10 +318,10 @@ def _pair_whose_bytes_end(ranks, doc, parts_wanted):
 
 @pytest.mark.parametrize("parts, ignore_merges", [(2, False), (3, False), (3, True), (2, True)])
 def test_tokens_the_merges_never_build(tmp_path, parts, ignore_merges):
-    doc = doc_of(load_tokenizer())
-    a, b = _pair_whose_bytes_end(RANKS, doc, parts)
-    # merge (a, b) is listed but HF's BPE never lines a and b up
-    doc["model"]["vocab"][key(a + b)] = 2048
+    a, b = _pair_whose_bytes_end(RANKS, doc_of(load_tokenizer()), parts)
+    # merge (a, b) is listed but HF's BPE never lines a and b up; a + b is id 1792, the specials follow
+    specials = {t: 1793 + i for i, t in enumerate(LLAMA3_SPECIAL_TOKENS)}
+    doc = doc_of(Tokenizer(RANKS, special_tokens=specials, decode_only={1792: a + b}))
     doc["model"]["merges"].append([key(a), key(b)])
     doc["model"]["ignore_merges"] = ignore_merges
     folder = write(tmp_path / "t", doc)
@@ -306,7 +330,7 @@ def test_tokens_the_merges_never_build(tmp_path, parts, ignore_merges):
             load_tokenizer(folder)
         return
     tok = load_tokenizer(folder)
-    assert (a + b in tok.ranks) == ignore_merges and tok.decode([2048]) == (a + b).decode()
+    assert (a + b in tok.ranks) == ignore_merges and tok.decode([1792]) == (a + b).decode()
     text = " ".join(t.decode() for t in (a + b, a, b, a + b + a))
     assert tok.encode(text, False, False) == reference_encode(doc, text)
     check_matches_reference(tok, doc)
@@ -347,12 +371,92 @@ def test_config_tokens_missing_from_tokenizer_json_are_appended(tmp_path):
     config = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", "pad_token": "<|pad|>",
               "added_tokens_decoder": {"128000": {"content": "<|begin_of_text|>"}, "5": {"content": "<|x|>"}}}
     tok = load_tokenizer(write(tmp_path / "t", doc, config))
-    assert tok.special_tokens == {"<|begin_of_text|>": 1793, "<|end_of_text|>": 1794, "<|pad|>": 1792, "<|x|>": 1795}
-    assert (tok.bos_id, tok.eos_id, tok.vocab_size) == (1793, 1794, 1796)
-    assert tok.decode([1792, 1793]) == "<|pad|><|begin_of_text|>"
+    # transformers adds added_tokens_decoder's tokens (by id) before bos_token, eos_token, ...
+    assert tok.special_tokens == {"<|x|>": 1793, "<|begin_of_text|>": 1794, "<|end_of_text|>": 1795, "<|pad|>": 1792}
+    assert (tok.bos_id, tok.eos_id, tok.vocab_size) == (1794, 1795, 1796)
+    assert tok.decode([1792, 1794]) == "<|pad|><|begin_of_text|>"
+    check_transformers_ids(tok, tmp_path / "t")
     other = load_tokenizer(write(tmp_path / "u", _small_doc()))
     assert len({tok.fingerprint, other.fingerprint, load_tokenizer().fingerprint}) == 3
     check_rewrites(tok, tmp_path / "again")
+
+
+@pytest.mark.parametrize("config", [
+    {"bos_token": "<|begin_of_text|>", "pad_token": "<pad>", "unk_token": "<unk>"},
+    {"bos_token": "<B>", "added_tokens_decoder": {"2000": {"content": "<b>"}, "1999": {"content": "<a>"}}},
+    {"additional_special_tokens": ["<c>", {"__type": "AddedToken", "content": "<d>"}, "<|eot_id|>"]},
+    {"extra_special_tokens": {"image_token": "<image>"}, "mask_token": "<mask>"},
+])
+def test_tokens_tokenizer_config_adds_get_transformers_ids(tmp_path, config):
+    tok = load_tokenizer(write(tmp_path, _small_doc(), config))
+    assert len(tok.special_tokens) > 3
+    check_transformers_ids(tok, tmp_path)
+
+
+def _hf_trained(folder):
+    """A byte-level BPE trained and saved by `tokenizers`: specials first in the vocab, one added after."""
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=600, special_tokens=["<|endoftext|>", "<|pad|>"],
+                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+                                             show_progress=False)
+    tok.train_from_iterator(MIXED * 3, trainer)
+    tok.add_special_tokens(["<|im_start|>"])
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    return folder, tok
+
+
+def tokenizers_id(doc, token):
+    return tokenizers.Tokenizer.from_str(json.dumps(doc)).token_to_id(token)
+
+
+def _specials_outside_the_vocab():
+    """Specials at low ids left out of the vocab, as 0.7.1's writer wrote them: (doc, token, stated id)."""
+    doc = doc_of(Tokenizer(shifted_ids(3), special_tokens={"<s>": 0, "</s>": 1}, bos_id=0, eos_id=1))
+    for token in ("<s>", "</s>"):
+        del doc["model"]["vocab"][token]
+    return doc, "<s>", 0
+
+
+def _added_tokens_out_of_id_order():
+    doc = _small_doc()
+    doc["added_tokens"].reverse()
+    return doc, "<|eot_id|>", 1794
+
+
+@pytest.mark.parametrize("make", [_specials_outside_the_vocab, _added_tokens_out_of_id_order])
+def test_added_token_ids_tokenizers_would_not_give_are_refused(tmp_path, make):
+    doc, token, stated = make()
+    given = tokenizers_id(doc, token)
+    assert given != stated
+    with pytest.raises(ValueError, match=rf"^\S+tokenizer.json: added token {regex.escape(repr(token))} has id "
+                                         rf"{stated}, but tokenizers gives it id {given} \("):
+        load_tokenizer(write(tmp_path, doc))
+
+
+def test_files_tokenizers_wrote_read_with_its_ids(tmp_path):
+    folder, reference = _hf_trained(tmp_path / "hf")
+    tok = load_tokenizer(folder)
+    assert tok.special_tokens == {"<|endoftext|>": 0, "<|pad|>": 1, "<|im_start|>": 600}
+    check_transformers_ids(tok, folder)
+    for text in texts():
+        assert tok.encode(text, False, False) == reference.encode(text, add_special_tokens=False).ids
+
+
+def test_an_added_token_given_a_vocab_tokens_id_is_refused(tmp_path):
+    # ids with gaps: the vocab's size, where tokenizers numbers a new added token, is a vocab token's id
+    doc = doc_of(Tokenizer({t: i for t, i in RANKS.items() if b"q" not in t}, special_tokens={"<|eot|>": 1792},
+                           bos_id=1792, eos_id=1792))
+    del doc["model"]["vocab"]["<|eot|>"]
+    size = len(doc["model"]["vocab"])
+    doc["added_tokens"][0]["id"] = size
+    holder = next(key for key, i in doc["model"]["vocab"].items() if i == size)
+    assert tokenizers_id(doc, "<|eot|>") == tokenizers_id(doc, holder) == size
+    with pytest.raises(ValueError, match=rf"tokenizer.json: added token '<\|eot\|>' gets id {size} from tokenizers, "
+                                         rf"the id of token '{holder}' in model.vocab$"):
+        load_tokenizer(write(tmp_path, doc))
 
 
 def test_folder_prefers_tokenizer_json(tmp_path):
@@ -420,22 +524,22 @@ def test_malformed_field_types_are_one_line_errors_naming_the_field(tmp_path, ed
         load_tokenizer(write(tmp_path / "t", doc))
 
 
-def _with_added(*tokens):
-    doc = _small_doc()
+def _with_added(*tokens, doc=None):
+    doc = doc or _small_doc()
     doc["added_tokens"] += [{**doc["added_tokens"][0], "id": i, "content": content} for content, i in tokens]
     return doc
 
 
 @pytest.mark.parametrize("doc, message", [
     (_with_added(("<y>", -5)), r"added_tokens entry .* lacks a string content or a non-negative integer id"),
-    (_with_added(("<z>", 5)), r"added token '<z>' has id 5, the id of token 'ą'"),
-    (_with_added(("<a>", 1795), ("<b>", 1795)), r"added token '<b>' has id 1795, the id of token '<a>'"),
-    (_with_added(("<a>", 1795), ("<a>", 1796)), r"added token '<a>' has id 1796 and, elsewhere in the file, id 1795"),
-    (_with_added(("!", 1795)), r"added token '!' has id 1795 and, elsewhere in the file, id 33"),
+    (_with_added(("<z>", 5)), r"added token '<z>' has id 5, but tokenizers gives it id 1795 \(a model.vocab token"),
+    (_with_added(("<a>", 1795), ("<b>", 1795)), r"added token '<b>' has id 1795, but tokenizers gives it id 1796"),
+    (_with_added(("<a>", 1795), ("<a>", 1796)), r"added token '<a>' has id 1796, but tokenizers gives it id 1795"),
+    (_with_added(("!", 1795)), r"added token '!' has id 1795, but tokenizers gives it id 33"),
     (_with_added(("<x>", 10**9)), r"token id 1000000000 is beyond the 1796 tokens: ids must be below 65536 \(twice"),
     (_with_added(("<x>", 65536)), r"token id 65536 is beyond the 1796 tokens: ids must be below 65536"),
-    (_with_added(("<x>", 65535), ("!", 33), ("Ġt", _small_doc()["model"]["vocab"]["Ġt"]), ("<x>", 65535)),
-     None),  # restated tokens, the highest id allowed
+    (_with_added(("zzzq", 65535), ("!", 33), ("Ġt", _small_doc()["model"]["vocab"]["Ġt"]), ("zzzq", 65535),
+                 doc=doc_of(Tokenizer(RANKS, decode_only={65535: b"zzzq"}))), None),  # restated, the highest id allowed
 ])
 def test_token_ids_are_non_negative_unique_and_dense(tmp_path, doc, message):
     folder = write(tmp_path / "t", doc)

@@ -138,6 +138,20 @@ def test_tokenizer_config_names_bos_eos_and_adds_its_tokens(tmp_path):
     assert plain.fingerprint != load_tokenizer(bpe_json(tmp_path / "v", legacy=False)).fingerprint
 
 
+@pytest.mark.parametrize("config", [
+    {"added_tokens_decoder": {"900": {"content": "<b>"}, "800": {"content": "<a>"}}, "bos_token": "<B>"},
+    {"pad_token": "<pad>", "unk_token": "<UNK>", "additional_special_tokens": ["<c>"]},
+])
+def test_tokens_tokenizer_config_adds_get_transformers_ids(tmp_path, config):
+    from transformers import AutoTokenizer
+
+    tok = load_tokenizer(bpe_json(tmp_path, legacy=True, config=config))
+    auto = AutoTokenizer.from_pretrained(str(tmp_path))
+    assert auto.get_added_vocab() == tok.special_tokens and len(tok.special_tokens) > 4
+    text = " ".join([*CASES[:6], *tok.special_tokens])
+    assert tok.encode(text, False, False) == auto.encode(text, add_special_tokens=False)
+
+
 @pytest.mark.parametrize("kind", ["llama2 bpe", "unigram nfkc"])
 def test_tokenizer_model_ids_equal_sentencepiece(tmp_path, kind):
     options = {} if kind == "llama2 bpe" else dict(model_type="unigram", vocab_size=300, byte_fallback=False,
@@ -159,6 +173,20 @@ def test_tokenizer_model_ids_equal_sentencepiece(tmp_path, kind):
     assert ("<0xF0>" if kind == "llama2 bpe" else "<unk>") in rare
     assert tok.decode(tok.encode("a</s>", True, True)) == "<s>a</s></s>"
     assert tok.decode([0]) == "<unk>" and sp.decode([0]) == " ⁇ "
+
+
+@pytest.mark.parametrize("config", [None, {"unk_token": "<UNK>", "pad_token": "<pad>"}, {"bos_token": "<B>"}])
+def test_tokenizer_model_special_tokens_are_transformers(tmp_path, config):
+    """Control pieces are special; the unknown piece too, unless tokenizer_config.json names another."""
+    from transformers import AutoTokenizer
+
+    folder = sp_model(tmp_path, control_symbols=["<ctl>"])
+    if config is not None:
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    tok, auto = load_tokenizer(folder), AutoTokenizer.from_pretrained(str(folder))
+    assert tok.special_tokens == auto.get_added_vocab()
+    for text in [*CASES, "a<ctl>b<UNK><pad> <B>"]:
+        assert tok.encode(text, False, False) == auto.encode(text, add_special_tokens=False), text
 
 
 def test_sentencepiece_bos_eos_and_config_tokens(tmp_path):

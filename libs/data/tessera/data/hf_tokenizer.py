@@ -22,6 +22,10 @@ the last merge of tiktoken's BPE on the token's own bytes. By the span argument 
 tiktoken, two adjacent parts that concatenate to a rank are always that rank's last-merge pair,
 so HF with these merges takes tiktoken's steps; tokens that BPE never builds (tiktoken emits
 them only for a whole piece) get no merge and `ignore_merges`.
+
+Added (special) tokens: `tokenizers` ignores the ids a tokenizer.json states for them and numbers
+them itself (`added_token_id`). Reading, a stated id it would not give is refused; writing, the
+specials go into the vocab at their ids unless that numbering already gives them their ids.
 """
 
 from __future__ import annotations
@@ -45,8 +49,8 @@ if TYPE_CHECKING:
 # The split HF's ByteLevel pre-tokenizer applies when use_regex is true (GPT-2's pattern).
 GPT2_SPLIT_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 
-# Tokens tokenizer_config.json may name, in the order HF's add_special_tokens sees them.
-_CONFIG_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token", "sep_token", "cls_token", "mask_token")
+# Tokens tokenizer_config.json may name, in the order transformers adds them (after added_tokens_decoder's).
+_CONFIG_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _BOS_LIKE = re.compile(r"begin.of.(text|sentence)|startoftext|^<s>$|^<bos>$", re.IGNORECASE)
 _EOS_LIKE = re.compile(r"end.of.(text|sentence)|endoftext|^</s>$|^<eos>$", re.IGNORECASE)
 _NO_MERGE = (math.inf, -1)  # sorts after every (merge index, id)
@@ -101,8 +105,10 @@ def read_hf_tokenizer(path: str | os.PathLike, doc: dict | None = None) -> HFTok
     vocab, merges = _vocab_and_merges(model, path)
     token_bytes = {key: _key_bytes(key) for key in vocab}
     added = _added_tokens(doc, path)
-    special_tokens = _added_ids(added, vocab, token_bytes, path)
-    check_id_range(path, {*vocab.values(), *special_tokens.values()})
+    check_id_range(path, {*vocab.values(), *(t["id"] for t in added)})
+    special_tokens = _added_ids(added, vocab, path)
+    named, config_matching = resolve_config_tokens(path, special_tokens, vocab)
+    _check_shared_ids(special_tokens, vocab, path)
     singles = {token_bytes[key][0]: i for key, i in vocab.items() if len(key) == 1 and token_bytes[key]}
     dropped = bytes(b for b in range(256) if b not in singles)
     if dropped and model.get("unk_token"):
@@ -111,7 +117,7 @@ def read_hf_tokenizer(path: str | os.PathLike, doc: dict | None = None) -> HFTok
 
     flags = [field.name for field in dataclasses.fields(TokenMatch)]  # named as in added_tokens
     matching = {t["content"]: TokenMatch(**{flag: bool(t.get(flag)) for flag in flags}) for t in added}
-    named = resolve_config_tokens(path, special_tokens, vocab)
+    matching.update(config_matching)
     bos_id, eos_id = bos_eos(path, special_tokens, named, {*ranks.values(), *decode_only})
     return HFTokenizer(tokenizer_name(path), ranks, patterns, special_tokens, bos_id, eos_id, nfc, dropped, decode_only,
                        matching)
@@ -343,63 +349,112 @@ def _added_tokens(doc: dict, path: str) -> list[dict]:
     return tokens
 
 
-def _added_ids(added: list[dict], vocab: dict[str, int], token_bytes: dict[str, bytes | None],
-               path: str) -> dict[str, int]:
-    """Content -> id of the added tokens. An id standing for two texts (encoded for one, decoded
-    as the other) or a token given two ids is refused; an added token may restate a vocab token at
-    its id (HF's trainer lists specials in both, and transformers reads them so), verbatim or as
-    the byte-level spelling of its text (as `hf_tokenizer_files` writes decode-only specials)."""
-    holders = {i: (key, token_bytes[key] or key.encode("utf-8")) for key, i in vocab.items()}
+def added_token_id(content: str, vocab: dict[str, int], added: dict[str, int]) -> int:
+    """The id `tokenizers` gives `content` when it is added (tokenizer.json's added_tokens in order,
+    then transformers' tokens from tokenizer_config.json), `added` holding those added before: an
+    added token's or model.vocab's id for that text, else the vocab's size (its number of entries,
+    whatever their ids), or one past the highest added id once that reaches it. The ids a
+    tokenizer.json states for added tokens are not read."""
+    if content in added or content in vocab:
+        return added.get(content, vocab.get(content))
+    top = max(added.values(), default=-1)
+    return top + 1 if top >= len(vocab) or not vocab else len(vocab)
+
+
+def _added_ids(added: list[dict], vocab: dict[str, int], path: str) -> dict[str, int]:
+    """Content -> id of the added tokens, which must be the ids `tokenizers` gives them
+    (`added_token_id`): a stated id it would not give is one transformers does not use."""
     tokens: dict[str, int] = {}
     for t in added:
         content, i = t["content"], t["id"]
-        stated = tokens.get(content, vocab.get(content, i))
-        if stated != i:
-            raise ValueError(f"{path}: added token {content!r} has id {i} and, elsewhere in the file, id {stated}")
-        holder, data = holders.setdefault(i, (content, content.encode("utf-8")))
-        if content != holder and data != content.encode("utf-8"):
-            raise ValueError(f"{path}: added token {content!r} has id {i}, the id of token {holder!r}")
+        if not content:  # tokenizers skips it
+            continue
+        given = added_token_id(content, vocab, tokens)
+        if given != i:
+            raise ValueError(f"{path}: added token {content!r} has id {i}, but tokenizers gives it id {given} (a "
+                             "model.vocab token keeps its vocab id, others are numbered from the vocab's size up)")
         tokens[content] = i
     return tokens
 
 
-def _config_token(config: dict, key: str, origin: str) -> str | None:
-    """A token named by tokenizer_config.json: a string or an AddedToken dict ({"content": ...})."""
-    value = config.get(key)
+def _check_shared_ids(special_tokens: dict[str, int], vocab: dict[str, int], path: str) -> None:
+    """Where model.vocab's ids have gaps, the vocab's size that `tokenizers` numbers new added
+    tokens from can be the id of a vocab token: that id would stand for two texts."""
+    holders = {i: key for key, i in vocab.items()}
+    for content, i in special_tokens.items():
+        if holders.get(i, content) != content:
+            raise ValueError(f"{path}: added token {content!r} gets id {i} from tokenizers, the id of token "
+                             f"{holders[i]!r} in model.vocab")
+
+
+def _token_text(value, origin: str, field: str) -> str | None:
+    """A token tokenizer_config.json names: a string or an AddedToken object ({"content": ...})."""
     if isinstance(value, dict):
         value = value.get("content")
     if value is not None and not isinstance(value, str):
-        raise ValueError(f"{origin}: {key} must be a string or an object with a 'content' string")
+        raise ValueError(f"{origin}: {field} must be a string or an object with a 'content' string")
     return value
 
 
-def config_tokens(path: str) -> list[str | None]:
-    """The tokens the tokenizer_config.json beside `path` names, in the order HF's
-    add_special_tokens sees them: bos_token, eos_token (None where unnamed), the other standard
-    keys, then added_tokens_decoder's contents."""
+def config_tokens(path: str) -> tuple[dict[str, str], dict[str, TokenMatch]]:
+    """The tokens the tokenizer_config.json beside `path` names: bos_token, eos_token, unk_token
+    (those named), and all of them in the order transformers adds them, which decides the ids of
+    new ones (added_tokens_decoder's by id, the standard keys, then extra_special_tokens, else
+    additional_special_tokens), each with the flags transformers gives it (`_config_match`)."""
     origin = os.path.join(os.path.dirname(os.path.abspath(path)), "tokenizer_config.json")
     config = read_json(origin, optional=True)
-    names = [_config_token(config, key, origin) for key in _CONFIG_TOKEN_KEYS]
+    decoder, named, listed = _config_entries(config, origin)
+    texts = {field: _token_text(value, origin, field) for field, value in [*decoder, *named, *listed]}
+    named_texts = {texts[field] for field, _ in named}
+    tokens: dict[str, TokenMatch] = {}
+    for field, value in [*decoder, *named, *listed]:
+        if texts[field]:  # a token already added keeps its flags
+            tokens.setdefault(texts[field], _config_match(value, texts[field] in named_texts))
+    return {key: texts[key] for key in _CONFIG_TOKEN_KEYS[:3] if texts[key] is not None}, tokens
+
+
+def _config_entries(config: dict, origin: str) -> tuple[list, list, list]:
+    """tokenizer_config.json's token entries as (field, value): added_tokens_decoder's by id, the
+    named ones (the standard keys, an extra_special_tokens object's), the listed extra ones."""
     decoder = _json_field(config.get("added_tokens_decoder"), dict, origin, "added_tokens_decoder") or {}
-    return names + [t.get("content") for t in decoder.values() if isinstance(t, dict)]
+    bad = [key for key in decoder if not (key.isascii() and key.isdigit())]
+    if bad:
+        raise ValueError(f"{origin}: added_tokens_decoder key {bad[0]!r} is not a token id")
+    decoder = [(f"added_tokens_decoder[{key!r}]", decoder[key]) for key in sorted(decoder, key=int)]
+    for field, value in decoder:
+        _json_field(value, dict, origin, field, required=True)
+    named = [(key, config.get(key)) for key in _CONFIG_TOKEN_KEYS]
+    extra_key = "extra_special_tokens" if "extra_special_tokens" in config else "additional_special_tokens"
+    extra = config.get(extra_key)
+    if isinstance(extra, dict):  # transformers 5's model-specific named tokens
+        return decoder, named + [(f"{extra_key}[{key!r}]", value) for key, value in extra.items()], []
+    extra = _json_field(extra, list, origin, extra_key) or []
+    return decoder, named, [(f"{extra_key}[{i}]", value) for i, value in enumerate(extra)]
 
 
-def resolve_config_tokens(path: str, special_tokens: dict[str, int], vocab: dict[str, int]) -> dict[str, int]:
-    """Tokens tokenizer_config.json names (`config_tokens`) become special tokens, as HF's
-    add_special_tokens (used by transformers and torchtitan) makes them: an existing added token
-    or vocab entry keeps its id, a new one takes the id after the highest. The explicit ids of
-    added_tokens_decoder are not used: tokenizer.json decides ids, as in a fast tokenizer.
-    Returns {"bos_token": id, "eos_token": id} for those named."""
-    names = config_tokens(path)
-    for content in names:
-        if not isinstance(content, str) or content in special_tokens:
-            continue
-        if content in vocab:
-            special_tokens[content] = vocab[content]
-        else:
-            taken = [*vocab.values(), *special_tokens.values()]
-            special_tokens[content] = max(taken) + 1
-    return {key: special_tokens[n] for key, n in zip(_CONFIG_TOKEN_KEYS[:2], names[:2]) if n is not None}
+def _config_match(value, named: bool) -> TokenMatch:
+    """How transformers' AddedToken for a tokenizer_config.json entry is found in text: a string is
+    special (not normalized); an object has its flags, is special if it says so or is named, and
+    is normalized unless it says otherwise or is special."""
+    if not isinstance(value, dict):
+        return DEFAULT_MATCH
+    special = bool(value.get("special")) or named
+    return TokenMatch(normalized=bool(value.get("normalized", not special)), lstrip=bool(value.get("lstrip")),
+                      rstrip=bool(value.get("rstrip")), single_word=bool(value.get("single_word")))
+
+
+def resolve_config_tokens(path: str, special_tokens: dict[str, int],
+                          vocab: dict[str, int]) -> tuple[dict[str, int], dict[str, TokenMatch]]:
+    """Tokens tokenizer_config.json names (`config_tokens`) become special tokens, as transformers
+    adds them: an existing added token or vocab entry keeps its id, a new one takes
+    `added_token_id`'s. The explicit ids of added_tokens_decoder are not used: tokenizer.json
+    decides ids, as in a fast tokenizer. Returns {"bos_token": id, "eos_token": id, "unk_token": id}
+    for those named, and the flags of the tokens added."""
+    named, tokens = config_tokens(path)
+    new = {content: how for content, how in tokens.items() if content not in special_tokens}
+    for content in tokens:
+        special_tokens[content] = added_token_id(content, vocab, special_tokens)
+    return {key: special_tokens[content] for key, content in named.items()}, new
 
 
 def bos_eos(path: str, special_tokens: dict[str, int], named: dict[str, int], known: set[int]) -> tuple[int, int]:
@@ -481,7 +536,8 @@ def write_hf_tokenizer(tokenizer: Tokenizer, folder: str | os.PathLike, model_ma
 
 
 def _bpe_model(tokenizer: Tokenizer) -> dict:
-    """HF's BPE model: vocab = ranks (+ ids only decoded), one merge per token built by BPE."""
+    """HF's BPE model: vocab = ranks (+ ids only decoded, + special tokens where
+    `_specials_in_vocab` needs them), one merge per token built by BPE."""
     ranks = tokenizer.ranks
     merges, unbuilt = [], []
     for token, _ in sorted(ranks.items(), key=lambda item: item[1]):
@@ -492,17 +548,34 @@ def _bpe_model(tokenizer: Tokenizer) -> dict:
             else:  # the "a b" format: byte-level keys hold no space, and every tokenizers version reads it
                 merges.append(f"{_key(pair[0])} {_key(pair[1])}")
     vocab = {_key(token): i for token, i in ranks.items()}
+    ranked = set(vocab)
     for i, data in sorted(tokenizer.decode_only.items()):
         if _key(data) in vocab:
             raise ValueError(f"{tokenizer.name}: id {i} decodes to the bytes of token id {vocab[_key(data)]}; "
                              "a tokenizer.json vocab holds each token once")
         vocab[_key(data)] = i
-    if unbuilt and tokenizer.decode_only:
+    vocab.update(_specials_in_vocab(tokenizer, vocab))
+    whole_only = sorted(i for key, i in vocab.items() if key not in ranked and _key_bytes(key) is not None)
+    if unbuilt and whole_only:
         raise ValueError(f"{tokenizer.name}: token {unbuilt[0]!r} is emitted only as a whole piece (HF's "
-                         f"ignore_merges), which would emit the decode-only id {min(tokenizer.decode_only)} too")
+                         f"ignore_merges), which would emit id {whole_only[0]}, a vocab entry BPE never builds, too")
     return {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
             "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": bool(unbuilt),
             "vocab": dict(sorted(vocab.items(), key=lambda item: item[1])), "merges": merges}
+
+
+def _specials_in_vocab(tokenizer: Tokenizer, vocab: dict[str, int]) -> dict[str, int]:
+    """The special tokens to list in model.vocab at their ids. tokenizers ignores added_tokens' ids
+    (`added_token_id`): unless its numbering gives every special its id (Llama 3's layout: right
+    after the other tokens), all are listed, as HF's trainer lists them, and keep their vocab ids.
+    A special whose text is the vocab key of another id would take that id: refused."""
+    added: dict[str, int] = {}
+    for i, token in sorted((i, t) for t, i in tokenizer.special_tokens.items()):
+        if vocab.get(token, i) != i:
+            raise ValueError(f"{tokenizer.name}: special token {token!r} (id {i}) is also the vocab key of id "
+                             f"{vocab[token]}; tokenizers would give it that id")
+        added[token] = added_token_id(token, vocab, added)
+    return {} if added == tokenizer.special_tokens else dict(tokenizer.special_tokens)
 
 
 def _key(data: bytes) -> str:

@@ -10,7 +10,7 @@ segmentation instead of merging pairs. The libraries give transformers' ids by c
 
 Special tokens inside text follow transformers: `tokenizers` finds a tokenizer.json's added tokens
 itself, with their flags, after the tokens tokenizer_config.json names are added as transformers
-adds them. For a tokenizer.model, its control and unknown pieces (<s>, </s>, <unk>) are cut out of
+adds them. For a tokenizer.model, its special pieces (<s>, </s>, <unk>) are cut out of
 the text here and the text between them is encoded as a text of its own, as transformers' legacy
 Llama tokenizer and Llama 2's tokenizer.json do (SentencePiece finds its user-defined pieces
 itself).
@@ -18,6 +18,7 @@ itself).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib
 import itertools
@@ -84,12 +85,12 @@ def read_sentencepiece_json(path: str, doc: dict) -> SentencePieceTokenizer:
         raise ValueError(f"{path}: tokenizers cannot read it ({_first_line(e)})") from None
     tok.no_truncation()
     tok.no_padding()
-    names = config_tokens(path)
+    named, tokens = config_tokens(path)
     present = {t.content for t in tok.get_added_tokens_decoder().values()}
-    new = [n for n in dict.fromkeys(names) if isinstance(n, str) and n and n not in present]
-    tok.add_special_tokens([tokenizers.AddedToken(n, special=True, normalized=False) for n in new])
+    tok.add_special_tokens([tokenizers.AddedToken(n, special=True, **dataclasses.asdict(how))
+                            for n, how in tokens.items() if n not in present])
     special_tokens = {t.content: i for i, t in sorted(tok.get_added_tokens_decoder().items())}
-    named = {key: tok.token_to_id(n) for key, n in zip(("bos_token", "eos_token"), names) if n is not None}
+    named = {key: tok.token_to_id(n) for key, n in named.items()}
     ids = set(tok.get_vocab(with_added_tokens=True).values())
     check_id_range(path, ids)
     bos_id, eos_id = bos_eos(path, special_tokens, named, ids)
@@ -101,9 +102,10 @@ def read_sentencepiece_json(path: str, doc: dict) -> SentencePieceTokenizer:
 
 
 def read_sentencepiece_model(path: str) -> SentencePieceTokenizer:
-    """A SentencePiece `tokenizer.model` run by `sentencepiece`; special tokens are its control and
-    unknown pieces and the tokens tokenizer_config.json names (new ones after the pieces). BOS/EOS
-    as for a tokenizer.json, the model's own bos/eos pieces ranking after tokenizer_config.json."""
+    """A SentencePiece `tokenizer.model` run by `sentencepiece`; special tokens are, as in
+    transformers, its control pieces, the tokens tokenizer_config.json names (new ones after the
+    pieces) and, unless that names another unk_token, its unknown piece. BOS/EOS as for a
+    tokenizer.json, the model's own bos/eos pieces ranking after tokenizer_config.json."""
     spm = _library("sentencepiece", path, "a SentencePiece tokenizer.model (not Llama 3's ASCII format)")
     with open(path, "rb") as f:
         data = f.read()
@@ -113,8 +115,10 @@ def read_sentencepiece_model(path: str) -> SentencePieceTokenizer:
         raise ValueError(f"{path}: not a tokenizer.model file: neither ASCII (Llama 3's format) nor a "
                          f"SentencePiece model ({_first_line(e)})") from None
     pieces = {sp.id_to_piece(i): i for i in range(sp.get_piece_size())}
-    special_tokens = {p: i for p, i in pieces.items() if sp.is_control(i) or sp.is_unknown(i)}
-    named = resolve_config_tokens(path, special_tokens, pieces)
+    special_tokens = {p: i for p, i in pieces.items() if sp.is_control(i)}
+    named, _ = resolve_config_tokens(path, special_tokens, pieces)
+    if "unk_token" not in named and sp.unk_id() >= 0:
+        special_tokens[sp.id_to_piece(sp.unk_id())] = sp.unk_id()
     for key, own in (("bos_token", sp.bos_id()), ("eos_token", sp.eos_id())):
         if own >= 0:
             named.setdefault(key, own)

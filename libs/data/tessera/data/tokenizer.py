@@ -104,7 +104,8 @@ class Tokenizer:
         self.eos_id = special_tokens["<|end_of_text|>"] if eos_id is None else eos_id
         self.nfc = nfc
         self._dropped = dropped_bytes
-        self.decode_only = decode_only or {}
+        special_ids = set(special_tokens.values())  # these decode as the special token's text
+        self.decode_only = {i: data for i, data in (decode_only or {}).items() if i not in special_ids}
         matching = sorted((matching or {}).items())
         self.matching = {t: m for t, m in matching if m != DEFAULT_MATCH and t in special_tokens}
         self._added = AddedTokens(special_tokens, self.matching, _nfc if nfc else None)
