@@ -69,7 +69,7 @@ def test_scheduler_drives_optimizer_lr():
     assert seen == pytest.approx(factors(6))
 
 
-@pytest.mark.parametrize("new_lr", [1.0, 2.0])
+@pytest.mark.parametrize("new_lr", [1.0, 2.0, 0.0])
 def test_a_resumed_schedule_applies_the_lr_it_logs(new_lr):
     """A checkpoint of a run at lr 1 loads into a run at ``new_lr``: from the first resumed step
     the lr applied is the one logged (get_last_lr), this run's, and a changed lr is kept to be said."""
@@ -95,3 +95,9 @@ def test_a_resumed_schedule_applies_the_lr_it_logs(new_lr):
         assert [group["lr"] for group in opt.param_groups] == pytest.approx([new_lr * factor, new_lr / 4 * factor])
         opt.step()
         sched.step()
+    # the schedule left out of the load (exclude_from_loading): its own position, step 1, rules
+    opt, sched = run(new_lr)
+    opt.load_state_dict(saved_opt)
+    sched.load_state_dict(sched.state_dict())
+    factor = lr_factor(1, total_steps=4, **schedule)
+    assert [group["lr"] for group in opt.param_groups] == pytest.approx([new_lr * factor, new_lr / 4 * factor])

@@ -309,6 +309,8 @@ def test_bad_command_line_values(argv, message):
 @pytest.mark.parametrize("argv, message", [  # options that would do nothing
     (["--checkpoint.exclude_from_loading", "optimizer"], "checkpoint.exclude_from_loading leaves states out of a resume: "
      "it needs checkpoint.enable = true (or an initial_load_path with initial_load_model_only = false)"),
+    (["--checkpoint.enable", "--checkpoint.exclude_from_loading", "replicas"], "checkpoint.exclude_from_loading "
+     "'replicas' names semi-sync fault tolerance's state, which this run does not have (fault_tolerance.semi_sync_method)"),
     (["--debug.fault_at_step", "2", "--debug.fault_rank", "1"],
      "debug.fault_rank 1 is not a rank of this 1-rank job: the fault would never fire"),
     (["--debug.fault_at_step", "7", "--training.steps", "6"],

@@ -11,6 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from tessera.ckpt import manager as manager_module
 from tessera.ckpt import (
     CheckpointManager,
     ModelState,
@@ -97,40 +98,51 @@ def _names(folder):
 
 def test_a_resume_from_an_older_step_sets_the_newer_ones_aside_at_its_first_save(tmp_path):
     """Steps 2..8 from an earlier run; this one resumes from step 4 with keep_latest_k=2. The newer
-    checkpoints are of the timeline it leaves: its first save sets them aside (kept, never loaded
-    nor counted), so retention keeps what it resumed from and wrote, its own step 6 is saved
-    rather than the stale one kept, and a later resume picks this run's progress. A load alone
-    (load_only, tools) changes nothing."""
+    checkpoints are of the timeline it leaves: its first save sets them aside with their exports
+    (kept, never loaded nor counted), so retention keeps what it resumed from and wrote, its own
+    step 6 is saved rather than the stale one kept, a later resume picks this run's progress, and
+    its final exports are not the old run's. A load alone (load_only, tools) changes nothing."""
     model, optimizer = _trained()
     train = Counter()
     earlier = _manager(tmp_path, model, optimizer, train=train)
     for step in (2, 4, 6, 8):
         train.value = step
         earlier.save(step)
+    earlier.export_model(8)
+    (tmp_path / "step-8-hf").mkdir()  # a trainer's Hugging Face export
     manager = _manager(tmp_path, model, optimizer, train=train, keep_latest_k=2)
     assert manager.load(4) == 4 and train.value == 4
-    assert _names(tmp_path) == ["step-2", "step-4", "step-6", "step-8"]
+    assert _names(tmp_path) == ["step-2", "step-4", "step-6", "step-8", "step-8-hf", "step-8-model"]
     train.value = 105
     assert manager.save(5)
-    assert _names(tmp_path) == ["step-4", "step-5", "step-6.superseded", "step-8.superseded"]
+    assert _names(tmp_path) == ["step-4", "step-5", "step-6.superseded", "step-8-hf.superseded",
+                                "step-8-model.superseded", "step-8.superseded"]
     train.value = 106
     assert manager.save(6)
-    assert _names(tmp_path) == ["step-5", "step-6", "step-6.superseded", "step-8.superseded"]
+    assert _names(tmp_path)[:3] == ["step-5", "step-6", "step-6.superseded"]
     resumed = Counter()
     assert _manager(tmp_path, *_trained(seed=1), train=resumed).load() == 6 and resumed.value == 106
     assert read_dcp(tmp_path / "step-8.superseded", only="train") == {"value": 8}
 
 
-def test_only_the_checkpoints_a_load_passed_over_are_set_aside(tmp_path):
-    """A newer checkpoint published after this run loaded (another fault-tolerance replica group
-    writing) is of the same run: kept."""
+def test_only_the_checkpoints_a_load_passed_over_are_set_aside(tmp_path, monkeypatch):
+    """A newer checkpoint published while or after this run loaded (another fault-tolerance
+    replica group writing) is of the same run: kept."""
     model, optimizer = _trained()
     _manager(tmp_path, model, optimizer).save(2)
     manager = _manager(tmp_path, model, optimizer)
-    assert manager.load() == 2
-    _manager(tmp_path, model, optimizer).save(3)
+    load_into = manager_module.load_into
+
+    def publish_step_3_then_load(*args, **kwargs):  # the other writer, while this one reads
+        if not (tmp_path / "step-3").exists():
+            _manager(tmp_path, model, optimizer).save(3)
+        return load_into(*args, **kwargs)
+
+    monkeypatch.setattr(manager_module, "load_into", publish_step_3_then_load)
+    assert manager.load(2) == 2
+    _manager(tmp_path, model, optimizer).save(5)
     manager.save(4)
-    assert _names(tmp_path) == ["step-2", "step-3", "step-4"]
+    assert _names(tmp_path) == ["step-2", "step-3", "step-4", "step-5"]
 
 
 def test_retention_never_deletes_the_checkpoint_just_written(tmp_path):

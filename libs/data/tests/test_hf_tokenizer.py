@@ -386,6 +386,7 @@ def test_config_tokens_missing_from_tokenizer_json_are_appended(tmp_path):
     {"bos_token": "<B>", "added_tokens_decoder": {"2000": {"content": "<b>"}, "1999": {"content": "<a>"}}},
     {"additional_special_tokens": ["<c>", {"__type": "AddedToken", "content": "<d>"}, "<|eot_id|>"]},
     {"extra_special_tokens": {"image_token": "<image>"}, "mask_token": "<mask>"},
+    {"extra_special_tokens": {}, "additional_special_tokens": ["<c>"]},  # transformers 4.5x writes both
 ])
 def test_tokens_tokenizer_config_adds_get_transformers_ids(tmp_path, config):
     tok = load_tokenizer(write(tmp_path, _small_doc(), config))

@@ -213,6 +213,8 @@ def test_released_config_layout_reads():
         "hidden_act": "silu", "router_aux_loss_coef": 0.9, "initial_context_length": 4096,
     }
     assert hf_config.args_from_config(released) == gpt_oss_flavors["20b"]
+    for unstated in ({"rope_scaling": None}, {"rope_scaling": {}}):  # GptOssConfig's own YaRN, as transformers 5
+        assert hf_config.args_from_config(released | unstated) == gpt_oss_flavors["20b"]
 
 
 @pytest.mark.parametrize("change, message", [

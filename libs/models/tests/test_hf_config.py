@@ -177,9 +177,9 @@ def test_args_record_round_trips_and_refuses_garbage(tmp_path):
     found_spec, found_args, record = read_args_record(tmp_path)
     assert found_spec is spec and found_args == args and (record["flavor"], record["bos_token_id"]) == ("1B", 3)
     assert read_args_record(tmp_path / "elsewhere") is None
-    for field, value, message in (("n_layers", "2", "ModelArgs.n_layers '2' is not <class 'int'>"),
-                                  ("norm_eps", True, "ModelArgs.norm_eps True is not <class 'float'>"),
-                                  ("rope_scaling", {"factor": "8"}, "RopeScaling.factor '8' is not <class 'float'>")):
+    for field, value, message in (("n_layers", "2", "ModelArgs.n_layers '2' is not an int"),
+                                  ("norm_eps", True, "ModelArgs.norm_eps True is not a number"),
+                                  ("rope_scaling", {"factor": "8"}, "RopeScaling.factor '8' is not a number")):
         (tmp_path / ARGS_FILE).write_text(json.dumps({**record, "args": {**record["args"], field: value}}))
         with pytest.raises(ValueError, match=re.escape(f"model_args.json: {message}")):  # not a TypeError in the model
             read_args_record(tmp_path)

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from tessera.ckpt import (
-    EXPORT_DTYPES, CheckpointManager, ModelState, OptimizerState, RankLocalState, export_hf, import_hf, load_into,
-    rng_state,
+    EXPORT_DTYPES, CheckpointManager, ModelState, OptimizerState, RankLocalState, export_folder, export_hf,
+    hf_export_folder, import_hf, load_into, rng_state,
 )
 from tessera.models.spec import hf_export_note
 from tessera.trainer.config import JobConfig
@@ -125,25 +125,33 @@ class Checkpointer:
             why = (f" (passing over {', '.join(damaged)}: no .metadata, damaged after it was written; set aside as "
                    "step-N.incomplete when that step is saved again)" if damaged else "")
             self._say(f"loaded {self.folder / f'step-{loaded}'}{why}; training continues after step {self.train_state.step}")
-            scheduler = self.states["lr_scheduler"]
-            if scheduler.replaced is not None:
-                self._say(f"optimizer.lr {scheduler.lr:g} replaces the checkpoint's {scheduler.replaced:g} from step "
-                          f"{self.train_state.step + 1} on")
+            self._lr_from_here(excluded="lr_scheduler" in self.config.exclude_from_loading)
         else:
             if self.initial is not None:
                 self._load_initial(*self.initial)
             self._check_outputs_free()
         return self.train_state.step
 
+    def _lr_from_here(self, excluded: bool) -> None:
+        """After a load: every group's lr is this run's schedule's at the position loaded (its own
+        when the schedule was left out), not a loaded optimizer's; a changed optimizer.lr is said."""
+        scheduler = self.states["lr_scheduler"]
+        if excluded:
+            scheduler.load_state_dict(scheduler.state_dict())
+        if scheduler.replaced is not None:
+            self._say(f"optimizer.lr {scheduler.lr:g} replaces the checkpoint's {scheduler.replaced:g} from step "
+                      f"{self.train_state.step + 1} on")
+
     def _check_outputs_free(self) -> None:
         """A run that did not resume from this folder, whose final export is already there, is
         another run: that export would be kept and this run's weights not exported, so it is
-        refused before training. A resume (after a crash, a damaged checkpoint, an older
-        checkpoint.load_step) keeps the export it finds and says so."""
+        refused before training. A resume after a crash or a damaged checkpoint keeps the export
+        it finds and says so; one from an older checkpoint.load_step sets the newer steps' exports
+        aside with their checkpoints at its first save (tessera.ckpt), and exports its own."""
         if self.manager is None or self.config.load_only or not self.config.enable:
             return
-        for final, wanted in ((self.folder / f"step-{self.steps}-hf", self.config.last_save_in_hf),
-                              (self.folder / f"step-{self.steps}-model", self.config.last_save_model_only)):
+        for final, wanted in ((hf_export_folder(self.folder, self.steps), self.config.last_save_in_hf),
+                              (export_folder(self.folder, self.steps), self.config.last_save_model_only)):
             if wanted and final.exists():
                 raise ConfigError(f"{final} already exists from another run, and this run (resuming from no checkpoint "
                                   f"of {self.folder}) would export its own weights there; exports are never "
@@ -173,6 +181,8 @@ class Checkpointer:
         for name in names:
             self.states[name].load_state_dict(state_dict[name])
         self._say(f"initial {'weights' if self.config.initial_load_model_only else 'state'} from {path}")
+        if "optimizer" in names:
+            self._lr_from_here(excluded="lr_scheduler" not in names)
 
     def save_seed(self) -> None:
         """Writes the initial weights as the model-only checkpoint ``step-0``."""
@@ -200,7 +210,7 @@ class Checkpointer:
                 self._say(f"{self.folder / f'step-{step}'} already holds a complete checkpoint, kept as it is "
                           "(checkpoints are never overwritten)")
         if last_step and self.config.last_save_model_only and not self.manager.export_model(step):
-            self._say(f"{self.folder / f'step-{step}-model'} already exists, kept as it is (exports are never overwritten)")
+            self._say(f"{export_folder(self.folder, step)} already exists, kept as it is (exports are never overwritten)")
         if last_step and self.config.last_save_in_hf:
             self._export_hf(step)
 
@@ -235,7 +245,7 @@ class Checkpointer:
         """The model as Hugging Face safetensors in ``step-<N>-hf``, cast to export_dtype, one
         tensor gathered at a time, with config.json and the tokenizer's files beside; written
         under a ``.step-*`` tmp name (removed by the next save if this one crashes)."""
-        final = self.folder / f"step-{step}-hf"
+        final = hf_export_folder(self.folder, step)
         note = hf_export_note(self.spec, self.args)
         if note:
             self._say(f"warning: {note}")

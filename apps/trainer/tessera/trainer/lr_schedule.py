@@ -74,14 +74,15 @@ class LockstepSchedulers:
     def load_state_dict(self, state: dict) -> None:
         """The position. Every group's lr follows this run's lr from there, also where the
         optimizer's state (loaded before) brought a checkpoint's other lr: the lr logged is the lr
-        applied, from the first step on. That other lr is kept in ``replaced`` to be said."""
+        applied, from the first step on. That other lr is kept in ``replaced`` to be said. A load
+        that leaves the schedule out calls this with the run's own position (``state_dict()``)."""
         self.replaced = None
         for scheduler in self.schedulers:
             factor = scheduler.lr_lambdas[0](state["last_epoch"])
             for group, base in zip(scheduler.optimizer.param_groups, scheduler.base_lrs):
                 saved = group.get("initial_lr", base)
                 if self.replaced is None and not math.isclose(saved, base, rel_tol=1e-6):
-                    self.replaced = self.lr * saved / base
+                    self.replaced = self.lr * saved / base if base else saved  # a group of lr 0 states its own
                 group["initial_lr"], group["lr"] = base, base * factor
             own = scheduler.state_dict()
             own.update(last_epoch=state["last_epoch"], _step_count=state["_step_count"],

@@ -574,6 +574,10 @@ def _check_checkpoint(config: JobConfig, spec: ModelSpec, world_size: int) -> No
         raise ConfigError(f"checkpoint.create_seed_checkpoint needs a single process, not {world_size}: seed weights are written before any sharding")
     if not ckpt.enable and ckpt.load_step != -1:
         raise ConfigError("checkpoint.load_step needs checkpoint.enable = true")
+    semi_sync = config.fault_tolerance.enable and config.fault_tolerance.semi_sync_method
+    if "replicas" in ckpt.exclude_from_loading and not semi_sync:
+        raise ConfigError("checkpoint.exclude_from_loading 'replicas' names semi-sync fault tolerance's state, which "
+                          "this run does not have (fault_tolerance.semi_sync_method)")
     if ckpt.exclude_from_loading and not ckpt.enable and (not ckpt.initial_load_path or ckpt.initial_load_model_only):
         raise ConfigError("checkpoint.exclude_from_loading leaves states out of a resume: it needs checkpoint.enable = "
                           "true (or an initial_load_path with initial_load_model_only = false)")

@@ -28,6 +28,11 @@ def export_folder(folder: Path, step: int) -> Path:
     return folder / f"step-{step}-model"
 
 
+def hf_export_folder(folder: Path, step: int) -> Path:
+    """Where a trainer's Hugging Face export of step ``step`` goes (``export_hf``'s destination)."""
+    return folder / f"step-{step}-hf"
+
+
 def is_complete(path: Path) -> bool:
     return (path / METADATA_FILE).is_file()
 

@@ -22,8 +22,8 @@ from tessera.ckpt.dcp_io import (
     METADATA_FILE, check_storage_files, load_into, raise_first_failure, read_metadata, save_state_dict,
 )
 from tessera.ckpt.folders import (
-    ExtraFiles, check_extra_files, check_writable, complete_steps, export_folder, incomplete_steps, is_complete, publish,
-    remove_stale_tmp, remove_step, set_aside, step_folder, write_extra_files,
+    ExtraFiles, check_extra_files, check_writable, complete_steps, export_folder, hf_export_folder, incomplete_steps,
+    is_complete, publish, remove_stale_tmp, remove_step, set_aside, step_folder, write_extra_files,
 )
 from tessera.ckpt.states import ModelState, RankLocalState, Stateful
 
@@ -157,6 +157,11 @@ class CheckpointManager:
                 check_writable(self.folder, size=4096)
             except OSError as e:
                 error[0] = f"checkpoint folder {self.folder} is not writable: {e.strerror or e}"
+        self._raise_rank0_error(error)
+
+    def _raise_rank0_error(self, error: list) -> None:
+        """Collective: rank 0's ``error[0]`` (a message, or None) reaches every rank, which raises
+        it as an OSError, so no rank goes on into a collective the others have left."""
         if self._distributed:
             source = 0 if self.process_group is None else dist.get_global_rank(self.process_group, 0)
             dist.broadcast_object_list(error, src=source, group=self.process_group)
@@ -211,22 +216,27 @@ class CheckpointManager:
 
     def _set_aside_passed_over(self) -> None:
         """At the first write after ``load()`` (collective): the complete checkpoints newer than
-        the step loaded that were there at the load are of a timeline this run left; renamed
-        ``step-<N>.superseded`` they are kept but no longer resumed from, counted by retention or
-        kept instead of this run's own save of their step."""
+        the step loaded that were there at the load, and their exports (``step-<N>-model``,
+        ``-hf``), are of a timeline this run left; renamed ``<name>.superseded`` they are kept but
+        no longer resumed from, counted by retention, kept instead of this run's own save of their
+        step, or taken for this run's final export."""
         steps, self._passed_over = self._passed_over, None
         if steps is None:
             return
-        try:
-            if self._rank == 0:
-                moved = [set_aside(step_folder(self.folder, step), "superseded").name
-                         for step in steps if is_complete(step_folder(self.folder, step))]
+        error = [None]
+        if self._rank == 0:
+            try:
+                moved = [set_aside(path, "superseded").name for step in steps
+                         for path, there in ((step_folder(self.folder, step), is_complete),
+                                             (export_folder(self.folder, step), Path.is_dir),
+                                             (hf_export_folder(self.folder, step), Path.is_dir)) if there(path)]
                 if moved:
                     logger.warning("this run resumed from an older step and now saves its own: set the newer "
                                    "checkpoints aside as %s (never loaded or deleted; remove them when unwanted)",
                                    ", ".join(moved))
-        finally:  # every rank looks for the step to save only after the renames
-            self._barrier()
+            except OSError as e:
+                error[0] = f"cannot set aside the checkpoints after the one resumed from in {self.folder}: {e}"
+        self._raise_rank0_error(error)  # every rank looks for the step to save only after the renames
 
     def _finish_async_save(self, upload: Future, tmp: Path, final: Path, started: float) -> None:
         with self._storage_errors_named():
@@ -342,12 +352,13 @@ class CheckpointManager:
         A model-only checkpoint restores just the model states. The first state is read and
         applied before the others, so a check of its own fails before their shapes are compared.
 
-        The complete checkpoints newer than ``step`` found now are another timeline once this run
-        trains on from ``step``: the next ``save()`` or ``export_model()`` sets them aside as
-        ``step-<N>.superseded`` (kept, never loaded or deleted), so retention never counts them
-        against the checkpoint resumed from or the one just written, this run saves its own of
-        their steps, and a later ``load()`` resumes from this run's progress. A load alone (no
-        save) changes nothing; checkpoints published after it (another writer) are not touched.
+        The complete checkpoints newer than ``step`` found as the load starts are another timeline
+        once this run trains on from ``step``: the next ``save()`` or ``export_model()`` sets them
+        and their exports aside as ``<name>.superseded`` (kept, but never loaded, counted by
+        retention or deleted), so retention never counts them against the checkpoint resumed
+        from or the one just written, this run saves its own of their steps and exports, and a
+        later ``load()`` resumes from this run's progress. A load alone (no save) changes
+        nothing; checkpoints published while or after it loads (another writer) are not touched.
         """
         self.wait()
         if step == -1:
@@ -365,6 +376,7 @@ class CheckpointManager:
         elif not step_folder(self.folder, step).is_dir():
             raise ValueError(f"no checkpoint for step {step} in {self.folder}; available steps: {complete_steps(self.folder)}")
         path = step_folder(self.folder, step)
+        newer = [n for n in complete_steps(self.folder) if n > step]  # before reading: later ones are another writer's
         started = time.perf_counter()
         metadata = read_metadata(path)
         check_storage_files(path, metadata)
@@ -388,5 +400,5 @@ class CheckpointManager:
             for name in group:
                 self.states[name].load_state_dict(state_dict[name])
         logger.info("checkpoint step %d loaded from %s in %.2fs", step, path, time.perf_counter() - started)
-        self._passed_over = [n for n in complete_steps(self.folder) if n > step]
+        self._passed_over = newer
         return step

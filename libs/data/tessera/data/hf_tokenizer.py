@@ -424,7 +424,8 @@ def _config_entries(config: dict, origin: str) -> tuple[list, list, list]:
     for field, value in decoder:
         _json_field(value, dict, origin, field, required=True)
     named = [(key, config.get(key)) for key in _CONFIG_TOKEN_KEYS]
-    extra_key = "extra_special_tokens" if "extra_special_tokens" in config else "additional_special_tokens"
+    # transformers 5 reads additional_special_tokens where extra_special_tokens is missing or empty
+    extra_key = "extra_special_tokens" if config.get("extra_special_tokens") else "additional_special_tokens"
     extra = config.get(extra_key)
     if isinstance(extra, dict):  # transformers 5's model-specific named tokens
         return decoder, named + [(f"{extra_key}[{key!r}]", value) for key, value in extra.items()], []

@@ -252,6 +252,16 @@ def _is_a(value, hint) -> bool:
     return True  # a field type the records do not constrain here
 
 
+def _type_text(hint) -> str:
+    """A field's type as a reader says it: "an int or null", "a list of int"."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(_type_text(option) for option in typing.get_args(hint))
+    if typing.get_origin(hint) is tuple:
+        return f"a list of {_type_text(typing.get_args(hint)[0]).split(' ', 1)[1]}"
+    return {int: "an int", float: "a number", bool: "true or false", str: "a string",
+            type(None): "null"}.get(hint, getattr(hint, "__name__", str(hint)))
+
+
 def _dataclass_from_dict(cls: type, data: dict) -> Any:
     """``cls(**data)`` with nested dataclass fields rebuilt from their dicts and tuple fields from
     their JSON lists."""
@@ -268,8 +278,8 @@ def _dataclass_from_dict(cls: type, data: dict) -> Any:
         if nested and value is not None:
             value = _dataclass_from_dict(nested[0], value)
         elif not _is_a(value, hints[name]):
-            raise ValueError(f"{cls.__name__}.{name} {value!r} is not {hints[name]}")
-        elif isinstance(value, list):
+            raise ValueError(f"{cls.__name__}.{name} {value!r} is not {_type_text(hints[name])}")
+        elif isinstance(value, list) and typing.get_origin(hints[name]) is tuple:
             value = tuple(value)
         values[name] = value
     try:

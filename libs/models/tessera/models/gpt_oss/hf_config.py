@@ -33,7 +33,7 @@ _DEFAULT_THETA = 150000.0  # GptOssConfig.default_theta
 
 
 def _rope(config: dict, source: str) -> tuple[float, YarnScaling | None]:
-    if config.get("rope_parameters") is None and config.get("rope_scaling") is None:
+    if config.get("rope_parameters") is None and not config.get("rope_scaling"):  # GptOssConfig's YaRN
         return config_value(config, "rope_theta", float, source, default=_DEFAULT_THETA), GPT_OSS_YARN
     name, params, theta = rope_section(config, source, _DEFAULT_THETA)
     rope_type = params.get("rope_type", params.get("type", "default"))
