@@ -35,9 +35,11 @@ def read_hf_config(path: str | os.PathLike) -> dict:
     return config
 
 
-def config_value(mapping: dict, key: str, kind: type, source: str, default=REQUIRED, prefix: str = ""):
-    """``mapping[key]`` checked to be of ``kind`` (numbers positive); missing or null gives
-    ``default``, or an error when there is none."""
+def config_value(mapping: dict, key: str, kind: type, source: str, default=REQUIRED, prefix: str = "",
+                 zero: bool = False):
+    """``mapping[key]`` checked to be of ``kind`` (numbers positive, or with ``zero`` at least 0:
+    counts such as shared experts); missing or null gives ``default``, or an error when there is
+    none."""
     value = mapping.get(key)
     if value is None:
         if default is REQUIRED:
@@ -47,8 +49,8 @@ def config_value(mapping: dict, key: str, kind: type, source: str, default=REQUI
         value = float(value)
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise ValueError(f"{source}: {prefix}{key} {value!r} is not {_KINDS[kind]}")
-    if kind is not bool and value <= 0:
-        raise ValueError(f"{source}: {prefix}{key} {value!r} must be positive")
+    if kind is not bool and (value < 0 if zero else value <= 0):
+        raise ValueError(f"{source}: {prefix}{key} {value!r} must be {'>= 0' if zero else 'positive'}")
     return value
 
 

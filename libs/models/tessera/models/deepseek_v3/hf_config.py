@@ -67,7 +67,8 @@ def _moe(config: dict, source: str) -> MoEArgs:
         n_experts=config_value(config, "n_routed_experts", int, source),
         top_k=config_value(config, "num_experts_per_tok", int, source),
         hidden_dim=config_value(config, "moe_intermediate_size", int, source),
-        n_shared_experts=_count(config, "n_shared_experts", source, defaults["n_shared_experts"]),
+        n_shared_experts=config_value(config, "n_shared_experts", int, source, default=defaults["n_shared_experts"],
+                                      zero=True),
         score_func=score_func,
         route_norm=config_value(config, "norm_topk_prob", bool, source, default=defaults["norm_topk_prob"]),
         route_scale=config_value(config, "routed_scaling_factor", float, source, default=defaults["routed_scaling_factor"]),
@@ -79,16 +80,6 @@ def _moe(config: dict, source: str) -> MoEArgs:
         return MoEArgs(**fields)
     except ValueError as e:  # MoEArgs' own checks, which do not know the file
         raise ValueError(f"{source}: {e}") from None
-
-
-def _count(config: dict, key: str, source: str, default: int) -> int:
-    """A count that may be 0 (shared experts, dense layers, MTP modules); missing or null: ``default``."""
-    value = config.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{source}: {key} {value!r} is not a whole number >= 0")
-    return value
 
 
 def _yarn(config: dict, source: str) -> tuple[float, YarnScaling | None]:
@@ -131,7 +122,8 @@ def args_from_config(config: dict, source: str = "config.json") -> DeepSeekV3Arg
         vocab_size=config_value(config, "vocab_size", int, source),
         dim=config_value(config, "hidden_size", int, source),
         n_layers=config_value(config, "num_hidden_layers", int, source),
-        n_dense_layers=_count(config, "first_k_dense_replace", source, moe_defaults["first_k_dense_replace"]),
+        n_dense_layers=config_value(config, "first_k_dense_replace", int, source,
+                                    default=moe_defaults["first_k_dense_replace"], zero=True),
         n_heads=n_heads,
         inter_dim=config_value(config, "intermediate_size", int, source),
         moe=moe,
@@ -144,7 +136,8 @@ def args_from_config(config: dict, source: str = "config.json") -> DeepSeekV3Arg
         rope_theta=theta,
         yarn=yarn,
         max_seq_len=config_value(config, "max_position_embeddings", int, source, default=4096),
-        num_mtp_layers=_count(config, "num_nextn_predict_layers", source, 0),  # transformers writes 1 and saves no weights
+        # none when missing: transformers writes 1 but saves no such weights (module docstring)
+        num_mtp_layers=config_value(config, "num_nextn_predict_layers", int, source, default=0, zero=True),
         yarn_always=yarn is not None,  # as transformers applies rope_scaling, at any length
     )
     try:
