@@ -9,9 +9,13 @@ import json
 import os
 from pathlib import Path
 
+from tessera.models.rotary import YarnScaling
+
 CONFIG_FILE = "config.json"
 REQUIRED = object()
 _KINDS = {int: "an integer", float: "a number", bool: "true or false"}
+_YARN_KEYS = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast",
+              "beta_slow", "truncate"}
 
 
 def config_file(path: str | os.PathLike) -> Path:
@@ -77,6 +81,30 @@ def rope_section(config: dict, source: str, default_theta: float = 10000.0) -> t
     if "rope_theta" in params:
         return name, params, config_value(params, "rope_theta", float, source, prefix=f"{name}.")
     return name, params, config_value(config, "rope_theta", float, source, default=default_theta)
+
+
+def yarn_section(name: str, params: dict, source: str, why: str, extra: tuple[str, ...] = ()) -> YarnScaling | None:
+    """The YaRN a rope section (``rope_section``'s) states: None for default RoPE, other types
+    refused; factor and original context required, beta_fast / beta_slow / truncate with
+    transformers' defaults; a key outside those and ``extra`` (the family reads them) refused,
+    saying ``why``, since transformers' other YaRN keys change the math."""
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return None
+    if rope_type != "yarn":
+        raise ValueError(f"{source}: {name}.rope_type {rope_type!r} is not supported, only 'default' or 'yarn'")
+    unknown = sorted(set(params) - _YARN_KEYS - set(extra))
+    if unknown:
+        raise ValueError(f"{source}: {name}.{unknown[0]} is not supported ({why})")
+    prefix = f"{name}."
+    return YarnScaling(
+        factor=config_value(params, "factor", float, source, prefix=prefix),
+        original_max_position_embeddings=config_value(params, "original_max_position_embeddings", int, source,
+                                                      prefix=prefix),
+        beta_fast=config_value(params, "beta_fast", float, source, default=32.0, prefix=prefix),
+        beta_slow=config_value(params, "beta_slow", float, source, default=1.0, prefix=prefix),
+        truncate=config_value(params, "truncate", bool, source, default=True, prefix=prefix),
+    )
 
 
 def compare_configs(found, args, compared: tuple[tuple[str, str], ...], source: str, target: str) -> None:

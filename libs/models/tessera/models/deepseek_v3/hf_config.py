@@ -19,7 +19,7 @@ compares the count only for a model with some.
 import dataclasses
 
 from tessera.models.deepseek_v3.args import DeepSeekV3Args, YarnScaling
-from tessera.models.hf_config import compare_configs, config_value, refuse_unsupported, rope_section
+from tessera.models.hf_config import compare_configs, config_value, refuse_unsupported, rope_section, yarn_section
 from tessera.models.moe import MoEArgs
 
 # (config.json key, attribute) compared by check_config; max_position_embeddings is not: the
@@ -46,10 +46,6 @@ _DEFAULTS = {  # transformers' defaults per model_type (V2's null expert groups:
     "deepseek_v2": {"topk_method": "greedy", "norm_topk_prob": False, "routed_scaling_factor": 1.0, "n_group": 1,
                     "topk_group": 1, "n_shared_experts": 2, "first_k_dense_replace": 0},
 }
-# rope_scaling's keys for YaRN; transformers' attention_factor would scale the rotary features
-# themselves, which DeepSeek's configs never ask for
-_YARN_KEYS = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast",
-              "beta_slow", "mscale", "mscale_all_dim", "truncate"}
 
 
 def _moe(config: dict, source: str) -> MoEArgs:
@@ -84,29 +80,16 @@ def _moe(config: dict, source: str) -> MoEArgs:
 
 def _yarn(config: dict, source: str) -> tuple[float, YarnScaling | None]:
     name, params, theta = rope_section(config, source)
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
+    yarn = yarn_section(name, params, source, "DeepSeek's YaRN scales the softmax by mscale_all_dim alone",
+                        extra=("mscale", "mscale_all_dim"))
+    if yarn is None:
         return theta, None
-    if rope_type != "yarn":
-        raise ValueError(f"{source}: {name}.rope_type {rope_type!r} is not supported, only 'default' or 'yarn'")
-    unknown = sorted(set(params) - _YARN_KEYS)
-    if unknown:
-        raise ValueError(f"{source}: {name}.{unknown[0]} is not supported (DeepSeek's YaRN scales the softmax by "
-                         "mscale_all_dim alone)")
-    prefix = f"{name}."
-    mscale = config_value(params, "mscale", float, source, prefix=prefix)
-    mscale_all_dim = config_value(params, "mscale_all_dim", float, source, prefix=prefix)
+    mscale = config_value(params, "mscale", float, source, prefix=f"{name}.")
+    mscale_all_dim = config_value(params, "mscale_all_dim", float, source, prefix=f"{name}.")
     if mscale != mscale_all_dim:
         raise ValueError(f"{source}: {name}.mscale {mscale} differs from mscale_all_dim {mscale_all_dim}; "
                          "only equal values are supported")
-    return theta, YarnScaling(
-        factor=config_value(params, "factor", float, source, prefix=prefix),
-        original_max_position_embeddings=config_value(params, "original_max_position_embeddings", int, source, prefix=prefix),
-        beta_fast=config_value(params, "beta_fast", float, source, default=32.0, prefix=prefix),
-        beta_slow=config_value(params, "beta_slow", float, source, default=1.0, prefix=prefix),
-        mscale=mscale_all_dim,
-        truncate=config_value(params, "truncate", bool, source, default=True, prefix=prefix),
-    )
+    return theta, dataclasses.replace(yarn, mscale=mscale_all_dim)
 
 
 def args_from_config(config: dict, source: str = "config.json") -> DeepSeekV3Args:
@@ -117,13 +100,13 @@ def args_from_config(config: dict, source: str = "config.json") -> DeepSeekV3Arg
         raise ValueError(f"{source}: num_key_value_heads {config['num_key_value_heads']} differs from "
                          f"num_attention_heads {n_heads}; multi-head latent attention has one per head")
     theta, yarn = _yarn(config, source)
-    moe, moe_defaults = _moe(config, source), _DEFAULTS[config["model_type"]]
+    moe, defaults = _moe(config, source), _DEFAULTS[config["model_type"]]
     fields = dict(
         vocab_size=config_value(config, "vocab_size", int, source),
         dim=config_value(config, "hidden_size", int, source),
         n_layers=config_value(config, "num_hidden_layers", int, source),
         n_dense_layers=config_value(config, "first_k_dense_replace", int, source,
-                                    default=moe_defaults["first_k_dense_replace"], zero=True),
+                                    default=defaults["first_k_dense_replace"], zero=True),
         n_heads=n_heads,
         inter_dim=config_value(config, "intermediate_size", int, source),
         moe=moe,

@@ -11,7 +11,7 @@ refused. The MoE balance settings are training choices no config.json holds: the
 """
 
 from tessera.models.gpt_oss.args import GPT_OSS_ROUTING, GPT_OSS_YARN, GptOssArgs, alternating_windows
-from tessera.models.hf_config import compare_configs, config_value, refuse_unsupported, rope_section
+from tessera.models.hf_config import compare_configs, config_value, refuse_unsupported, rope_section, yarn_section
 from tessera.models.moe import MoEArgs
 from tessera.models.rotary import YarnScaling
 
@@ -27,8 +27,6 @@ _COMPARED = (
 )
 _SUPPORTED = {"hidden_act": "silu", "attention_bias": True, "tie_word_embeddings": False}
 _WINDOW_LAYER, _FULL_LAYER = "sliding_attention", "full_attention"
-_YARN_KEYS = {"rope_type", "type", "rope_theta", "factor", "beta_fast", "beta_slow", "truncate",
-              "original_max_position_embeddings"}
 _DEFAULT_THETA = 150000.0  # GptOssConfig.default_theta
 
 
@@ -36,23 +34,7 @@ def _rope(config: dict, source: str) -> tuple[float, YarnScaling | None]:
     if config.get("rope_parameters") is None and not config.get("rope_scaling"):  # GptOssConfig's YaRN
         return config_value(config, "rope_theta", float, source, default=_DEFAULT_THETA), GPT_OSS_YARN
     name, params, theta = rope_section(config, source, _DEFAULT_THETA)
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
-        return theta, None
-    if rope_type != "yarn":
-        raise ValueError(f"{source}: {name}.rope_type {rope_type!r} is not supported, only 'default' or 'yarn'")
-    unknown = sorted(set(params) - _YARN_KEYS)
-    if unknown:
-        raise ValueError(f"{source}: {name}.{unknown[0]} is not supported (GPT-OSS's YaRN scales by factor alone)")
-    prefix = f"{name}."
-    return theta, YarnScaling(
-        factor=config_value(params, "factor", float, source, prefix=prefix),
-        original_max_position_embeddings=config_value(params, "original_max_position_embeddings", int, source,
-                                                      prefix=prefix),
-        beta_fast=config_value(params, "beta_fast", float, source, default=32.0, prefix=prefix),
-        beta_slow=config_value(params, "beta_slow", float, source, default=1.0, prefix=prefix),
-        truncate=config_value(params, "truncate", bool, source, default=True, prefix=prefix),
-    )
+    return theta, yarn_section(name, params, source, "GPT-OSS's YaRN scales by factor alone")
 
 
 def _window_layers(config: dict, n_layers: int, source: str) -> tuple[int, ...]:
