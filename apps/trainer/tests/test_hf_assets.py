@@ -1,9 +1,10 @@
 """A Hugging Face model folder (model.hf_assets_path) through the trainer in one process: the
 architecture from its config.json (model.flavor = "from_hf_config"), the weights from its
 safetensors with no checkpoint.initial_load_path, the export's config.json and tokenizer files
-(a tokenizer.json or SentencePiece tokenizer.model copied, tiktoken's formats written as a
-tokenizer.json), a folder holding only a SentencePiece tokenizer as the run's tokenizer, the args
-record beside DCP checkpoints, and the plan's one-line refusals."""
+(a tokenizer.json or SentencePiece tokenizer.model copied, with a tokenizer_config.json naming
+BOS/EOS where a tokenizer.json has none; tiktoken's formats written as a tokenizer.json), a folder
+holding only a SentencePiece tokenizer as the run's tokenizer, the args record beside DCP
+checkpoints, and the plan's one-line refusals."""
 
 import io
 import json
@@ -150,6 +151,34 @@ def test_the_export_holds_the_runs_tokenizer_in_a_format_transformers_reads(tmp_
     text = load_dataset()[0][:2000] + " <|endoftext|> café 世界"
     assert exported.fingerprint == run_tokenizer.fingerprint
     assert exported.encode(text, True, True) == run_tokenizer.encode(text, True, True)
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "SentencePiece"])
+def test_a_tokenizer_json_without_tokenizer_config_exports_with_one_naming_the_runs_bos_and_eos(tmp_path, kind):
+    """transformers' AutoTokenizer on a tokenizer.json alone has no BOS or EOS; Tessera found them
+    (byte-level: specials no name marks, config.json's ids tell; SentencePiece: <s>, </s> by name)."""
+    import transformers  # slow to import, and this test's alone
+
+    hf = tmp_path / "tok"
+    if kind == "SentencePiece":
+        sentencepiece_folder(hf, "tokenizer.json")
+    else:
+        ranks = load_tokenizer().ranks
+        start, stop = len(ranks), len(ranks) + 1
+        write_hf_tokenizer(Tokenizer(ranks, special_tokens={"<|start|>": start, "<|stop|>": stop}, bos_id=start,
+                                     eos_id=stop), hf)
+        (hf / "tokenizer_config.json").unlink()
+        (hf / "config.json").write_text(json.dumps({"bos_token_id": start, "eos_token_id": [stop]}))
+    config = load_config(["--checkpoint.last_save_in_hf", "true", "--model.tokenizer_path", str(hf)])
+    run_tokenizer = load_tokenizer(hf)
+    spec = get_model_spec(config.model.name)
+    _, files = export_files(config, spec, spec.flavors[config.model.flavor], run_tokenizer, str(hf))
+    export = tmp_path / "export"
+    export.mkdir()
+    write_extra_files(export, files)
+    opened = transformers.AutoTokenizer.from_pretrained(export)
+    assert (opened.bos_token_id, opened.eos_token_id) == (run_tokenizer.bos_id, run_tokenizer.eos_id)
+    assert files["tokenizer.json"] == hf / "tokenizer.json" and not (hf / "tokenizer_config.json").exists()
 
 
 def test_a_folder_holding_only_a_sentencepiece_tokenizer_trains(tmp_path):

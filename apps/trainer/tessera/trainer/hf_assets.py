@@ -7,11 +7,12 @@ Only the job plan and the checkpointer use these; the folder's tokenizer is tess
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
 from tessera.ckpt.hf import INDEX_FILE, SINGLE_FILE, hf_tensor_names, quantized_weights
-from tessera.data import hf_tokenizer_files, tokenizer_file
+from tessera.data import hf_tokenizer_config, hf_tokenizer_files, tokenizer_file
 from tessera.models import ARGS_FILE, CONFIG_FILE, ModelSpec, args_record, read_hf_config
 from tessera.trainer.config import ConfigError, JobConfig, user_input
 
@@ -137,14 +138,23 @@ def _tokenizer_files(source: str | None, tokenizer, context: int) -> dict[str, P
     standard names with the HF files beside them, but for a tokenizer.model a tokenizer.json the run
     did not read (transformers would prefer it); the embedded default and Llama 3 tokenizer.model
     files, tiktoken's format that transformers cannot read, are written as tokenizer.json +
-    tokenizer_config.json giving the same ids."""
+    tokenizer_config.json giving the same ids. A copied tokenizer.json without a tokenizer_config.json
+    gets one naming the run's BOS and EOS."""
     file, kind = tokenizer_file(source) if source else (None, "tiktoken")
     if kind == "tiktoken":
         return hf_tokenizer_files(tokenizer, model_max_length=context)
     file = Path(file)
     name = "tokenizer.json" if kind == "tokenizer.json" else "tokenizer.model"
     beside = [n for n in TOKENIZER_FILES if (file.parent / n).is_file() and (n != "tokenizer.json" or name == n)]
-    return {**{n: file.parent / n for n in beside}, name: file}
+    files = {**{n: file.parent / n for n in beside}, name: file}
+    if name == "tokenizer.json" and "tokenizer_config.json" not in files:  # AutoTokenizer would have no BOS/EOS
+        with contextlib.suppress(ValueError):  # unless BOS or EOS is an ordinary token, which no file can name
+            files["tokenizer_config.json"] = _json_bytes(hf_tokenizer_config(tokenizer, model_max_length=context))
+    return files
+
+
+def _json_bytes(doc: dict) -> bytes:
+    return (json.dumps(doc, indent=2) + "\n").encode()
 
 
 def export_files(config: JobConfig, spec: ModelSpec, args, tokenizer, tokenizer_source: str | None) -> tuple[dict, dict]:
@@ -163,4 +173,4 @@ def export_files(config: JobConfig, spec: ModelSpec, args, tokenizer, tokenizer_
         return dcp, {}
     hf_config = spec.hf_config.config_from_args(architecture, dtype=config.checkpoint.export_dtype, **ids)
     tokenizer_files = _tokenizer_files(tokenizer_source, tokenizer, architecture.max_seq_len)
-    return dcp, {CONFIG_FILE: (json.dumps(hf_config, indent=2) + "\n").encode(), **tokenizer_files}
+    return dcp, {CONFIG_FILE: _json_bytes(hf_config), **tokenizer_files}

@@ -4,7 +4,7 @@ sharded, exactly resumable (and prefetched) batches."""
 from tessera.data.columnar import ColumnarDataset
 from tessera.data.datasets import TextDataset, iter_documents, load_dataset
 from tessera.data.held_out import HELD_OUT_FRACTION, split_held_out
-from tessera.data.hf_tokenizer import hf_tokenizer_files, write_hf_tokenizer
+from tessera.data.hf_tokenizer import hf_tokenizer_config, hf_tokenizer_files, write_hf_tokenizer
 from tessera.data.loader import PackedLoader, build_dataloader
 from tessera.data.mixture import parse_mixture
 from tessera.data.peers import Peers, distributed_peers
@@ -36,6 +36,7 @@ __all__ = [
     "Tokenizer",
     "build_dataloader",
     "distributed_peers",
+    "hf_tokenizer_config",
     "hf_tokenizer_files",
     "iter_documents",
     "load_dataset",

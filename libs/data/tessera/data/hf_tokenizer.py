@@ -44,6 +44,7 @@ import regex
 from tessera.data.added_tokens import DEFAULT_MATCH, TokenMatch
 
 if TYPE_CHECKING:
+    from tessera.data.sentencepiece_tokenizer import SentencePieceTokenizer
     from tessera.data.tokenizer import Tokenizer
 
 # The split HF's ByteLevel pre-tokenizer applies when use_regex is true (GPT-2's pattern).
@@ -485,6 +486,22 @@ def bos_eos(path: str, special_tokens: dict[str, int], named: dict[str, int], kn
     return (found["bos"] if found["bos"] is not None else found["eos"]), found["eos"]
 
 
+def hf_tokenizer_config(tokenizer: Tokenizer | SentencePieceTokenizer, model_max_length: int | None = None) -> dict:
+    """The tokenizer_config.json that has transformers' AutoTokenizer, opening `tokenizer` as a
+    tokenizer.json, give its BOS and EOS ids: without one it has neither. Raises ValueError where
+    BOS or EOS is not a special token (the file names them by their text)."""
+    names = {i: t for t, i in tokenizer.special_tokens.items()}
+    for role, token_id in (("BOS", tokenizer.bos_id), ("EOS", tokenizer.eos_id)):
+        if token_id not in names:
+            raise ValueError(f"{tokenizer.name}: {role} id {token_id} is not a special token; tokenizer_config.json "
+                             "names BOS and EOS by their special-token text")
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": names[tokenizer.bos_id],
+              "eos_token": names[tokenizer.eos_id], "clean_up_tokenization_spaces": False}
+    if model_max_length is not None:
+        config["model_max_length"] = model_max_length
+    return config
+
+
 def hf_tokenizer_files(tokenizer: Tokenizer, model_max_length: int | None = None) -> dict[str, bytes]:
     """`tokenizer` as a Hugging Face tokenizer.json and tokenizer_config.json (name -> content), so
     that `tokenizers` and transformers' AutoTokenizer give its ids (special-token strings inside
@@ -492,16 +509,9 @@ def hf_tokenizer_files(tokenizer: Tokenizer, model_max_length: int | None = None
     ranks, split patterns, specials, BOS/EOS and fingerprint. HF's `encode` with special tokens
     prepends BOS, as every training document starts with it. Raises ValueError for what the
     format cannot hold."""
+    config = hf_tokenizer_config(tokenizer, model_max_length)
     names = {i: t for t, i in tokenizer.special_tokens.items()}
-    for role, token_id in (("BOS", tokenizer.bos_id), ("EOS", tokenizer.eos_id)):
-        if token_id not in names:
-            raise ValueError(f"{tokenizer.name}: {role} id {token_id} is not a special token; tokenizer_config.json "
-                             "names BOS and EOS by their special-token text")
-    bos = names[tokenizer.bos_id]
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": names[tokenizer.eos_id],
-              "clean_up_tokenization_spaces": False}
-    if model_max_length is not None:
-        config["model_max_length"] = model_max_length
+    bos = config["bos_token"]
     doc = {
         "version": "1.0",
         "truncation": None,
