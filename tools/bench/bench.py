@@ -304,7 +304,7 @@ def run_peer(known) -> None:
           "runs (titan | tessera)")
     tokens_per_step = known.seq_len * 8
     for nproc in known.nprocs:
-        for dtype in known.dtypes.split(","):
+        for dtype in known.dtypes:
             extra = []
             runs, failure = _peer_cell(root, out, known, dtype, nproc, first, tokens_per_step, extra)
             if failure:
@@ -326,7 +326,7 @@ def run_peer(known) -> None:
             ratios.append(f"ratio {known.model} {dtype} {nproc}: {tessera / titan:.2f} (per CPU-second: "
                           f"{tessera_cpu / titan_cpu if titan_cpu else float('nan'):.2f})"
                           + (f" with {' '.join(extra)}" if extra else ""))
-            if nproc == 1 and dtype == known.dtypes.split(",")[0]:
+            if nproc == 1 and dtype == known.dtypes[0]:
                 print(f"{'':16}parameters: torchtitan {runs['torchtitan'][0]['params']:,}, tessera "
                       f"{runs['tessera'][0]['params']:,}", flush=True)
     print(f"(median tokens/s per rank over steps {first}..{known.steps} of each run, median of {known.repeats} "
@@ -376,7 +376,7 @@ def run_profile(known, overrides: list[str]) -> None:
     root = _peer_or_exit(known.peer_root, needed=known.model in PEER_TOML)
     out = Path(tempfile.mkdtemp(prefix="bench-profile-"))
     columns = {}
-    for dtype in known.dtypes.split(","):
+    for dtype in known.dtypes:
         for which in ("tessera", "torchtitan") if root else ("tessera",):
             folder = out / f"{which}_{dtype}"
             extra = [*profiling_args(which, known.steps), *(overrides if which == "tessera" else [])]
@@ -406,6 +406,19 @@ def _counts(text: str) -> list[int]:
     return [_at_least(1)(part) for part in text.split(",")]
 
 
+def _dtypes(text: str) -> list[str]:
+    """An argparse type: comma-separated values of --training.mixed_precision_param (--dtypes),
+    refused on the command line, not after the runs before the first that fails on one."""
+    from tessera.trainer.config import CHOICES
+
+    choices = CHOICES[("training", "mixed_precision_param")]
+    dtypes = text.split(",")
+    unknown = [dtype for dtype in dtypes if dtype not in choices]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"{unknown[0]!r} is not a dtype; choose from {', '.join(choices)}")
+    return dtypes
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=_at_least(1), help="steps per run (default 30; --long_context: 4)")
@@ -417,7 +430,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peer", action="store_true", help="Tessera vs torchtitan 0.2.2 (needs PEER_ROOT)")
     parser.add_argument("--profile", action="store_true", help="split one step by kind of work")
     parser.add_argument("--peer_root", default=None, help="the torchtitan peer folder (default: $PEER_ROOT)")
-    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--dtypes", type=_dtypes, default="float32,bfloat16",
+                        help="--peer / --profile: comma-separated training.mixed_precision_param values")
     parser.add_argument("--nprocs", type=_counts, default="1,2")
     parser.add_argument("--model", default="llama3", choices=("llama3", "deepseek_v3", "qwen3"),
                         help="--peer / --profile: the model both stacks train (peer.py's MODELS)")

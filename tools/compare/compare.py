@@ -15,6 +15,7 @@ logged, the largest and the mean absolute difference. Bad input: one line on std
 from __future__ import annotations
 
 import argparse
+import io
 import sys
 from pathlib import Path
 
@@ -85,13 +86,30 @@ def table(names: list[str], runs: list[dict], scalar: str) -> list[str]:
 
 def check_out(out: Path) -> None:
     """Refuses an --out whose suffix names no format matplotlib writes (it would fail, or append
-    .png, only after every run was read)."""
+    .png, only after every run was read), or one it cannot write here."""
     from matplotlib.backend_bases import FigureCanvasBase
 
     formats = FigureCanvasBase.get_supported_filetypes()
-    if out.suffix[1:].lower() not in formats:
+    kind = out.suffix[1:].lower()
+    if kind not in formats:
         raise CompareError(f"--out {out}: its suffix must name an image format, one of "
                            f"{', '.join('.' + name for name in sorted(formats))}")
+    _check_writable(out, kind, formats[kind])
+
+
+def _check_writable(out: Path, kind: str, name: str) -> None:
+    """Writes a figure with text as `kind` into memory: a format whose backend runs a program that
+    is missing (.pgf: a TeX one) fails here, not with a traceback and a partial file after every
+    run was read."""
+    from matplotlib.figure import Figure
+
+    probe = Figure(figsize=(1, 1))
+    probe.text(0.5, 0.5, "probe")  # text is what those programs typeset
+    try:
+        probe.savefig(io.BytesIO(), format=kind)
+    except (RuntimeError, OSError) as e:  # matplotlib's errors for a missing or failing program
+        why = str(e).strip().partition("\n")[0] or type(e).__name__  # a TeX error holds its whole log
+        raise CompareError(f"--out {out}: matplotlib cannot write {name} here: {why}") from None
 
 
 def plot(names: list[str], runs: list[dict], scalars: list[str], out: Path) -> None:

@@ -91,3 +91,16 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys, argv, message):
     assert compare.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("compare: error: ") and message in err and err.count("\n") == 1
+
+
+def test_an_out_format_needing_a_missing_program_is_one_line_and_no_file(tmp_path, monkeypatch, capsys):
+    """.pgf: matplotlib runs xelatex (here off PATH) to typeset the text; it was a RuntimeError
+    traceback after every run was read, leaving a partial file."""
+    run = _run(tmp_path / "run", [1.0])
+    monkeypatch.setenv("PATH", str(tmp_path / "no-programs"))
+    out = tmp_path / "loss.pgf"
+    assert compare.main([str(run), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"compare: error: --out {out}: matplotlib cannot write PGF code for LaTeX here: 'xelatex' "
+                          "not found") and err.count("\n") == 1, err
+    assert not out.exists()
