@@ -31,7 +31,6 @@ import os
 import random
 import re
 import resource
-import shutil
 import signal
 import subprocess
 import sys
@@ -343,13 +342,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < MIN_STEPS:
         parser.error(f"--steps must be >= {MIN_STEPS}: faults strike as late as step {MIN_STEPS} (the stalled rank)")
     only = _only(parser, args.only)
-    work = Path(tempfile.mkdtemp(prefix="tessera-faults-"))
+    # removed however the run ends: a crash inside it, a refusal, Ctrl-C
+    with tempfile.TemporaryDirectory(prefix="tessera-faults-", ignore_cleanup_errors=True) as work:
+        return _inject_and_measure(parser, args, only, Path(work))
+
+
+def _inject_and_measure(parser: argparse.ArgumentParser, args: argparse.Namespace, only: list[str], work: Path) -> int:
+    """The chosen faults and recoveries in `work`, their tables; 1 if any failed."""
     no_tmpfs = _tmpfs_unavailable(work)
     chosen = [fault for fault in faults(random.Random(args.seed), args.steps, tmpfs=no_tmpfs is None)
               if any(part in fault.name for part in only)]
     recoveries = [r for r in recovery.RECOVERIES if any(part in r.name for part in only)]
     if not chosen and not recoveries:  # tmpfs faults alone, and no tmpfs here
-        shutil.rmtree(work, ignore_errors=True)
         parser.error(f"--only {args.only!r} matches only faults on a real tmpfs, which cannot be mounted here ({no_tmpfs})")
     rows, references = [], {}
     for fault in chosen:
@@ -373,7 +377,6 @@ def main(argv: list[str] | None = None) -> int:
     bad = [row for row in rows if not row["survived"] or row["data lost"]
            or (row["resumes"] and (row["loss diff"] != 0 or row["weight diff"] != 0))]
     bad += [row for row in recovered if not row["survived"]]
-    shutil.rmtree(work, ignore_errors=True)
     return 1 if bad else 0
 
 

@@ -83,3 +83,19 @@ def test_bad_arguments_are_one_line_before_any_temporary_folder(capsys, monkeypa
     assert stop.value.code == 2
     usage, error = capsys.readouterr().err.splitlines()
     assert error.startswith(f"faults: error: {message}"), error
+
+
+def test_a_crash_mid_run_removes_the_temporary_folder(monkeypatch):
+    """A failure inside the suite (here: the first trainer run's start) left the folder behind."""
+    made = []
+
+    def crash(dump, *args, **kwargs):
+        made.append(dump.parent)
+        assert dump.parent.is_dir()
+        raise RuntimeError("crashed mid-run")
+    monkeypatch.setattr(faults, "_tmpfs_unavailable", lambda work: "not mounted in this test")
+    monkeypatch.setattr(faults, "Run", crash)
+    with pytest.raises(RuntimeError, match="crashed mid-run"):
+        faults.main(["--only", "sigterm-single"])
+    (work,) = made
+    assert work.name.startswith("tessera-faults-") and not work.exists()
