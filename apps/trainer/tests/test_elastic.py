@@ -3,15 +3,19 @@ and tools/slurm launch the trainer), a rank that dies (the [debug] fault switch)
 job, which resumes from its newest checkpoint by itself and continues exactly as an
 uninterrupted run (same losses, same final weights)."""
 
+import errno
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from tessera.ckpt import read_dcp
+from tessera.trainer import master_port
 from tessera.trainer.faults import elastic_store_note, inject_fault
 from tessera.trainer.config import load_config
 
@@ -75,3 +79,22 @@ def test_plain_torchrun_with_restarts_gets_a_note(monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")
     assert elastic_store_note() is None
+
+
+def test_the_master_port_stays_held_until_rank_0_binds_it(monkeypatch):
+    """Without a shared rendezvous store (restarts) torchrun handed rank 0 a port it had released,
+    which another process could take before rank 0 bound it; the launcher now holds it."""
+    from torch.distributed.elastic.rendezvous import api
+
+    monkeypatch.setattr(api, "get_free_port", api.get_free_port)  # restored after the test
+    monkeypatch.setattr(master_port, "_held", [])
+    master_port.hold_master_ports()
+    port = api.RendezvousStoreInfo.build(0, torch.distributed.HashStore(), local_addr="localhost").master_port
+    with socket.socket() as other, pytest.raises(OSError) as taken:
+        other.bind(("", port))
+    assert taken.value.errno == errno.EADDRINUSE
+    store = torch.distributed.TCPStore("localhost", port, is_master=True, wait_for_workers=False)  # rank 0's
+    store.set("bound", "yes")
+    assert torch.distributed.TCPStore("localhost", port, is_master=False).get("bound") == b"yes"
+    for sock in master_port._held:
+        sock.close()

@@ -36,7 +36,8 @@ SMALL = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--metr
 FT = ["--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2"]
 # the survivor must still be training when the killed group is back: under load a restart took
 # 47+ of the survivor's steps (DiLoCo) and more than the 58 steps it had left (per step, ~0.12 s each);
-# a multiple of the DiLoCo test's sync_steps (4), so that its last step syncs the groups
+# a multiple of the DiLoCo test's sync_steps (4), so that its last step syncs the groups. The per-step
+# run is stopped (SIGTERM) once the killed group is back, ~100 steps of both groups sooner
 STEPS = 148
 ENV = {key: value for key, value in os.environ.items() if key != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
 # a dead group is noticed after 1 s without a heartbeat (torchft's default is 5 s)
@@ -98,40 +99,73 @@ def fault_line(kill_step):
     return f"[replica 1] debug: injected fault: rank 1 crashes before step {kill_step} (debug.fault_at_step)"
 
 
-def killed_run(dump, kill_step, *args):
-    """The 2-group run whose group 1 is killed before `kill_step`. Run again, once, when that
-    group's first process never reached the step, so the scenario did not take place: the
-    group restarted before it (torchrun's master port taken by another process between its
-    choice and the rank's bind, the free-port race of an unshared rendezvous store), or the
-    Lighthouse dropped it from a quorum (no heartbeat for the tests' 1 s) and it healed past
-    the step. The skipped run's group-1 lines and Lighthouse log are kept beside for a reader."""
+def stopped_once_back(dump, *args):
+    """The run's output, the run stopped by a SIGTERM to its launcher (every group at one step)
+    once group 1 has recovered and trained 2 steps with group 0, or ended by itself."""
+    log = dump.with_name(dump.name + ".log")
+    with open(log, "w") as out:
+        launcher = subprocess.Popen(command(dump, *args), env=ENV, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 900
+        while launcher.poll() is None and time.monotonic() < deadline:
+            text = log.read_text()
+            back = re.search(r"^\[replica 1\] fault tolerance: replica group 1 recovered live from replica group 0 at "
+                             r"step (\d+)", text, re.M)
+            if back and re.search(rf"^\[replica 1\] step +{int(back[1]) + 2}/", text, re.M):
+                launcher.send_signal(signal.SIGTERM)
+                break
+            time.sleep(0.05)
+        code = launcher.wait(timeout=900)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    out = log.read_text()
+    assert code == 0, out[-5000:]
+    return out
+
+
+def killed_run(dump, kill_step, *args, stop=False):
+    """The 2-group run whose group 1 is killed before `kill_step` (with `stop`, stopped once that
+    group is back: stopped_once_back). Run again, once, when that group's first process did not
+    train every step up to it, so the scenario did not take place: the group restarted before it
+    (a start-up failure; torchrun's free master port taken before the rank bound it was one,
+    tessera.trainer.master_port), or the Lighthouse dropped it from a sync's quorum (no heartbeat
+    for the tests' 1 s) and it healed, past the step or before it. The skipped run's group-1
+    lines and Lighthouse log are kept beside for a reader."""
     argv = ["--nproc", "2", *args, "--debug.fault_at_step", str(kill_step), "--debug.fault_rank", "1"]
-    out = run(dump, *argv)
-    if fault_line(kill_step) in out:
+    faulty = stopped_once_back if stop else run
+    out = faulty(dump, *argv)
+    before, fired, _ = out.partition(fault_line(kill_step))
+    if fired and "[replica 1] fault tolerance: replica group 1 recovered live" not in before:
         return out
     skipped = dump.with_name(dump.name + "-skipped")
     dump.rename(skipped)
     (skipped / "out.txt").write_text(out)
-    warnings.warn(f"replica group 1 never reached step {kill_step} in its first process; ran again "
+    warnings.warn(f"replica group 1 did not train every step up to {kill_step} in its first process; ran again "
                   f"(see {skipped}): " + " | ".join(line for line in out.splitlines() if line.startswith("[replica 1]")
                                                       and ("rror" in line or "recovered" in line or "from step" in line))[:800])
-    return run(dump, *argv)
+    return faulty(dump, *argv)
 
 
 def check_recovery(out, kill_step, every=1):
     """The survivor (group 0) never restarted nor went back; group 1 logged its steps up to the
-    kill, then from the step it recovered at; one recovery line; equal final weights. Returns
-    (survivor's steps, group 1's, the recovery step)."""
+    kill, then from the step it recovered at; one recovery line; equal final weights (after the
+    last step, or the step a stop ended both groups at). Returns (survivor's steps, group 1's, the
+    recovery step)."""
     survivor, restarted = logged(out, 0), logged(out, 1)
-    assert [step for step, _ in survivor] == list(range(1, STEPS + 1)), out[-6000:]
+    stops = re.findall(r"^\[replica (\d)\] stopped by .+ after step (\d+):", out, re.M)
+    assert not stops or (len(stops) == 2 and stops[0][1] == stops[1][1]), stops
+    last = int(stops[0][1]) if stops else STEPS
+    assert [step for step, _ in survivor] == list(range(1, last + 1)), out[-6000:]
     assert fault_line(kill_step) in out, out[-6000:]
     recoveries = re.findall(r"^\[replica 1\] fault tolerance: replica group 1 recovered live from replica group 0 at step "
                             rf"(\d+) \(weights, optimizer, lr schedule: .*\); its data resumes after its step {kill_step - 1}$",
                             out, re.M)
     assert len(recoveries) == 1, out[-4000:]
     recovered = int(recoveries[0])
-    assert kill_step <= recovered < STEPS - every and recovered % every == 0  # the survivor trained alone meanwhile
-    assert [step for step, _ in restarted] == [*range(1, kill_step), *range(recovered + 1, STEPS + 1)]
+    assert kill_step <= recovered < last - every and recovered % every == 0  # the survivor trained alone meanwhile
+    assert [step for step, _ in restarted] == [*range(1, kill_step), *range(recovered + 1, last + 1)]
     final = digests(out)
     assert final.keys() == {"0", "1"} and final["0"] == final["1"]
     return dict(survivor), dict(restarted), recovered
@@ -141,7 +175,7 @@ def test_a_killed_group_recovers_live_while_the_other_trains_on(tmp_path):
     # checkpoints after step 1 (the survivor resumes from it alone below) and the last; killed before step 2
     args = [*FT, "--training.steps", str(STEPS), "--checkpoint.enable", "true", "--checkpoint.enable_first_step_checkpoint",
             "true", "--checkpoint.interval", str(STEPS)]
-    out = killed_run(tmp_path / "faulty", 2, *args)
+    out = killed_run(tmp_path / "faulty", 2, *args, stop=True)
     survivor, restarted, recovered = check_recovery(out, kill_step=2)
     assert "[replica 0] fault tolerance: replica group 0: from step 2, 1 of 2 replica groups train" in out
     assert f"[replica 0] fault tolerance: replica group 0: from step {recovered + 1}, 2 of 2 replica groups train" in out
@@ -153,17 +187,21 @@ def test_a_killed_group_recovers_live_while_the_other_trains_on(tmp_path):
 
 
 def test_with_diloco_a_killed_group_recovers_live_at_the_next_sync(tmp_path):
+    # each group checkpoints itself (the groups differ between syncs) at a sync both took part in:
+    # every 24 steps, not at every sync (4), whose 37 saves per group were ~40 % of the test's CPU;
+    # group 1 is killed mid-cycle after the first (killed_run reruns if a quorum dropped it before)
+    interval = 24
     args = [*FT, "--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "4",
-            "--training.steps", str(STEPS), "--checkpoint.enable", "true", "--checkpoint.interval", "4",
+            "--training.steps", str(STEPS), "--checkpoint.enable", "true", "--checkpoint.interval", str(interval),
             "--checkpoint.keep_latest_k", "0"]
-    out = killed_run(tmp_path / "faulty", 6, *args)
-    survivor, restarted, recovered = check_recovery(out, kill_step=6, every=4)
+    out = killed_run(tmp_path / "faulty", interval + 2, *args)
+    survivor, restarted, recovered = check_recovery(out, kill_step=interval + 2, every=4)
     assert survivor[1] != restarted[1]  # each group its own data and loss
-    # each group checkpoints itself at the syncs (the groups differ between them); the survivor from its step 4 alone
-    by_itself = dict(logged(alone(tmp_path / "faulty", tmp_path, 4, recovered + 5, *args)))
+    # the survivor from that checkpoint alone
+    by_itself = dict(logged(alone(tmp_path / "faulty", tmp_path, interval, recovered + 5, *args)))
     # the sync the group recovers at averages the survivor's weight deltas with their copy: the
     # survivor's next inner steps are still its own; the sync after differs
-    assert all(survivor[step] == by_itself[step] for step in range(5, recovered + 5))
+    assert all(survivor[step] == by_itself[step] for step in range(interval + 1, recovered + 5))
     assert survivor[recovered + 5] != by_itself[recovered + 5]
 
 

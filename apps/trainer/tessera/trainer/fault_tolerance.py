@@ -85,6 +85,9 @@ class NoReplicas:
     def steps(self, train_step: Callable) -> Callable:
         return train_step
 
+    def stopped(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -530,10 +533,15 @@ class ReplicaGroup:
 
         return step
 
-    def _say_digest(self) -> None:
-        """After the last step: one line with a digest of the group's weights (every rank's shard,
-        bit for bit), so the groups' final weights can be compared from their logs."""
-        if self.committed != self.config.training.steps:
+    def stopped(self) -> None:
+        """The run ends before its last step (a stop signal; every rank of the group calls this):
+        the digest too, as after the last step."""
+        self._say_digest(ending=True)
+
+    def _say_digest(self, ending: bool = False) -> None:
+        """After the last step (or a stop, `ending`): one line with a digest of the group's weights
+        (every rank's shard, bit for bit), so the groups' final weights can be compared from their logs."""
+        if self.committed != self.config.training.steps and not ending:
             return
         digest = hashlib.sha256()
         for part in self.parts:

@@ -129,8 +129,6 @@ def launch_replica_groups(nproc: int, hosts: list[str], node_rank: int, port: in
 
     previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
     try:
-        if lighthouse is not None:
-            _check_started(lighthouse)
         for g, ranks, group_hosts, group_node in groups:
             where = ["--node_rank", str(group_node)]
             if len(group_hosts) > 1:
@@ -144,6 +142,8 @@ def launch_replica_groups(nproc: int, hosts: list[str], node_rank: int, port: in
                 relay = threading.Thread(target=_relay, args=(stream, out, f"[replica {g}] ".encode()), daemon=True)
                 relay.start()
                 relays.append(relay)
+        if lighthouse is not None:  # checked while the groups start (their imports take longer)
+            _check_started(lighthouse)
         codes = {g: proc.wait() for g, proc in procs}
         for relay in relays:
             relay.join()

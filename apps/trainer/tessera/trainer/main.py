@@ -18,9 +18,17 @@ quietly.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from pathlib import Path
+
+# Run as a program (a rank, a launcher), not imported: no garbage collection while torch and the
+# libraries load (passes over their million objects, ~1 s of CPU per process); _loaded() freezes them
+# and turns it back on.
+_LOADING = __name__ == "__main__"
+if _LOADING:
+    gc.disable()
 
 from tessera.trainer.config import ConfigError, load_config
 from tessera.trainer.faults import STOP_SIGNALS, TrainingError, die_with_launcher, elastic_store_note
@@ -65,6 +73,10 @@ def _launch_local(nproc: int, argv: list[str], grace_s: int, rendezvous: tuple[s
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import get_args_parser, run
+
+    from tessera.trainer.master_port import hold_master_ports
+
+    hold_master_ports()
 
     os.environ["TESSERA_LAUNCHER_PID"] = str(os.getpid())  # the ranks die with this process (faults.py)
     # torchrun's own default for several ranks per node, set here without its four-line banner
@@ -119,6 +131,17 @@ def _error(message: str, code: int) -> int:
     else:
         print(message, file=sys.stderr)
     return code
+
+
+def _loaded() -> None:
+    """After the imports of a process run as a program: what they made lives as long as the process,
+    so the collector stops walking it (gc.freeze, which also spares the exit a full pass), and
+    collection resumes for what comes next."""
+    global _LOADING
+    if _LOADING:
+        gc.freeze()
+        gc.enable()
+        _LOADING = False
 
 
 def _print_for_a_reader(text: str) -> None:
@@ -190,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             # every config error once, before any worker starts (with fault tolerance: for one replica group)
             make_plan(config, world if one_group else group_world_size(world, config))
             restarts = 3 if max_restarts is None else max_restarts
+            _loaded()
             port = port or launch.DEFAULT_PORT
             if config.fault_tolerance.enable and not one_group:
                 return launch.launch_replica_groups(nproc, host_list, node, port, restarts, argv, config)
@@ -197,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                                  restarts if config.fault_tolerance.enable else (max_restarts or 0))
         from tessera.trainer.train import train
 
+        _loaded()
         die_with_launcher()
         note = elastic_store_note()
         if note and os.environ.get("RANK", "0") == "0":

@@ -218,6 +218,7 @@ def _train(plan: JobPlan, info) -> list[dict]:
                     if info.rank == 0:
                         print(f"stopped by {stop.received or 'a stop signal'} after step {step}: "
                               f"{'checkpoint saved' if saved else 'checkpointing is off, nothing saved'}", flush=True)
+                    replicas.stopped()
                     break
                 if step == start_step + 1 and dist.is_initialized():
                     tighten_timeouts(config.comm.train_timeout_seconds, meshes)
