@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
 
 
 def _grouped_by_mesh(params: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
@@ -96,17 +97,23 @@ def clip_grad_norm_(
     total = _combine(norms, norm_type, pp_mesh).float()
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"gradient norm is {total.item()}: gradients left unscaled; skip this optimizer step")
-    for group in [plain, *mesh_groups]:
-        partial = [p for p in group if _is_partial(p.grad)]
-        whole = [p for p in group if not _is_partial(p.grad)]
-        if whole:
-            torch.nn.utils.clip_grads_with_norm_(whole, max_norm, total)
-        if partial:  # torch 2.11's _foreach_mul_ leaves a Partial DTensor unscaled; mul_ scales it
-            torch.nn.utils.clip_grads_with_norm_(partial, max_norm, total, foreach=False)
+    grads = [p.grad for group in [plain, *mesh_groups] for p in group]
+    if grads:
+        _scale_(grads, max_norm, total)
     return total
 
 
-def _is_partial(grad: torch.Tensor) -> bool:
-    """A DTensor holding unreduced sums, as a replicated norm weight's gradient under sequence
-    parallel is until the optimizer's arithmetic reduces it."""
-    return isinstance(grad, DTensor) and any(placement.is_partial() for placement in grad.placements)
+def _scale_(grads: list[torch.Tensor], max_norm: float, total: torch.Tensor) -> None:
+    """torch's clip_grads_with_norm_ (grad *= min(max_norm / (total + 1e-6), 1)), on each DTensor's
+    local tensor: a scalar scales every placement alike, the sums a Partial one holds too. Through
+    DTensor, one _foreach_mul_ over a step's gradients on a 2-3 dimensional mesh spent 5 of a
+    TP 2 x EP 2 run's 10 s (CPU, torch 2.13) in sharding propagation, and torch 2.11's left Partial
+    gradients (sequence-parallel norm weights) unscaled."""
+    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    for (device, _), ([tensors], _) in _group_tensors_by_device_and_dtype([local]).items():
+        if _has_foreach_support(tensors, device):
+            torch._foreach_mul_(tensors, coef.to(device))
+        else:
+            for tensor in tensors:
+                tensor.mul_(coef.to(device))
