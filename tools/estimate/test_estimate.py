@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 import types
 from pathlib import Path
@@ -39,6 +40,14 @@ TP2 = (2, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_para
 FSDP2_TP2 = (4, ["--parallelism.tensor_parallel_degree", "2"])
 
 
+@functools.cache
+def _planned_trace(argv: tuple[str, ...], world: int, device: str) -> tuple:
+    """(the check-only plan, rank 0's trace) of a config, traced once in this module: TP 2 without
+    AC on a "cpu" plan is both test_formula_against_trace's and test_formula_against_trace_tp_cuda's."""
+    plan = make_plan(load_config(list(argv)), world, device, check_only=True)
+    return plan, traced.trace_rank(plan, 0)
+
+
 def test_formula_against_trace():
     """Closed form vs trace for each layout the trace covers: state exact, activations and
     collective bytes within 1 %, peak within 10 % (the formula's backward is coarser); offload's
@@ -48,19 +57,20 @@ def test_formula_against_trace():
     tp4 = (4, ["--parallelism.tensor_parallel_degree", "4", "--parallelism.data_parallel_shard_degree", "1"])
     muon = (4, ["--parallelism.tensor_parallel_degree", "2", "--optimizer.name", "Muon"])
     bf16_moments = (2, ["--optimizer.state_dtype", "bfloat16", "--optimizer.implementation", "for-loop"])
-    for world, degrees in (FSDP2_TP2, TP2, tp4, muon, bf16_moments):
-        kept = {}
-        for mode in ("none", "selective", "offload"):
-            plan = make_plan(load_config([*BASE, *degrees, "--activation_checkpoint.mode", mode]), world, "cpu", check_only=True)
-            t, f = traced.trace_rank(plan, 0), formulas.estimate_rank(plan)
-            kept[mode] = t.activations
-            assert {k: getattr(t, k) for k in STATE} == {k: getattr(f, k) for k in STATE}
-            assert f.activations == pytest.approx(t.activations, rel=0.01)
-            assert f.peak == pytest.approx(t.peak, rel=0.10)
-            for key, n in t.comm.items():
-                if n > 1 << 16:  # the loss and norm all-reduces are left out of the formula
-                    assert f.comm[key] == n, key
-        assert kept["offload"] < kept["selective"] < kept["none"]
+    with traced.shared_meshes():  # a layout's AC modes trace over one set of meshes (DTensor's caches kept)
+        for world, degrees in (FSDP2_TP2, TP2, tp4, muon, bf16_moments):
+            kept = {}
+            for mode in ("none", "selective", "offload"):
+                plan, t = _planned_trace((*BASE, *degrees, "--activation_checkpoint.mode", mode), world, "cpu")
+                f = formulas.estimate_rank(plan)
+                kept[mode] = t.activations
+                assert {k: getattr(t, k) for k in STATE} == {k: getattr(f, k) for k in STATE}
+                assert f.activations == pytest.approx(t.activations, rel=0.01)
+                assert f.peak == pytest.approx(t.peak, rel=0.10)
+                for key, n in t.comm.items():
+                    if n > 1 << 16:  # the loss and norm all-reduces are left out of the formula
+                        assert f.comm[key] == n, key
+            assert kept["offload"] < kept["selective"] < kept["none"]
 
 
 CONFIGS = Path(__file__).absolute().parents[2] / "apps" / "trainer" / "configs"  # runfiles: the data dep
@@ -106,15 +116,17 @@ def test_formula_against_whole_trace_at_scale(config, world, argv, depth, tolera
     plan = make_plan(load_config(["--job.config_file", str(CONFIGS / config), *argv]), world, "cuda", check_only=True)
     if depth is not None:
         plan = dataclasses.replace(plan, model_args=dataclasses.replace(plan.model_args, n_layers=depth))
-    whole, f = traced.trace_rank(plan, 0), formulas.estimate_rank(plan)
+    with traced.shared_meshes():  # the whole model's trace and the cuts after it: one set of meshes (DTensor's caches)
+        whole = traced.trace_rank(plan, 0)
+        depths = _cut_depths(monkeypatch)
+        by_blocks = traced.extended_from_cuts(plan, 0)
+    f = formulas.estimate_rank(plan)
     print(f"{config} {argv}: peak formula {f.peak / 2**30:.2f} GiB, whole trace {whole.peak / 2**30:.2f} GiB "
           f"({f.peak / whole.peak - 1:+.2%})")
     assert {k: getattr(f, k) for k in STATE} == {k: getattr(whole, k) for k in STATE}
     if plan.batch.accumulation == 1:  # (an accumulating trace's forward end holds the gradients too)
         assert f.activations == pytest.approx(whole.activations, rel=0.001)
     assert f.peak == pytest.approx(whole.peak, rel=tolerance)
-    depths = _cut_depths(monkeypatch)
-    by_blocks = traced.extended_from_cuts(plan, 0)
     assert max(depths) < plan.model_args.n_layers
     assert by_blocks.peak == pytest.approx(whole.peak, rel=0.001) and by_blocks.activations == pytest.approx(whole.activations, rel=0.001)
 
@@ -137,10 +149,11 @@ def test_formula_against_trace_tp_cuda():
     composite a "cpu" plan's DTensor norms take): activations within 0.1 % of the trace."""
     world, degrees = TP2
     traces = {}
-    for device in ("cpu", "cuda"):
-        plan = make_plan(load_config([*BASE, *degrees]), world, device, check_only=True)
-        traces[device], f = traced.trace_rank(plan, 0), formulas.estimate_rank(plan)
-        assert f.activations == pytest.approx(traces[device].activations, rel=0.001)
+    with traced.shared_meshes():  # the devices' plans have the same meshes
+        for device in ("cpu", "cuda"):
+            plan, traces[device] = _planned_trace((*BASE, *degrees, "--activation_checkpoint.mode", "none"), world, device)
+            f = formulas.estimate_rank(plan)
+            assert f.activations == pytest.approx(traces[device].activations, rel=0.001)
     assert traces["cuda"].activations < traces["cpu"].activations
 
 
@@ -150,8 +163,9 @@ def test_cuda_plan_fuses_qwen3_tensor_parallel_qk_norms():
     keeps less than the CPU composite."""
     argv = [*BASE, "--model.name", "qwen3", "--model.flavor", "tiny", "--parallelism.tensor_parallel_degree", "2",
             "--parallelism.data_parallel_shard_degree", "1"]
-    kept = {device: traced.trace_rank(make_plan(load_config(argv), 2, device, check_only=True), 0).activations
-            for device in ("cpu", "cuda")}
+    with traced.shared_meshes():  # the devices' plans have the same meshes
+        kept = {device: traced.trace_rank(make_plan(load_config(argv), 2, device, check_only=True), 0).activations
+                for device in ("cpu", "cuda")}
     assert kept["cuda"] < kept["cpu"]
 
 

@@ -14,6 +14,7 @@ from tessera.trainer.config import load_config
 from tessera.trainer.plan import make_plan
 
 import estimate
+import traced
 from measure import measure_rank
 
 BASE = ["--training.seq_len", "128", "--training.local_batch_size", "4"]
@@ -83,9 +84,11 @@ def test_state_exact_and_peak_within_5_percent(layout, measured):
     """Per rank role: state bytes exact (trace and formula); the peak (a pipeline stage's from the
     formula's activations over the traced state, estimate.estimate) within 5 % of the real step's."""
     world, degrees = LAYOUTS[layout]
-    for m, mode in enumerate(_modes(layout)):
-        plan = make_plan(load_config([*BASE, *degrees, "--activation_checkpoint.mode", mode]), world, "cpu", check_only=True)
-        for role in estimate.estimate(plan)["roles"]:
+    with traced.shared_meshes():  # the AC modes' traces over one set of meshes (DTensor's caches kept)
+        reports = [estimate.estimate(make_plan(load_config([*BASE, *degrees, "--activation_checkpoint.mode", mode]), world,
+                                               "cpu", check_only=True)) for mode in _modes(layout)]
+    for m, (mode, report) in enumerate(zip(_modes(layout), reports)):
+        for role in report["roles"]:
             est, real = role["traced"], measured[layout][role["ranks"][0]][m]
             assert {k: est[k] for k in STATE} == {k: real[k] for k in STATE}
             assert "formula" not in role or {k: role["formula"][k] for k in STATE} == {k: real[k] for k in STATE}

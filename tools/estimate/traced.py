@@ -82,14 +82,65 @@ def _parts(plan: JobPlan, meshes: Meshes) -> list[torch.nn.Module]:
     return [parallelize(pp.keep_only(model, plan.pipeline.parts[s], "layers"), plan, meshes) for s in stages]
 
 
+_session: dict | None = None  # shared_meshes()' open session, once it traced: {"key": (world, rank, dims), "meshes": Meshes}
+
+
+@contextlib.contextmanager
+def shared_meshes():
+    """Traces inside share one fake process group and its meshes for as long as their world size,
+    rank and parallel dims stay the same (the cuts of one model, its AC modes and local batches):
+    DTensor's sharding propagation and redistribution caches, which hold the meshes, then carry
+    from one trace to the next instead of being rebuilt (about a quarter of a debug model's trace).
+    Each trace builds its own model, as a trainer building several models over one mesh would.
+    Nested sessions are the outermost one."""
+    global _session
+    if _session is not None:
+        yield
+        return
+    _session = {}
+    try:
+        yield
+    finally:
+        if _session:
+            _release()
+        _session = None
+
+
+def _release() -> None:
+    """Ends the fake process group of a trace (or a session) and DTensor's caches that hold its meshes."""
+    dist.destroy_process_group()
+    # DTensor caches sharding propagation and redistribution plans by mesh equality, holding
+    # the mesh: the next trace's equal mesh would reuse this one's process groups, gone now
+    _clear_sharding_prop_cache()
+    clear_redistribute_planner_cache()
+
+
+def _meshes(plan: JobPlan, rank: int) -> Meshes:
+    """The meshes of the plan's dims for `rank`, over a new fake process group, or the
+    shared_meshes() session's where they match (the session's released where they do not)."""
+    key = plan.world_size, rank, plan.dims
+    if _session:
+        if _session["key"] == key:
+            return _session["meshes"]
+        _session.clear()
+        _release()
+    dist.init_process_group("fake", rank=rank, world_size=plan.world_size, store=FakeStore())
+    try:
+        meshes = build_meshes(plan.dims, "cpu")
+    except BaseException:
+        _release()
+        raise
+    if _session is not None:
+        _session.update(key=key, meshes=meshes)
+    return meshes
+
+
 def trace_rank(plan: JobPlan, rank: int) -> RankMemory:
     """One rank's memory and communication for one steady-state step (optimizer state present)."""
     device, attention, plan = plan.device, plan.attention, traced_on_cpu(plan)
     world = plan.world_size
-    if world > 1:
-        dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    meshes = _meshes(plan, rank) if world > 1 else Meshes.single()
     try:
-        meshes = build_meshes(plan.dims, "cpu") if world > 1 else Meshes.single()
         parts = _parts(plan, meshes)
         if device == "cuda":
             for part in parts:
@@ -129,12 +180,8 @@ def trace_rank(plan: JobPlan, rank: int) -> RankMemory:
                               at_peak=_owners(live, at_peak, params, grads, states(), buffers, comm.buffers),
                               comm=dict(comm.bytes), calls=dict(comm.calls), groups=group_ranks(meshes))
     finally:
-        if world > 1:
-            dist.destroy_process_group()
-            # DTensor caches sharding propagation and redistribution plans by mesh equality, holding
-            # the mesh: the next trace's equal mesh would reuse this one's process groups, gone now
-            _clear_sharding_prop_cache()
-            clear_redistribute_planner_cache()
+        if world > 1 and _session is None:
+            _release()
 
 
 def _state(live: LiveBytes, params, grads, states, buffers) -> dict[str, int]:
@@ -299,12 +346,13 @@ def extended_from_cuts(plan: JobPlan, rank: int) -> RankMemory:
     a = plan.model_args
     depths = _cut_depths(a)
     cuts = []
-    for n in depths:
-        cuts.append(trace_rank(dataclasses.replace(plan, model_args=dataclasses.replace(a, n_layers=n)), rank))
-        if len(cuts) >= 3 and _steps_agree(*cuts[-3:]):
-            break
-    else:
-        return trace_rank(plan, rank)
+    with shared_meshes():
+        for n in depths:
+            cuts.append(trace_rank(dataclasses.replace(plan, model_args=dataclasses.replace(a, n_layers=n)), rank))
+            if len(cuts) >= 3 and _steps_agree(*cuts[-3:]):
+                break
+        else:
+            return trace_rank(plan, rank)
     one, two = cuts[-2:]
     more = (a.n_layers - depths[len(cuts) - 2]) // depths.step  # periods from `one` to the whole model
 

@@ -221,6 +221,7 @@ def _all_to_all_floor(layout: Layout, a, moe_layers: int, rows: float, gpu: GPU)
     return step_time.ring_seconds(sent, layout.ep, step_time.group_nodes(layout.ep, 1, gpu), gpu)[1]
 
 
+@traced.shared_meshes()  # layouts of equal dims (AC modes, local batches) share DTensor's caches
 def search(args, gpu: GPU, traces: dict | None = None) -> tuple[list[Candidate], int, int, float | None]:
     """The best `args.top` distinct layouts (Layout.key; each with its best variant), exactly:
     layouts are tried in order of their lower bound and the search stops once that bound reaches
@@ -436,6 +437,7 @@ def _reduction(key: tuple[str, str]) -> bool:
     return kind in ("reduce_scatter", "all_reduce") and step_time.job_dim(dim) in step_time.FSDP_DIMS
 
 
+@traced.shared_meshes()  # its local batches of 2 and 4 have equal dims
 def traced_estimate(layout: Layout, ac: str, args, plans: dict, traces: dict) -> traced.RankMemory:
     """traced.trace_by_blocks of the layout's job plan, made once. Under accumulation a local batch
     of 8 or more sequences is extended from the traces of 2 and 4 (accumulating too): the
