@@ -6,6 +6,8 @@ under FSDP 2; a resume that moves FSDP 2 -> one process -> TP 2 continues the un
 exactly; AdamW with bfloat16 moments the same under FSDP 2 x TP 2; and a resume with other groups
 is refused in one line."""
 
+import functools
+
 import pytest
 from final_params import assert_params_close, final_params
 
@@ -55,11 +57,22 @@ def _without_layout(argv):
     return out
 
 
+@pytest.fixture(scope="module")
+def single_process(tmp_path_factory):
+    """single_process(argv): the single-process run's (history, parameters) for these arguments, run
+    once per module (Muon's FSDP 2 and FSDP 2 x TP 2 share one, its TP 2 and PP 2 another) and
+    never changed by the tests."""
+    @functools.cache
+    def run(argv: tuple[str, ...]):
+        return _train_rank(0, 1, [*argv, "--job.dump_folder", str(tmp_path_factory.mktemp("one"))])
+
+    return run
+
+
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_optimizer_layout_matches_single_process(tmp_path, layout):
+def test_optimizer_layout_matches_single_process(tmp_path, single_process, layout):
     ranks, extra, dp = LAYOUTS[layout]
-    single = [*BASE, *_without_layout(extra), "--training.local_batch_size", str(2 * dp), "--job.dump_folder", str(tmp_path / "one")]
-    reference, reference_params = _train_rank(0, 1, single)
+    reference, reference_params = single_process((*BASE, *_without_layout(extra), "--training.local_batch_size", str(2 * dp)))
     per_rank = run_on_ranks(_train_rank, ranks, [*BASE, *extra, "--job.dump_folder", str(tmp_path / layout)])
     for history, _ in per_rank:
         for (loss, norm), (ref_loss, ref_norm) in zip(history, reference, strict=True):
