@@ -16,7 +16,7 @@ def _stubs(tmp_path, srun_body):
     stubs = {
         "scontrol": f'echo "scontrol $*" >> {calls}; if [ "$1" = show ]; then echo node1; fi',
         "scancel": f'echo "scancel $*" >> {calls}; kill -USR1 "$(cat {tmp_path}/srun.pid)"',
-        "srun": f'echo $$ > {tmp_path}/srun.pid; echo "srun $*" >> {calls}; {srun_body}',
+        "srun": f'echo "srun $*" >> {calls}; {srun_body}',
     }
     for name, body in stubs.items():
         (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
@@ -27,7 +27,9 @@ def _stubs(tmp_path, srun_body):
 
 
 def test_time_limit_signal_stops_the_ranks_and_requeues(tmp_path):
-    ranks = f'trap "echo ranks-saved-and-stopped >> {tmp_path}/calls; exit 0" USR1; while true; do sleep 0.05; done'
+    # the pid file once the trap is set: a USR1 before it killed the stub (exit 138) on a loaded machine
+    ranks = (f'trap "echo ranks-saved-and-stopped >> {tmp_path}/calls; exit 0" USR1; echo $$ > {tmp_path}/srun.pid; '
+             'while true; do sleep 0.05; done')
     proc, calls = _stubs(tmp_path, ranks)
     deadline = time.monotonic() + 30
     while not (tmp_path / "srun.pid").exists():
