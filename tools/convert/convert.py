@@ -8,7 +8,9 @@
 in order: the checkpoint's own record (model_args.json, which the trainer and hf-to-dcp write
 beside the weights: vocabulary and context length as trained), --hf_config (a Hugging Face
 config.json), --flavor of --model (default llama3); hf-to-dcp without either reads <hf_dir>'s
-config.json, and with --flavor checks that config.json against the flavor. dcp-to-hf writes
+config.json, and with --flavor checks that config.json against the flavor; a shape read from a
+config.json leaves out the modules it names but the weights lack (DeepSeek-V3's multi-token
+prediction, which transformers does not save), as the trainer does. dcp-to-hf writes
 config.json beside the safetensors, so transformers' from_pretrained opens the folder.
 
 The model weights live under the state name given by --state ("model", as the trainer saves
@@ -174,7 +176,11 @@ def dcp_to_hf(args: argparse.Namespace, out: Path) -> None:
 
 def hf_to_dcp(args: argparse.Namespace, out: Path) -> None:
     spec, model_args, ids, what = _from_flags(args, beside=Path(args.src) / CONFIG_FILE)
-    state_dict = spec.hf_adapter.from_hf(load_hf(args.src), model_args)
+    hf_state_dict = load_hf(args.src)
+    fit = getattr(spec.hf_config, "fit_to_weights", None)
+    if fit is not None and (args.hf_config or not args.flavor):  # modules config.json names but the weights lack
+        model_args = fit(model_args, set(hf_state_dict))
+    state_dict = spec.hf_adapter.from_hf(hf_state_dict, model_args)
     _check_against_model(state_dict, spec, model_args, f"Hugging Face checkpoint {args.src}", what)
     write_dcp({args.state: state_dict}, out)
     (out / ARGS_FILE).write_bytes(args_record(spec, model_args, **({"flavor": args.flavor} if args.flavor else {}), **ids))

@@ -268,3 +268,21 @@ def test_new_families_convert_to_what_transformers_opens(tmp_path, model, capsys
     back = read_dcp(tmp_path / "back", only="model")
     assert back.keys() == net.state_dict().keys()
     assert all(torch.equal(back[key], value) for key, value in net.state_dict().items()), model
+
+
+def test_a_deepseek_v3_folder_transformers_saved_converts_without_its_unsaved_mtp_module(tmp_path):
+    """transformers writes num_nextn_predict_layers 1 into every DeepSeek-V3 config.json and saves no
+    such module's weights: hf-to-dcp converts the folder as the trainer loads it, without the module."""
+    import transformers
+
+    config = transformers.DeepseekV3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+        num_experts_per_tok=2, n_group=2, topk_group=1, q_lora_rank=16, kv_lora_rank=8, qk_rope_head_dim=4,
+        qk_nope_head_dim=4, v_head_dim=8, max_position_embeddings=64)
+    transformers.DeepseekV3ForCausalLM(config).save_pretrained(tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    assert _run("hf-to-dcp", "--model", "deepseek_v3", tmp_path / "hf", tmp_path / "back") == 0
+    record = read_args_record(tmp_path / "back")
+    assert record[1].num_mtp_layers == 0
+    assert read_dcp(tmp_path / "back", only="model").keys() == get_model_spec("deepseek_v3").build(record[1]).state_dict().keys()

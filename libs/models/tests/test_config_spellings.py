@@ -69,3 +69,25 @@ def test_both_transformers_spellings_give_one_architecture(case):
     assert reader.args_from_config(v4, "v4") == args
     reader.check_config(args, v4, "v4", case)  # and each spelling describes the other's model
     reader.check_config(args, reader.config_from_args(args), "written", case)
+
+
+# case: (family, transformers' config class, model_type, keys that class needs no default for)
+UNSTATED = {
+    "llama4": ("llama4", transformers.Llama4TextConfig, "llama4_text", {"intermediate_size_mlp": 48}),
+    "qwen3": ("qwen3", transformers.Qwen3Config, "qwen3", {}),
+    "qwen3_moe": ("qwen3", transformers.Qwen3MoeConfig, "qwen3_moe",
+                  {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8}),
+}
+
+
+@pytest.mark.parametrize("case", UNSTATED)
+def test_head_shapes_a_config_json_leaves_out_are_transformers_defaults(case):
+    """Without head_dim or num_key_value_heads, transformers builds its config class's defaults
+    (Llama 4: 128 and 8; Qwen3: 32 key/value heads; Qwen3-MoE: 4), not hidden_size / heads."""
+    family, config_class, model_type, needed = UNSTATED[case]
+    config = {"model_type": model_type, "vocab_size": 64, "hidden_size": 128, "intermediate_size": 48,
+              "num_hidden_layers": 2, "num_attention_heads": 64, **needed}
+    theirs = config_class.from_dict(dict(config))
+    head_dim = getattr(theirs, "head_dim", None) or 128 // 64  # Qwen3-MoE's attention: hidden_size / heads
+    args = get_model_spec(family).hf_config.args_from_config(config, case)
+    assert (args.head_dim, args.n_kv_heads) == (head_dim, theirs.num_key_value_heads)

@@ -54,6 +54,21 @@ def test_rope_scaling_comes_before_rope_parameters_as_in_transformers_5():
     assert args_from_config(scaled, "c") == args_from_config(SMALL_V5, "c")
 
 
+def test_a_top_level_original_context_comes_before_the_rope_sections_as_in_transformers_5():
+    """transformers takes a scaled RoPE's original_max_position_embeddings from the top level of
+    config.json (where Phi-3 writes it) before the rope section's own: the frequencies follow it."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    for config in ({**SMALL_V5, "original_max_position_embeddings": 2048},
+                   {**v4_of(SMALL_V5), "original_max_position_embeddings": 2048}):
+        args = args_from_config(config, "c")
+        assert args.rope_scaling.original_max_position_embeddings == 2048
+        want, _ = ROPE_INIT_FUNCTIONS["llama3"](LlamaConfig.from_dict(json.loads(json.dumps(config))))  # it edits
+        torch.testing.assert_close(rope_frequencies(args.head_dim, args.rope_theta, args.rope_scaling).float(), want,
+                                   rtol=1e-6, atol=0)
+
+
 def llama31_reference(head_dim, theta, factor, low, high, old_len):
     """Meta's Llama 3.1 frequency scaling, written out per frequency in float64."""
     out = []

@@ -109,6 +109,13 @@ def test_deepseek_v2_group_limited_routing_and_v3_defaults():
     (deepseek, {**DEEPSEEK_V3, "num_nextn_predict_layers": "1"}, r"num_nextn_predict_layers '1' is not an integer"),
     (deepseek, {**DEEPSEEK_V3, "n_shared_experts": -1}, r"n_shared_experts -1 must be >= 0"),
     (deepseek, {**DEEPSEEK_V3, "scoring_func": "softmax"}, r"scoring_func 'softmax' does not go with topk_method 'noaux_tc'"),
+    # each router as transformers implements it: DeepseekV3's is noaux_tc whatever topk_method says,
+    # DeepseekV2's knows no noaux_tc and never renormalises
+    (deepseek, {**DEEPSEEK_V3, "topk_method": "greedy", "scoring_func": "softmax"},
+     r"topk_method 'greedy' is not supported for deepseek_v3, only \['noaux_tc'\]"),
+    (deepseek, {**DEEPSEEK_V2_LITE, "topk_method": "noaux_tc", "scoring_func": "sigmoid"},
+     r"topk_method 'noaux_tc' is not supported for deepseek_v2"),
+    (deepseek, {**DEEPSEEK_V2_LITE, "norm_topk_prob": True}, r"norm_topk_prob true is not supported for deepseek_v2"),
     (deepseek, {**DEEPSEEK_V3, "num_key_value_heads": 8}, r"num_key_value_heads 8 differs from num_attention_heads 128"),
     (deepseek, {**DEEPSEEK_V3, "moe_layer_freq": 2}, r"moe_layer_freq 2 is not supported, only 1"),
     (deepseek, {**DEEPSEEK_V3, "model_type": "llama"}, r"model_type 'llama' is not supported, only 'deepseek_v3' or 'deepseek_v2'"),
@@ -136,6 +143,10 @@ def test_a_mismatching_flavor_names_the_first_field():
     shared = dataclasses.replace(qwen["tiny_moe"], moe=dataclasses.replace(qwen["tiny_moe"].moe, n_shared_experts=1))
     with pytest.raises(ValueError, match="Qwen3-MoE's config.json cannot express this routing"):
         qwen3.config_from_args(shared)
+    v2 = get_model_spec("deepseek_v3").flavors["16B"]
+    renormalised = dataclasses.replace(v2, moe=dataclasses.replace(v2.moe, route_norm=True))
+    with pytest.raises(ValueError, match=r"no DeepSeek config.json expresses this routing \(softmax with route_norm\)"):
+        deepseek.config_from_args(renormalised)
 
 
 def test_deepseek_export_states_yarn_only_where_the_model_applies_it():

@@ -3,8 +3,8 @@ Tessera (its config.json through the family's reader, its safetensors through th
 transformers' logits, and Tessera's export (config_from_args + to_hf) opens in transformers with
 them again. Qwen3 with sliding windows on some layers, Qwen3-MoE on all (as transformers 5 places
 them), and there the windows change the logits; GPT-OSS with sinks, biases and YaRN; DeepSeek-V3
-with YaRN read from rope_scaling. Each model is built for 16 positions, as the trainer builds it
-for its seq_len."""
+with YaRN read from rope_scaling; DeepSeek-V2-Lite's layout. Each model is built for 16
+positions, as the trainer builds it for its seq_len."""
 
 import dataclasses
 import json
@@ -34,6 +34,12 @@ CASES = {  # name: (family, transformers' class, its config)
         qk_nope_head_dim=4, v_head_dim=8, num_nextn_predict_layers=0,
         rope_scaling={"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 64,
                       "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707})),
+    # DeepSeek-V2-Lite's layout: no query bottleneck, greedy softmax routing without renormalising, YaRN
+    "deepseek_v2_lite": ("deepseek_v3", transformers.DeepseekV2ForCausalLM, transformers.DeepseekV2Config(
+        **TINY, num_key_value_heads=4, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
+        first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 64,
+                         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707})),
     "qwen3_windows": ("qwen3", transformers.Qwen3ForCausalLM, transformers.Qwen3Config(
         **TINY, num_key_value_heads=2, head_dim=8, use_sliding_window=True, sliding_window=WINDOW,
         max_window_layers=2)),

@@ -16,6 +16,7 @@ REQUIRED = object()
 _KINDS = {int: "an integer", float: "a number", bool: "true or false"}
 _YARN_KEYS = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast",
               "beta_slow", "truncate"}
+_SCALED = ("llama3", "yarn")  # the RoPE types with an original context
 
 
 def config_file(path: str | os.PathLike) -> Path:
@@ -73,11 +74,16 @@ def refuse_unsupported(config: dict, source: str, model_types: tuple[str, ...], 
 def rope_section(config: dict, source: str, default_theta: float = 10000.0) -> tuple[str, dict, float]:
     """(the section's name, its parameters, RoPE theta) of a config, read as transformers 5 does:
     a non-empty ``rope_scaling`` (transformers 4's name, still honoured) before ``rope_parameters``;
-    theta from the section, else ``rope_theta``, else the family's ``default_theta``."""
+    theta from the section, else ``rope_theta``, else the family's ``default_theta``; a scaled
+    RoPE's original context from a top-level ``original_max_position_embeddings`` (Phi-3's
+    place) before the section's own."""
     name = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
     params = config.get(name) or {}
     if not isinstance(params, dict):
         raise ValueError(f"{source}: {name} {params!r} is not an object")
+    if "original_max_position_embeddings" in config and params.get("rope_type", params.get("type")) in _SCALED:
+        original = config_value(config, "original_max_position_embeddings", int, source)
+        params = {**params, "original_max_position_embeddings": original}
     if "rope_theta" in params:
         return name, params, config_value(params, "rope_theta", float, source, prefix=f"{name}.")
     return name, params, config_value(config, "rope_theta", float, source, default=default_theta)

@@ -3,7 +3,9 @@ in ``config.json``, as DeepSeek publishes it or transformers writes it).
 
 Routing comes from ``topk_method``: "noaux_tc" (V3: sigmoid scores, correction bias, groups
 ranked by their best two experts), "group_limited_greedy" (V2: softmax, groups ranked by their
-best expert) or "greedy" (V2-Lite: softmax, no groups). YaRN comes from ``rope_scaling`` and
+best expert) or "greedy" (V2-Lite: softmax, no groups), each only under the model_type whose
+transformers router implements it; V2's ``norm_topk_prob`` true is refused, as transformers'
+DeepseekV2 ignores it (DeepSeek's own code honours it). YaRN comes from ``rope_scaling`` and
 applies at any length, as transformers applies it (``yarn_always``); ``mscale`` and
 ``mscale_all_dim`` are both required and equal, as every DeepSeek config has them (YarnScaling's
 mscale: transformers would scale the rotary features themselves otherwise). Shape keys are
@@ -38,8 +40,10 @@ _COMPARED = (
 )
 _SUPPORTED = {"hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False, "rope_interleave": True,
               "moe_layer_freq": 1}
-# topk_method -> (score function, a group's score: the sum of its best n experts' scores)
-_ROUTING = {"noaux_tc": ("sigmoid", 2), "group_limited_greedy": ("softmax", 1), "greedy": ("softmax", 1)}
+# topk_method -> (the model_type whose transformers router implements it, score function, a group's
+# score: the sum of its best n experts' scores); DeepseekV3's router does noaux_tc whatever the key says
+_ROUTING = {"noaux_tc": ("deepseek_v3", "sigmoid", 2), "group_limited_greedy": ("deepseek_v2", "softmax", 1),
+            "greedy": ("deepseek_v2", "softmax", 1)}
 _DEFAULTS = {  # transformers' defaults per model_type (V2's null expert groups: one group)
     "deepseek_v3": {"topk_method": "noaux_tc", "norm_topk_prob": True, "routed_scaling_factor": 2.5, "n_group": 8,
                     "topk_group": 4, "n_shared_experts": 1, "first_k_dense_replace": 3},
@@ -49,14 +53,20 @@ _DEFAULTS = {  # transformers' defaults per model_type (V2's null expert groups:
 
 
 def _moe(config: dict, source: str) -> MoEArgs:
-    defaults = _DEFAULTS[config["model_type"]]
+    model_type = config["model_type"]
+    defaults = _DEFAULTS[model_type]
     method = config.get("topk_method") or defaults["topk_method"]
-    if not isinstance(method, str) or method not in _ROUTING:
-        raise ValueError(f"{source}: topk_method {method!r} is not supported, only {sorted(_ROUTING)}")
-    score_func, group_score_top = _ROUTING[method]
+    methods = sorted(name for name, routing in _ROUTING.items() if routing[0] == model_type)
+    if method not in methods:
+        raise ValueError(f"{source}: topk_method {method!r} is not supported for {model_type}, only {methods}")
+    _, score_func, group_score_top = _ROUTING[method]
     scoring = config.get("scoring_func", score_func)
     if scoring != score_func:
         raise ValueError(f"{source}: scoring_func {scoring!r} does not go with topk_method {method!r}")
+    route_norm = config_value(config, "norm_topk_prob", bool, source, default=defaults["norm_topk_prob"])
+    if route_norm and model_type == "deepseek_v2":
+        raise ValueError(f"{source}: norm_topk_prob true is not supported for deepseek_v2: transformers' DeepseekV2 "
+                         "does not renormalise the chosen experts' weights")
     grouped = method != "greedy"
     n_groups = config_value(config, "n_group", int, source, default=defaults["n_group"]) if grouped else 1
     fields = dict(
@@ -66,7 +76,7 @@ def _moe(config: dict, source: str) -> MoEArgs:
         n_shared_experts=config_value(config, "n_shared_experts", int, source, default=defaults["n_shared_experts"],
                                       zero=True),
         score_func=score_func,
-        route_norm=config_value(config, "norm_topk_prob", bool, source, default=defaults["norm_topk_prob"]),
+        route_norm=route_norm,
         route_scale=config_value(config, "routed_scaling_factor", float, source, default=defaults["routed_scaling_factor"]),
         n_groups=n_groups,
         topk_groups=config_value(config, "topk_group", int, source, default=defaults["topk_group"]) if grouped else 1,
@@ -130,7 +140,10 @@ def args_from_config(config: dict, source: str = "config.json") -> DeepSeekV3Arg
 
 
 def _topk_method(moe: MoEArgs) -> str:
-    """The topk_method of this routing; one no DeepSeek config names is a ValueError."""
+    """The topk_method of this routing; one no DeepSeek config names (softmax weights
+    renormalised: transformers' DeepseekV2 ignores norm_topk_prob) is a ValueError."""
+    if moe.score_func == "softmax" and moe.route_norm:
+        raise ValueError(f"no DeepSeek config.json expresses this routing (softmax with route_norm): {moe}")
     if moe.score_func == "sigmoid" and (moe.n_groups == 1 or moe.group_score_top == 2):
         return "noaux_tc"
     if moe.score_func == "softmax" and moe.n_groups == 1:

@@ -111,8 +111,10 @@ def args_from_config(config: dict, source: str = "config.json") -> Llama4Args:
             vocab_size=config_value(config, "vocab_size", int, source, default=202048),
             dim=dim,
             n_heads=n_heads,
-            n_kv_heads=config_value(config, "num_key_value_heads", int, source, default=n_heads),
-            head_dim=config_value(config, "head_dim", int, source, default=dim // n_heads),
+            # transformers' defaults are 8 and 128; a null (written out) means one per head and hidden_size / heads
+            n_kv_heads=config_value(config, "num_key_value_heads", int, source,
+                                    default=n_heads if "num_key_value_heads" in config else 8),
+            head_dim=config_value(config, "head_dim", int, source, default=dim // n_heads if "head_dim" in config else 128),
             hidden_dim=config_value(config, "intermediate_size_mlp", int, source, default=16384),
             moe=moe,
             n_layers=n_layers,

@@ -27,6 +27,8 @@ _COMPARED = (
 )
 _SUPPORTED = {"hidden_act": "silu", "attention_bias": False}
 _WINDOW_LAYER, _GLOBAL_LAYER = "sliding_attention", "full_attention"
+# transformers' num_key_value_heads where config.json leaves it out (null: one per head)
+_KV_HEADS = {"qwen3": 32, "qwen3_moe": 4}
 # transformers 5's names of fields whose transformers 4 name this reader uses
 _RENAMED = {"num_experts": "num_local_experts"}
 
@@ -96,7 +98,8 @@ def args_from_config(config: dict, source: str = "config.json") -> Qwen3Args:
             dim=dim,
             n_layers=n_layers,
             n_heads=n_heads,
-            n_kv_heads=config_value(config, "num_key_value_heads", int, source, default=n_heads),
+            n_kv_heads=config_value(config, "num_key_value_heads", int, source,
+                                    default=n_heads if "num_key_value_heads" in config else _KV_HEADS[config["model_type"]]),
             head_dim=config_value(config, "head_dim", int, source, default=head_dim),
             hidden_dim=config_value(config, "intermediate_size", int, source),
             moe=moe,
