@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tessera.ckpt import load_hf, read_dcp, save_hf
+from tessera.ckpt import manager as manager_module
 from tessera.data import build_dataloader, load_dataset, load_tokenizer
 from tessera.models import get_model_spec
 from tessera.trainer.config import load_config
@@ -133,6 +134,30 @@ def test_a_damaged_checkpoint_is_set_aside_and_its_export_kept_on_resume(run4, t
     assert f"{export} already exists, kept as it is (exports are never overwritten)" in out
     assert steps_in(folder) == ["step-2", "step-4", "step-4-hf", "step-4.incomplete"]
     assert (export / "model.safetensors").read_bytes() == b"the earlier export"
+
+
+def test_a_rerun_at_training_steps_writes_only_the_missing_final_export(run4, tmp_path, capsys):
+    """A crash right after the last checkpoint left its export out: the same command again trains
+    nothing and writes it. The run's own checkpoint wins over initial_load_path, which it names."""
+    dump = copy_steps(run4, tmp_path, 4)
+    folder, initial = dump / "checkpoint", run4[1] / "checkpoint" / "step-2"
+    assert run(dump, "--training.steps", "4", *CKPT, "--checkpoint.last_save_model_only", "true",
+               "--checkpoint.initial_load_path", str(initial)) == []
+    out = capsys.readouterr().out
+    assert f"checkpoint.initial_load_path {initial} is not loaded: the run resumes its own checkpoints" in out
+    assert steps_in(folder) == ["step-4", "step-4-model"]
+    assert_same(read_dcp(folder / "step-4-model")["model"], read_dcp(folder / "step-4", only="model"))
+
+
+def test_load_only_reads_from_a_folder_it_cannot_write(run4, tmp_path, monkeypatch):
+    """load_only never saves: a read-only checkpoint folder (shared storage) must not stop it."""
+    def unwritable(folder, size):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(manager_module, "check_writable", unwritable)
+    dump = copy_steps(run4, tmp_path, 2)
+    resumed = run(dump, "--training.steps", "4", *CKPT, "--checkpoint.load_only", "true")
+    assert numbers(resumed) == numbers(run4[0])[2:]
+    assert steps_in(dump / "checkpoint") == ["step-2"]
 
 
 def decoded(step_dir, state, key):
@@ -278,8 +303,16 @@ def _garble_metadata(step_dir):
          "seed checkpoint {dump}/seed/step-0 already exists"),
         (["--checkpoint.enable", "false", "--checkpoint.load_step", "2"], None,
          "checkpoint.load_step needs checkpoint.enable = true"),
+        (["--training.steps", "3"], None,
+         "{folder}/step-4 is at step 4, past training.steps 3: this run would train nothing"),
+        (["--training.steps", "3", "--checkpoint.folder", "other", "--checkpoint.initial_load_path", "{dump}/checkpoint/step-4",
+          "--checkpoint.initial_load_model_only", "false"], None,
+         "{folder}/step-4 is at step 4, past training.steps 3: this run would train nothing"),
         (["--checkpoint.folder", "other", "--checkpoint.initial_load_path", "{dump}/hf", "--checkpoint.initial_load_in_hf",
           "true"], "hf", "Hugging Face checkpoint {dump}/hf: 'norm.weight' has shape (255,) but the model needs (256,)"),
+        (["--checkpoint.exclude_from_loading", "train_state"], None,
+         "checkpoint.exclude_from_loading 'train_state' would restart this run at step 0 over its own checkpoints in "
+         "{folder}, which are never overwritten"),
     ],
 )
 def test_bad_checkpoints_fail_in_one_line_and_change_nothing(run4, tmp_path, capsys, extra, damage, message):

@@ -311,6 +311,14 @@ def test_bad_command_line_values(argv, message):
      "it needs checkpoint.enable = true (or an initial_load_path with initial_load_model_only = false)"),
     (["--checkpoint.enable", "--checkpoint.exclude_from_loading", "replicas"], "checkpoint.exclude_from_loading "
      "'replicas' names semi-sync fault tolerance's state, which this run does not have (fault_tolerance.semi_sync_method)"),
+    (["--checkpoint.load_only"], "checkpoint.load_only acts on the run's checkpoints: it needs checkpoint.enable = true"),
+    (["--checkpoint.enable_first_step_checkpoint"],
+     "checkpoint.enable_first_step_checkpoint acts on the run's checkpoints: it needs checkpoint.enable = true"),
+    (["--checkpoint.async_mode", "async"], "checkpoint.async_mode acts on the run's checkpoints: it needs checkpoint.enable = true"),
+    (["--checkpoint.enable", "--checkpoint.load_only", "--checkpoint.create_seed_checkpoint"],
+     "checkpoint.load_only never saves, and checkpoint.create_seed_checkpoint only saves: set one of them"),
+    (["--checkpoint.create_seed_checkpoint", "--checkpoint.initial_load_path", "/"], "checkpoint.create_seed_checkpoint "
+     "saves the weights as initialised and never reads checkpoint.initial_load_path /: drop one of them"),
     (["--debug.fault_at_step", "2", "--debug.fault_rank", "1"],
      "debug.fault_rank 1 is not a rank of this 1-rank job: the fault would never fire"),
     (["--debug.fault_at_step", "7", "--training.steps", "6"],

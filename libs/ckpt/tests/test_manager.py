@@ -4,6 +4,7 @@ import io
 import os
 import pickle
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -278,6 +279,31 @@ def test_rng_state_restores_generators(tmp_path):
     random.seed(8)
     CheckpointManager(tmp_path, states, interval=1).load()
     assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
+
+
+def test_rng_state_of_more_gpus_than_here_restores_those_there_are(monkeypatch):
+    """A resume on a machine with fewer GPUs than the one that saved: torch's setter fails on a
+    device index beyond its own, so only the states of the GPUs here are handed to it."""
+    rng = rng_state(0).obj
+    state = {**rng.state_dict(), "cuda": [torch.full((16,), 1, dtype=torch.uint8), torch.full((16,), 2, dtype=torch.uint8)]}
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", restored.extend)
+    rng.load_state_dict(state)
+    assert [id(s) for s in restored] == [id(state["cuda"][0])]
+
+
+def test_only_folders_named_as_saved_are_steps(tmp_path):
+    """A copy named "step-02" is no step: taken for step 2, retention would delete a step-2 that is
+    not there (the save failing after it was published), and a load of step 2 would miss it."""
+    model, optimizer = _trained()
+    manager = _manager(tmp_path, model, optimizer, keep_latest_k=1)
+    manager.save(4)
+    shutil.copytree(tmp_path / "step-4", tmp_path / "step-02")
+    manager.save(6)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-02", "step-6"]
+    assert manager.resume_step() == (6, [])
 
 
 def test_constructor_errors(tmp_path):

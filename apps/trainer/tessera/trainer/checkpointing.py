@@ -104,7 +104,8 @@ class Checkpointer:
                 last_save_model_only=self.config.last_save_model_only, export_dtype=self.config.export_dtype,
                 extra_files=dcp_files,
             )
-            self.manager.check_writable()
+            if not self.config.load_only:  # a load_only run may read from read-only storage
+                self.manager.check_writable()
 
     def _say(self, message: str) -> None:
         if self.rank == 0:
@@ -121,16 +122,42 @@ class Checkpointer:
                           f"full checkpoint, step-{full}")
         loaded = self.manager.load(self.config.load_step) if self.config.enable else None
         if loaded is not None:
-            damaged = [f"step-{n}" for n in self.manager.incomplete_steps() if n > loaded]
-            why = (f" (passing over {', '.join(damaged)}: no .metadata, damaged after it was written; set aside as "
-                   "step-N.incomplete when that step is saved again)" if damaged else "")
-            self._say(f"loaded {self.folder / f'step-{loaded}'}{why}; training continues after step {self.train_state.step}")
-            self._lr_from_here(excluded="lr_scheduler" in self.config.exclude_from_loading)
+            self._resumed(loaded)
         else:
             if self.initial is not None:
                 self._load_initial(*self.initial)
             self._check_outputs_free()
         return self.train_state.step
+
+    def _resumed(self, loaded: int) -> None:
+        """After a load from the run's folder: says so (and what it passed over or left unused). A run
+        found at training.steps (re-run after it finished, or crashed right after its last checkpoint)
+        writes the final exports it lacks."""
+        if "train_state" in self.config.exclude_from_loading and not self.config.load_only:
+            # back at step 0 over its own checkpoints, never overwritten: its saves would be skipped
+            raise ConfigError(f"checkpoint.exclude_from_loading 'train_state' would restart this run at step 0 over its "
+                              f"own checkpoints in {self.folder}, which are never overwritten: to start over from "
+                              f"step-{loaded}, load it with checkpoint.initial_load_path into another checkpoint.folder")
+        self._check_within_steps(self.folder / f"step-{loaded}")
+        damaged = [f"step-{n}" for n in self.manager.incomplete_steps() if n > loaded]
+        why = (f" (passing over {', '.join(damaged)}: no .metadata, damaged after it was written; set aside as "
+               "step-N.incomplete when that step is saved again)" if damaged else "")
+        unused = (f"; {self.initial[0]} {self.initial[1]} is not loaded: the run resumes its own checkpoints"
+                  if self.initial is not None else "")
+        self._say(f"loaded {self.folder / f'step-{loaded}'}{why}; training continues after step "
+                  f"{self.train_state.step}{unused}")
+        self._lr_from_here(excluded="lr_scheduler" in self.config.exclude_from_loading)
+        if self.train_state.step == self.steps and not self.config.load_only and self.writes():
+            self._say(f"step {self.steps} is training.steps: nothing left to train; writing any final export "
+                      "that is missing")
+            self._final_exports(self.steps)
+
+    def _check_within_steps(self, loaded: Path) -> None:
+        """A checkpoint past training.steps would leave this run nothing to train, silently. (One at
+        training.steps is a finished run re-run: it writes the final exports a crash left out.)"""
+        if self.train_state.step > self.steps:
+            raise ConfigError(f"{loaded} is at step {self.train_state.step}, past training.steps {self.steps}: this "
+                              "run would train nothing (raise training.steps or load another checkpoint)")
 
     def _lr_from_here(self, excluded: bool) -> None:
         """After a load: every group's lr is this run's schedule's at the position loaded (its own
@@ -180,6 +207,7 @@ class Checkpointer:
         load_into(state_dict, path, optional_prefixes=("rng.",))  # more ranks than saved keep their seeded rng
         for name in names:
             self.states[name].load_state_dict(state_dict[name])
+        self._check_within_steps(path)
         self._say(f"initial {'weights' if self.config.initial_load_model_only else 'state'} from {path}")
         if "optimizer" in names:
             self._lr_from_here(excluded="lr_scheduler" not in names)
@@ -209,9 +237,14 @@ class Checkpointer:
             else:
                 self._say(f"{self.folder / f'step-{step}'} already holds a complete checkpoint, kept as it is "
                           "(checkpoints are never overwritten)")
-        if last_step and self.config.last_save_model_only and not self.manager.export_model(step):
+        if last_step:
+            self._final_exports(step)
+
+    def _final_exports(self, step: int) -> None:
+        """The last step's model-only and Hugging Face exports, each kept as it is if already there."""
+        if self.config.last_save_model_only and not self.manager.export_model(step):
             self._say(f"{export_folder(self.folder, step)} already exists, kept as it is (exports are never overwritten)")
-        if last_step and self.config.last_save_in_hf:
+        if self.config.last_save_in_hf:
             self._export_hf(step)
 
     def _say_saved(self, step: int, blocking_s: float) -> None:

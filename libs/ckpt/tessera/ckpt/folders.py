@@ -16,7 +16,8 @@ from pathlib import Path
 
 from tessera.ckpt.dcp_io import METADATA_FILE
 
-_STEP = re.compile(r"step-(\d+)")
+# the names step_folder writes: "step-04" or non-ASCII digits would read as another step's number
+_STEP = re.compile(r"step-(0|[1-9][0-9]*)")
 
 
 def step_folder(folder: Path, step: int) -> Path:

@@ -134,7 +134,9 @@ class _ProcessRNG:
         random.setstate(state["python"])
         torch.set_rng_state(state["torch"])
         if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda"])
+            # a state per GPU the saving process saw: a machine with fewer restores those it has
+            # (torch fails on a device index beyond its own); one with more keeps the rest seeded
+            torch.cuda.set_rng_state_all(state["cuda"][:torch.cuda.device_count()])
         if "numpy" in state and "numpy" in sys.modules:
             np = sys.modules["numpy"]
             name, keys, pos, has_gauss, cached = state["numpy"]
