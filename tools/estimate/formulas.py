@@ -34,6 +34,13 @@ def block_linears(a) -> dict[str, tuple[int, int, int]]:
             "feed_forward.w1": (f, h, 0), "feed_forward.w3": (f, h, 0), "feed_forward.w2": (h, f, 1)}
 
 
+def op_kept_linears(a) -> list[str]:
+    """The block linears whose outputs selective AC "op" keeps (tessera.models.blocks, torchtitan's
+    policy): the 1st, 3rd, ... matmul of a block (a float8 linear's too: its matmul reaches the
+    policy as aten.mm of float8 tensor subclasses)."""
+    return list(block_linears(a))[::2]
+
+
 def _block_params(a) -> list[tuple[int, int, int | None]]:
     """(rows, cols, dim tensor parallel splits) of one block's parameters (None: replicated)."""
     return [*block_linears(a).values(), (a.dim, 1, None), (a.dim, 1, None)]
@@ -291,8 +298,11 @@ def block_activations(plan: JobPlan, mode: str) -> float:
         return budget * block_activations(plan, "none") + (1 - budget) * block_activations(plan, "full")
     if mode == "full":
         return tokens * e * h / t
-    if mode == "selective":  # the matmul and attention outputs (option "op"); blocks' input
-        return tokens * e * (h / t + (2 * q + 2 * kv + 2 * f) / t + 2 * h) + tokens * a.n_heads // t * F32
+    if mode == "selective":  # option "op": blocks' input, attention's output, every second matmul's output
+        linears = block_linears(a)  # a rowwise one's (wo, w2) before its reduce-scatter: whole rows
+        kept = sum(linears[n][0] / (t if linears[n][2] == 0 else 1) for n in op_kept_linears(a))
+        scattered = 2 * h / t if t > 1 else 0  # the sequence-parallel reduce-scatters' results (wo's, w2's)
+        return tokens * e * (h / t + q / t + kept + scattered) + tokens * a.n_heads // t * F32
     # context parallel: attention keeps the K and V (heads repeated) it gathered from the other cp ranks
     gathered_kv = 2 * q / t * (cp - 1)
     return linear_activations(a, tokens, t, e) + tokens * e * (gathered_inputs + gathered_kv) + norms + small
@@ -466,13 +476,14 @@ def tp_bytes(hidden: float, blocks: float, ends: float, ac_mode: str) -> tuple[f
     """(all-gather, reduce-scatter) buffer bytes of sequence-parallel TP per step: each block
     gathers its two inputs (attention, feed-forward) and reduce-scatters its two outputs in
     forward, the reverse in backward; recompute regathers both inputs and, under full AC, stops
-    before the block's last reduce-scatter (selective AC saves no collective: both rerun); the
+    before the block's last reduce-scatter (selective AC "op" keeps both reduce-scatters' results); the
     embedding and the head one each; offload recomputes nothing, nor does compile's memory budget
     rerun a collective (torch's partitioner saves them: partitioners.force_save_collectives).
     `hidden`: the bytes of the step's hidden states on this rank (tokens x dim x element size)."""
     per_block = 2 * hidden
     no_rerun = (0, 0)
-    regather, rescatter = {"none": no_rerun, "offload": no_rerun, "memory_budget": no_rerun, "full": (1, 0.5)}.get(ac_mode, (1, 1))
+    regather, rescatter = {"none": no_rerun, "offload": no_rerun, "memory_budget": no_rerun, "full": (1, 0.5),
+                           "selective": (1, 0)}[ac_mode]
     return per_block * blocks * (2 + regather) + hidden * ends, per_block * blocks * (2 + rescatter) + hidden * ends
 
 

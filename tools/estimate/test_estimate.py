@@ -36,6 +36,7 @@ from live_bytes import LiveBytes
 
 BASE = ["--training.seq_len", "128", "--training.local_batch_size", "4"]
 STATE = ("params", "grads", "optimizer")
+FP32 = ["--training.mixed_precision_param", "float32"]  # a "cuda" plan's unset default is bfloat16
 TP2 = (2, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"])
 FSDP2_TP2 = (4, ["--parallelism.tensor_parallel_degree", "2"])
 
@@ -136,7 +137,7 @@ def test_formula_against_trace_hsdp(device):
     """HSDP 2 x 2 (replicas of 2-way FSDP shards): state exact, activations within 0.1 %, the
     shards' all-gather and reduce-scatter and the replicas' all-reduce exact; for the norm path
     of either device."""
-    argv = [*BASE, "--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]
+    argv = [*BASE, *FP32, "--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]
     plan = make_plan(load_config(argv), 4, device, check_only=True)
     t, f = traced.trace_rank(plan, 0), formulas.estimate_rank(plan)
     assert {k: getattr(t, k) for k in STATE} == {k: getattr(f, k) for k in STATE}
@@ -151,7 +152,8 @@ def test_formula_against_trace_tp_cuda():
     traces = {}
     with traced.shared_meshes():  # the devices' plans have the same meshes
         for device in ("cpu", "cuda"):
-            plan, traces[device] = _planned_trace((*BASE, *degrees, "--activation_checkpoint.mode", "none"), world, device)
+            fp32 = FP32 if device == "cuda" else []  # a "cpu" plan's own: its trace is test_formula_against_trace's
+            plan, traces[device] = _planned_trace((*BASE, *fp32, *degrees, "--activation_checkpoint.mode", "none"), world, device)
             f = formulas.estimate_rank(plan)
             assert f.activations == pytest.approx(traces[device].activations, rel=0.001)
     assert traces["cuda"].activations < traces["cpu"].activations

@@ -319,14 +319,16 @@ def _family(layout: Layout, args) -> tuple[Layout, bool]:
     return dataclasses.replace(layout, dp_replicate=0, dp_shard=0, local=0), _holds_gradients(layout, args)
 
 
-# more kept for backward, more memory (compile's budget of a half keeps less than selective "op")
-_AC_KEEPS = {"none": 2, "selective": 1, "memory_budget": 0.5, "full": 0, "offload": -1}
+# more kept for backward, more memory; selective "op" and compile's budget are not ordered (a family's
+# matmuls decide what "op" keeps)
+_AC_KEEPS = {"none": 2, "selective": 1, "memory_budget": 1, "full": 0, "offload": -1}
 
 
 def _needs_more(layout: Layout, ac: str, over: Layout, over_ac: str) -> bool:
     """Whether `layout` needs at least the memory of `over` (of its _family): as many sequences or
     more, its shards as few or fewer ways (its state less split), AC keeping as much or more."""
-    return layout.local >= over.local and layout.dp_shard <= over.dp_shard and _AC_KEEPS[ac] >= _AC_KEEPS[over_ac]
+    keeps_more = ac == over_ac or _AC_KEEPS[ac] > _AC_KEEPS[over_ac]
+    return layout.local >= over.local and layout.dp_shard <= over.dp_shard and keeps_more
 
 
 _LAST = 1e6  # added to the priority of a layout deferred as likely over memory

@@ -44,16 +44,17 @@ EAGER_EFFICIENCY = 0.86
 # inputs' gradients, which sum q/k/v's (w1/w3's) input-gradient matmuls first, while torch's pass
 # (torch/_inductor/fx_passes/micro_pipeline_tp.py, _find_producer_matmul) takes a reduce-scatter's
 # input from a single matmul only. Passes: forward + backward, plus AC's recompute (full regathers
-# both inputs and reruns wo's reduce-scatter, selective reruns all four): formulas.tp_bytes' bytes.
+# both inputs and reruns wo's reduce-scatter, selective "op" regathers both inputs and keeps both
+# reduce-scatters' results): formulas.tp_bytes' bytes.
 _QKV, _W13 = ("attention.wq", "attention.wk", "attention.wv"), ("feed_forward.w1", "feed_forward.w3")
 TP_FUSIONS = (
     ("all_gather", _QKV, {"none": 1, "full": 2, "selective": 2}),
     ("reduce_scatter", (), {"none": 1, "full": 1, "selective": 1}),  # q/k/v's input gradients, summed
-    ("reduce_scatter", ("attention.wo",), {"none": 1, "full": 2, "selective": 2}),
+    ("reduce_scatter", ("attention.wo",), {"none": 1, "full": 2, "selective": 1}),
     ("all_gather", ("attention.wo",), {"none": 1, "full": 1, "selective": 1}),
     ("all_gather", _W13, {"none": 1, "full": 2, "selective": 2}),
     ("reduce_scatter", (), {"none": 1, "full": 1, "selective": 1}),  # w1/w3's input gradients, summed
-    ("reduce_scatter", ("feed_forward.w2",), {"none": 1, "full": 1, "selective": 2}),
+    ("reduce_scatter", ("feed_forward.w2",), {"none": 1, "full": 1, "selective": 1}),
     ("all_gather", ("feed_forward.w2",), {"none": 1, "full": 1, "selective": 1}),
 )
 
@@ -129,10 +130,10 @@ def work(a, seq_len: int, tokens: float, microbatches: int, blocks: float, head:
 
 def recompute_share(mode: str, blocks: float, selective_option: str = "op", memory_budget: float | None = None) -> float:
     """Share of a rank's blocks' forward AC (mode, selective_option, memory_budget: a
-    CheckpointingPlan's) reruns: all (full), none (none, offload; selective "op" keeps every matmul
-    and attention output, so it reruns only cheap elementwise ops), every N-th block (selective N),
-    and for compile's memory budget b, 1 - b: read like its memory, between none's and full's
-    (tools/bench ac_bench, compiled, CPU: 0.43 of full's recompute at 0.5, 1.0 at 0)."""
+    CheckpointingPlan's) reruns: all (full), none (none, offload; selective "op", whose rerun of
+    every second matmul the fitted efficiency holds: README "A bias in the fit"), every N-th block
+    (selective N), and for compile's memory budget b, 1 - b: read like its memory, between none's
+    and full's (tools/bench ac_bench, compiled, CPU: 0.43 of full's recompute at 0.5, 1.0 at 0)."""
     if mode == "full":
         return 1.0
     if mode == "memory_budget":

@@ -127,9 +127,20 @@ def test_torchtitan_auto_filter_flag_and_fsdp_only_switches():
 
 def test_a_section_its_converter_does_not_read_gets_a_note(capsys):
     # torchtitan's configs carry [quantize.linear.float8] whether or not the converter runs
-    load_config(["--model.converters", "float8", "--quantize.linear.float8.recipe_name", "rowwise"])
+    load_config(["--model.converters", "float8", "--float8.recipe_name", "tensorwise",
+                 "--quantize.linear.float8.recipe_name", "rowwise"])
     assert ("note: config section [quantize.linear.float8] has no effect: model.converters does not list "
             "'quantize.linear.float8'") in capsys.readouterr().err
+
+
+def test_float8_with_its_table_unset_reads_torchtitan_0_2_s(capsys):
+    """torchtitan 0.2.2's llama3_405b.toml lists "float8" and sets [quantize.linear.float8]: the
+    output stays in bf16 and FSDP gathers in float8, as it says."""
+    config = load_config(["--model.converters", "float8", "--quantize.linear.float8.filter_fqns", "output", *[
+        arg.replace("--float8.", "--quantize.linear.float8.") for arg in ALL_GATHER]])
+    assert "note: model.converters 'float8' reads [quantize.linear.float8]" in capsys.readouterr().err
+    options = float8_options(config, make_plan(config, world_size=2, device="cpu").dims)
+    assert options.filter_fqns == ("output",) and options.enable_fsdp_float8_all_gather
 
 
 def test_mxfp8_emulated_converts_and_tracks_fp32(tmp_path, fp32):

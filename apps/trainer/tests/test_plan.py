@@ -20,6 +20,9 @@ from tessera.trainer.plan import make_plan
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
+SAC_OP = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]
+
+
 def plan(world_size=1, *argv, device="cpu"):
     return make_plan(load_config(list(argv)), world_size, device)
 
@@ -63,6 +66,12 @@ def test_plan_resolves_layout_batch_and_model():
              "--parallelism.expert_tensor_parallel_degree", "4"],
          "^parallelism.expert_tensor_parallel_degree 4 must be 1 or tensor_parallel_degree 2$"),
         (1, ["--parallelism.expert_capacity_factor", "1.25"], "^parallelism.expert_capacity_factor: llama3/debugmodel has no experts$"),
+        (1, ["--activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns", "router"],
+         "applies only with activation_checkpoint.mode selective and selective_ac_option op \\(this run: 'none', 'op'\\)$"),
+        (1, [*SAC_OP, "--activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns", "router"],
+         r"^activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns: \['router'\] matches no linear of llama3/debugmodel$"),
+        (1, [*SAC_OP, "--activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns", "ffn_norm"],
+         "per_op_sac_force_recompute_mm_shapes_by_fqns: layers.0.ffn_norm is a RMSNorm, not a Linear"),
     ],
 )
 def test_every_user_error_comes_from_the_plan(world_size, argv, message):
@@ -81,6 +90,25 @@ def test_v_shaped_schedules_on_cpu_need_torch_2_12(monkeypatch, release, refused
             plan(2, *argv)
     else:
         assert plan(2, *argv).pipeline.schedule == "ZBVZeroBubble"
+
+
+def test_param_dtype_unset_is_torchtitan_s_on_cuda_and_float32_on_a_cpu():
+    """torchtitan's shipped configs leave training.mixed_precision_param at its bfloat16 default."""
+    params = {(device, argv): make_plan(load_config(list(argv)), 2, device, check_only=True).precision.param
+              for device in ("cuda", "cpu") for argv in ((), ("--training.mixed_precision_param", "float32"))}
+    assert params == {("cuda", ()): torch.bfloat16, ("cpu", ()): torch.float32,
+                      ("cuda", ("--training.mixed_precision_param", "float32")): torch.float32,
+                      ("cpu", ("--training.mixed_precision_param", "float32")): torch.float32}
+    assert load_config([]).training.mixed_precision_param is None  # the config says unset; the plan decides
+
+
+def test_force_recompute_names_reach_the_checkpointing_plan():
+    """torchtitan's default (the router) plans on a dense model too; a name of a MoE model's
+    linears is handed to the blocks' policy as given."""
+    assert plan(1, *SAC_OP).checkpointing.force_recompute_fqns == ("moe.router.gate",)
+    fqns = plan(1, "--model.name", "deepseek_v3", *SAC_OP, "--activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns",
+                "shared_experts.w2").checkpointing.force_recompute_fqns
+    assert fqns == ("shared_experts.w2",)
 
 
 def test_moe_families_plan_tensor_parallel_but_not_a_replaced_colwise_style():

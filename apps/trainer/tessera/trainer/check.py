@@ -9,6 +9,7 @@ import torch
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from tessera import pp, tp
+from tessera.trainer.lr_schedule import decay_steps
 from tessera.trainer.parallelize import convert
 from tessera.trainer.plan import JobPlan
 
@@ -87,7 +88,8 @@ def describe(plan: JobPlan) -> str:
            f"{'every micro-batch' if plan.fsdp.reduce_every_microbatch else 'once per step'}"
            f"{'; CPU offload' if plan.fsdp.cpu_offload else ''}"] if dims.fsdp_enabled else []),
         f"  optimizer   {opt.name} ({opt.implementation}{moments}) lr {opt.lr:g}, clip {opt.max_norm:g}; "
-        f"{opt.warmup_steps} warm-up steps, {opt.decay_type} decay over {opt.total_steps} steps",
+        f"{opt.warmup_steps} warm-up steps, {opt.decay_type} decay over the last "
+        f"{decay_steps(opt.total_steps, opt.warmup_steps, opt.decay_ratio)} of {opt.total_steps} steps",
         f"  groups      {opt.describe_groups()}",
         *([f"  muon        {opt.muon.adjust_lr} lr, momentum {opt.muon.momentum:g}{' (Nesterov)' if opt.muon.nesterov else ''}, "
            f"{opt.muon.ns_steps} Newton-Schulz steps in {str(opt.muon.ns_dtype).removeprefix('torch.')}"] if opt.muon else []),

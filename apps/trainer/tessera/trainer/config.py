@@ -29,7 +29,8 @@ from tessera.models.moe import CAPACITY_OVERFLOW
 from tessera.trainer.converters import converter_sections, registered_converters
 from tessera.trainer.errors import ConfigError, user_input
 from tessera.trainer.faults import FAULT_KINDS
-from tessera.trainer.float8_converter import Float8, Quantize  # importing it registers the float8 converters
+from tessera.trainer.float8_converter import (  # importing it registers the float8 converters
+    LINEAR_FLOAT8, Float8, Quantize, float8_reads_linear_table)
 from tessera.trainer.lr_schedule import DECAY_TYPES
 from tessera.trainer.schema import (NEWER_TORCHTITAN, OLDER_TORCHTITAN, TESSERA, check_declared, declared, get_key, key,
                                     table)
@@ -40,8 +41,10 @@ __all__ = ["CHOICES", "ConfigError", "JobConfig", "get_key", "load_config", "not
 
 # Why keys are refused, where several share a reason.
 _FIXED_SCHEMA = "Tessera's config schema is fixed; register models and converters with experimental.custom_import"
-_NO_EP = "not yet: expert-parallel options beyond expert_parallel_degree are being built (issue 11)"
 _ESTIMATE = "the trainer trains; for a dry run use `bazel run //tools/estimate -- --job.config_file ...`"
+# torchtitan 0.2.2's fault-tolerance extension (its llama3_ft config names it as job.custom_config_module):
+# its keys are [fault_tolerance]'s here
+_FT_CONFIG_MODULE = "torchtitan.components.ft.config"
 
 
 @dataclasses.dataclass
@@ -52,7 +55,8 @@ class Job:
     print_config: bool = key(False, "print the merged config as JSON at start")
     print_args: bool = key(False, "torchtitan 0.1's name of print_config", origin=OLDER_TORCHTITAN)
     save_config_file: str | None = key(None, "write the merged config as JSON to this file under dump_folder")
-    custom_config_module: str = key("", "a module extending the config schema", refused=_FIXED_SCHEMA)
+    custom_config_module: str = key(
+        "", f"a module extending the config schema; {_FT_CONFIG_MODULE}: built in", refused=_FIXED_SCHEMA)
     stop_grace_seconds: int = key(
         120, "after SIGTERM/SIGUSR1 the ranks finish the step and save; past this many seconds they exit anyway",
         bound=">= 1", origin=TESSERA)
@@ -168,11 +172,11 @@ class Training:
         0, "tokens per chunk of a loss that projects to the vocabulary and takes the cross-entropy chunk by chunk, "
         "never holding a micro-batch's whole logits; 0: off", bound=">= 0", origin=TESSERA)
     steps: int = key(100, "optimizer steps to train", bound=">= 1")
-    # float32 by default: without AVX-512 BF16 (e.g. AVX2-only CPUs) CPU bf16 matmuls are
-    # emulated, measured 20x slower here. GPU configs set "bfloat16".
-    mixed_precision_param: str = key(
-        "float32", "dtype of parameters in compute (FSDP all-gathers / autocast): float32 or bfloat16",
-        choices=tuple(MIXED_PRECISION_DTYPES))
+    # unset: torchtitan's bfloat16 on CUDA; float32 on a CPU, where without AVX-512 BF16 (e.g.
+    # AVX2-only CPUs) bf16 matmuls are emulated, measured 20x slower (the job plan resolves it)
+    mixed_precision_param: str | None = key(
+        None, "dtype of parameters in compute (FSDP all-gathers / autocast): float32 or bfloat16; unset: bfloat16 "
+        "on CUDA, float32 on a CPU", choices=tuple(MIXED_PRECISION_DTYPES))
     mixed_precision_reduce: str = key(
         "float32", "dtype of the gradient reduction: float32 or bfloat16", choices=tuple(MIXED_PRECISION_DTYPES))
     dtype: str = key(
@@ -223,8 +227,10 @@ class Parallelism:
     pipeline_parallel_first_stage_less_layers: int = key(1, "the embedding weighs as this many blocks")
     pipeline_parallel_last_stage_less_layers: int = key(1, "the final norm and output weigh as this many blocks")
     module_fqns_per_model_part: list[list[str]] | None = key(None, "explicit stages: the module names of each")
+    # torchtitan overlaps them under DualPipeV only; false asks for what Tessera always does
     pipeline_parallel_expert_parallel_overlap: bool = key(
-        True, "overlap expert-parallel all-to-all with pipeline compute", refused=_NO_EP)
+        True, "torchtitan's DualPipeV overlap of expert-parallel all-to-all with compute; Tessera runs them in line "
+        "either way, with the same numbers")
     expert_parallel_degree: int = key(1, "ranks sharing the experts of each MoE layer")
     expert_tensor_parallel_degree: int = key(
         1, "tensor_parallel_degree: experts split over tp and ep; 1: the tp ranks join ep; no effect without ep")
@@ -279,7 +285,8 @@ class ActivationCheckpoint:
         "recompute activations in backward instead of storing them; or offload (Tessera: keep them in host memory, "
         "copied back for backward)", choices=AC_MODES)
     selective_ac_option: str = key(  # checked in validate(): "op" or an int
-        "op", "op (keep matmul outputs, recompute the rest) or N (checkpoint every N-th block)")
+        "op", "op (torchtitan's policy: keep attention's and every second matmul's outputs, recompute the rest) "
+        "or N (checkpoint every N-th block)")
     preserve_rng_state: bool = key(True, "recompute with the forward's RNG state (dropout-exact)")
     early_stop: bool = key(False, "stop recomputing once the needed activations exist")
     determinism_check: str = key(
@@ -292,7 +299,8 @@ class ActivationCheckpoint:
         False, "with mode memory_budget: plot each graph's memory/recompute Pareto front (SVG) under "
         "dump_folder/memory_budget_pareto")
     per_op_sac_force_recompute_mm_shapes_by_fqns: list[str] = key(
-        ["moe.router.gate"], "op-level AC recomputes matmuls of these modules (MoE router)", refused=_NO_EP)
+        ["moe.router.gate"], "selective AC op recomputes the matmuls of linears whose names contain these "
+        "(their shapes: the MoE router's by default)")
 
 
 @dataclasses.dataclass
@@ -694,6 +702,8 @@ def load_config(argv: list[str], accepted: frozenset[str] = frozenset()) -> JobC
         for path, _, weight in [entry.rpartition("=")]
     ]
     _read_experimental(config)
+    if config.fault_tolerance.semi_sync_method:  # torchtitan's FT manager matches it case-insensitively
+        config.fault_tolerance.semi_sync_method = config.fault_tolerance.semi_sync_method.lower()
     _custom_import(config.experimental.custom_import)
     validate(config, accepted)
     return config
@@ -745,7 +755,11 @@ def note(message: str) -> None:
 
 def validate(config: JobConfig, accepted: frozenset[str] = frozenset()) -> None:
     """What each key declares (schema.check_declared), then the rules between keys."""
-    check_declared(config, accepted)
+    built_in = config.job.custom_config_module == _FT_CONFIG_MODULE
+    check_declared(config, accepted | ({"job.custom_config_module"} if built_in else set()))
+    if config.training.global_batch_size == 0:  # torchtitan asserts > 0 once negatives are resolved
+        raise ConfigError("config key training.global_batch_size: 0 sequences per step; -1 is local_batch_size x "
+                          "the data-parallel degree")
     option = config.activation_checkpoint.selective_ac_option
     if option != "op" and not (option.isdigit() and int(option) >= 1):
         raise ConfigError(f"config key activation_checkpoint.selective_ac_option: {option!r} is not 'op' or a positive int")
@@ -776,9 +790,13 @@ def validate(config: JobConfig, accepted: frozenset[str] = frozenset()) -> None:
     unknown = [name for name in config.model.converters if name not in registered_converters()]
     if unknown:
         raise ConfigError(f"config key model.converters: {unknown} not registered; available: {registered_converters()}")
+    borrowed = "float8" in config.model.converters and float8_reads_linear_table(config)
+    if borrowed:
+        note(f"model.converters 'float8' reads [{LINEAR_FLOAT8}]: [float8] is unset (torchtitan 0.2's converter is "
+             f"{LINEAR_FLOAT8!r})")
     for name, section in converter_sections().items():
         entries = get_key(config, section)
-        if entries != type(entries)() and name not in config.model.converters:
+        if entries != type(entries)() and name not in config.model.converters and not (borrowed and name == LINEAR_FLOAT8):
             # torchtitan's configs carry the section whether or not the converter runs
             note(f"config section [{section}] has no effect: model.converters does not list {name!r}")
 

@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # for annotations only: the config imports this module
     from tessera.mesh import ParallelDims
     from tessera.trainer.config import JobConfig
 
+LINEAR_FLOAT8 = "quantize.linear.float8"  # torchtitan 0.2's converter and table name
 # In filter_fqns, torchtitan's switch for the size rule (tessera.float8.size_filter), not a name.
 AUTO_FILTER_FLAG = "auto_filter_small_kn"
 
@@ -83,9 +84,17 @@ class Quantize:
 
 
 def _section(config: JobConfig, name: str) -> tuple[str, Any]:
-    """The dotted name of the table converter `name` registered, and that table of `config`."""
-    section = converter_sections()[name]
+    """The dotted name of the table converter `name` reads, and that table of `config`."""
+    section = LINEAR_FLOAT8 if name == "float8" and float8_reads_linear_table(config) else converter_sections()[name]
     return section, get_key(config, section)
+
+
+def float8_reads_linear_table(config: JobConfig) -> bool:
+    """Whether "float8" (torchtitan 0.1's converter, reading [float8]) reads [quantize.linear.float8]
+    instead: [float8] left unset, that table set, its own converter not listed. torchtitan 0.2.2's
+    llama3_405b.toml lists "float8" with its settings there (output left out, float8 all-gathers)."""
+    return (config.float8 == Float8() and config.quantize.linear.float8 != Float8()
+            and LINEAR_FLOAT8 not in config.model.converters)
 
 
 def float8_options(config: JobConfig, dims: ParallelDims, name: str = "float8") -> Float8Options:
@@ -184,6 +193,6 @@ def _grouped_factory(name: str, config: JobConfig, dims: ParallelDims) -> ModelC
 
 
 # Each converter reads the table of its own name; [float8] is torchtitan 0.1's name of [quantize.linear.float8].
-for _name, _factory_of in (("float8", _factory), ("quantize.linear.float8", _factory), ("quantize.linear.mx", _mx_factory),
+for _name, _factory_of in (("float8", _factory), (LINEAR_FLOAT8, _factory), ("quantize.linear.mx", _mx_factory),
                            ("quantize.grouped_mm.float8", _grouped_factory), ("quantize.grouped_mm.mx", _grouped_factory)):
     register_converter(_name, functools.partial(_factory_of, _name), section=_name)

@@ -20,6 +20,9 @@ from tessera.trainer.config import ConfigError, JobConfig, user_input
 FROM_HF_CONFIG = "from_hf_config"
 # A Hugging Face tokenizer's files, copied beside an export when the run's tokenizer is in HF's formats.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+# torchtitan 0.2.2's flavors naming an attention kernel over another flavor's weights (llama3's 8B_flex,
+# debugmodel_varlen_attn, ...): in Tessera the job plan picks the kernel and model.attn_mask_type the mask.
+_KERNEL_SUFFIXES = ("_flex_attn", "_varlen_attn", "_flex", "_varlen")
 
 
 def flavor_args(config: JobConfig, spec: ModelSpec):
@@ -28,8 +31,7 @@ def flavor_args(config: JobConfig, spec: ModelSpec):
     flavor = config.model.flavor
     if flavor != FROM_HF_CONFIG:
         if flavor not in spec.flavors:
-            hint = f", or {FROM_HF_CONFIG!r} with model.hf_assets_path" if spec.hf_config is not None else ""
-            raise ConfigError(f"model.flavor {flavor!r} is not a flavor of {spec.name}; choose from {sorted(spec.flavors)}{hint}")
+            raise ConfigError(f"model.flavor {flavor!r} is not a flavor of {spec.name}; {_flavor_hint(flavor, spec)}")
         return spec.flavors[flavor]
     if spec.hf_config is None:
         raise ConfigError(f"model.flavor {FROM_HF_CONFIG!r}: model {spec.name} cannot be built from a Hugging Face config.json")
@@ -42,6 +44,15 @@ def flavor_args(config: JobConfig, spec: ModelSpec):
         if fit is not None and config.checkpoint.initial_load_in_hf and initial is not None and _holds_weights(initial[1]):
             args = fit(args, set(hf_tensor_names(initial[1])))  # modules config.json names but the weights lack
         return args
+
+
+def _flavor_hint(flavor: str, spec: ModelSpec) -> str:
+    """What to write instead: for torchtitan's kernel flavors, their weights' flavor and the mask."""
+    base = next((flavor.removesuffix(suffix) for suffix in _KERNEL_SUFFIXES if flavor.endswith(suffix)), None)
+    if base in spec.flavors:
+        return f"torchtitan's {flavor} is {base} with model.attn_mask_type = 'block_causal' (the job plan picks the kernel)"
+    hint = f", or {FROM_HF_CONFIG!r} with model.hf_assets_path" if spec.hf_config is not None else ""
+    return f"choose from {sorted(spec.flavors)}{hint}"
 
 
 def _holds_weights(folder: Path) -> bool:

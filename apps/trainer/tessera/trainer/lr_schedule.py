@@ -24,7 +24,7 @@ def lr_factor(
     total_steps (training longer than the schedule) stay at the floor.
     """
     warmup = min(warmup_steps, total_steps)
-    decay = total_steps - warmup if decay_ratio is None else min(round(total_steps * decay_ratio), total_steps - warmup)
+    decay = decay_steps(total_steps, warmup_steps, decay_ratio)
     if step <= warmup:
         return step / warmup
     decay_start = total_steps + 1 - decay  # the last step at the full lr
@@ -40,6 +40,13 @@ def lr_factor(
     else:
         raise ValueError(f"unknown lr decay_type {decay_type!r}")
     return min_lr_factor + (1.0 - min_lr_factor) * remaining
+
+
+def decay_steps(total_steps: int, warmup_steps: int, decay_ratio: float | None) -> int:
+    """The steps the decay covers, as torchtitan counts them: round(decay_ratio * total_steps),
+    cut to the steps after warm-up (all of them when decay_ratio is None)."""
+    after_warmup = total_steps - min(warmup_steps, total_steps)
+    return after_warmup if decay_ratio is None else min(round(total_steps * decay_ratio), after_warmup)
 
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, **schedule) -> torch.optim.lr_scheduler.LambdaLR:

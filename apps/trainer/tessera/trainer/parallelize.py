@@ -78,6 +78,7 @@ def parallelize(model: nn.Module, plan: JobPlan, meshes: Meshes | None) -> nn.Mo
             model, ac.mode, ac.selective_option, preserve_rng_state=ac.preserve_rng_state, early_stop=ac.early_stop,
             determinism_check=ac.determinism_check, debug=ac.debug,
             split_backward=plan.pipeline is not None and plan.pipeline.splits_backward,
+            force_recompute_fqns=ac.force_recompute_fqns,
         )
     if plan.compile.blocks:
         if plan.tensor_parallel.async_tp:  # the plan checked CUDA, TP and compile

@@ -21,7 +21,7 @@ from tessera import cp, ep, pp, tp
 from tessera.data import load_tokenizer, parse_mixture
 from tessera.fsdp import MIXED_PRECISION_DTYPES
 from tessera.mesh import MeshLayout, ParallelDims, device_type, mesh_layout, resolve_parallel_dims
-from tessera.models import ModelSpec, RunLayout, choose_kernel, get_model_spec, plain_causal
+from tessera.models import ModelSpec, RunLayout, choose_kernel, force_recompute_shapes, get_model_spec, plain_causal
 from tessera.trainer.chunked_loss import hidden_output_style
 from tessera.trainer.config import (ActivationCheckpoint, ConfigError, JobConfig, Loss, Optimizer, user_directory,
                                     user_input)
@@ -120,6 +120,7 @@ def make_plan(config: JobConfig, world_size: int, device: str | None = None, *, 
     files the run would read are not required here: what cannot be verified becomes a note.
     """
     device = device or device_type()
+    config = _with_param_dtype(config, device)
     par, training = config.parallelism, config.training
     notes: list[str] = []
     with user_input():
@@ -168,7 +169,7 @@ def make_plan(config: JobConfig, world_size: int, device: str | None = None, *, 
         tensor_parallel=TensorParallelPlan(styles, par.enable_async_tensor_parallel),
         pipeline=pipeline, experts=ExpertPlan(config.debug.moe_force_load_balance, par.expert_capacity_factor,
                                               par.expert_capacity_overflow),
-        attention=attention, checkpointing=_checkpointing(config),
+        attention=attention, checkpointing=_checkpointing(config, meta_model),
         compile=CompilePlan(_compiles(config, "model"), config.compile.backend), optimizer=optimizer,
         # a compiled cross-entropy of vocab-sharded logits bypasses loss parallel (torch 2.13: the
         # local shard's loss, 2.6 instead of 8.2 on the debug model), so it stays eager there
@@ -184,6 +185,15 @@ def _compiles(config: JobConfig, component: str) -> bool:
     return config.compile.enable and component in config.compile.components
 
 
+def _with_param_dtype(config: JobConfig, device: str) -> JobConfig:
+    """training.mixed_precision_param unset: bfloat16 on CUDA (torchtitan's default, which its
+    shipped configs rely on), float32 elsewhere (CPUs without AVX-512 BF16 emulate bf16 matmuls)."""
+    if config.training.mixed_precision_param is not None:
+        return config
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    return dataclasses.replace(config, training=dataclasses.replace(config.training, mixed_precision_param=dtype))
+
+
 def _precision(config: JobConfig, dims: ParallelDims) -> Precision:
     training = config.training
     param = MIXED_PRECISION_DTYPES[training.mixed_precision_param]
@@ -191,23 +201,44 @@ def _precision(config: JobConfig, dims: ParallelDims) -> Precision:
                      autocast=param != torch.float32 and not dims.fsdp_enabled)
 
 
-def _checkpointing(config: JobConfig) -> CheckpointingPlan:
+def _checkpointing(config: JobConfig, meta_model: Callable[[], torch.nn.Module]) -> CheckpointingPlan:
     """Mode memory_budget hands the choice to compile's min-cut partitioner (tessera.models.apply_compile):
     it needs the blocks compiled, and its two keys mean nothing under another mode."""
     ac = config.activation_checkpoint
+    recompute = tuple(_force_recompute(config, meta_model))
     if ac.mode != "memory_budget":
         for name in ("memory_budget", "visualize_memory_budget_pareto"):
             if getattr(ac, name) != getattr(ActivationCheckpoint(), name):
                 raise ConfigError(f"activation_checkpoint.{name} applies only with activation_checkpoint.mode "
                                   f"memory_budget (this run: {ac.mode!r})")
         return CheckpointingPlan(ac.mode, ac.selective_ac_option, ac.preserve_rng_state, ac.early_stop,
-                                 ac.determinism_check, ac.debug)
+                                 ac.determinism_check, ac.debug, force_recompute_fqns=recompute)
     if not _compiles(config, "model"):
         raise ConfigError("activation_checkpoint.mode memory_budget lets compile's partitioner choose what to recompute: "
                           "set compile.enable true with 'model' in compile.components, or use mode selective or full")
     pareto = str(Path(config.job.dump_folder) / "memory_budget_pareto") if ac.visualize_memory_budget_pareto else None
     return CheckpointingPlan(ac.mode, ac.selective_ac_option, ac.preserve_rng_state, ac.early_stop, ac.determinism_check,
-                             ac.debug, ac.memory_budget, pareto)
+                             ac.debug, ac.memory_budget, pareto, recompute)
+
+
+def _force_recompute(config: JobConfig, meta_model: Callable[[], torch.nn.Module]) -> list[str]:
+    """activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns: other than torchtitan's
+    default (the MoE router, which a dense model lacks), it must act: under selective "op", on
+    linears of this model."""
+    ac, key = config.activation_checkpoint, "activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns"
+    fqns = ac.per_op_sac_force_recompute_mm_shapes_by_fqns
+    if fqns == ActivationCheckpoint().per_op_sac_force_recompute_mm_shapes_by_fqns:
+        return fqns
+    if (ac.mode, ac.selective_ac_option) != ("selective", "op"):
+        raise ConfigError(f"{key} applies only with activation_checkpoint.mode selective and selective_ac_option op "
+                          f"(this run: {ac.mode!r}, {ac.selective_ac_option!r})")
+    try:
+        shapes = force_recompute_shapes(meta_model(), tuple(fqns))
+    except ValueError as e:
+        raise ConfigError(f"{key}: {e}") from None
+    if fqns and not shapes:
+        raise ConfigError(f"{key}: {fqns} matches no linear of {config.model.name}/{config.model.flavor}")
+    return fqns
 
 
 def _optimizer(config: JobConfig, spec: ModelSpec,
@@ -583,6 +614,7 @@ def _check_checkpoint(config: JobConfig, spec: ModelSpec, world_size: int) -> No
                           "true (or an initial_load_path with initial_load_model_only = false)")
     if not ckpt.enable and ckpt.last_save_in_hf:
         raise ConfigError("checkpoint.last_save_in_hf needs checkpoint.enable = true")
+    _check_checkpoint_switches(config)
     if ckpt.initial_load_in_hf and initial_load_folder(config) is None:
         raise ConfigError("checkpoint.initial_load_in_hf reads a Hugging Face folder: set model.hf_assets_path "
                           "(or checkpoint.initial_load_path)")
@@ -590,6 +622,27 @@ def _check_checkpoint(config: JobConfig, spec: ModelSpec, world_size: int) -> No
         raise ConfigError("checkpoint.initial_load_in_hf loads model weights only: set initial_load_model_only = true")
     if (ckpt.initial_load_in_hf or ckpt.last_save_in_hf) and spec.hf_adapter is None:
         raise ConfigError(f"model {spec.name} has no Hugging Face adapter (checkpoint.initial_load_in_hf/last_save_in_hf)")
+
+
+def _check_checkpoint_switches(config: JobConfig) -> None:
+    """Switches that would change nothing: a run that neither resumes nor saves its checkpoints
+    has nothing for load_only, enable_first_step_checkpoint or async_mode to act on; a seed
+    checkpoint is a save, which load_only would not stop, of the weights as initialised, before
+    any initial checkpoint is read. (export_dtype without an export is let be: torchtitan's Qwen3
+    configs set float16 with none, and `--checkpoint.enable` must not refuse them.)"""
+    ckpt = config.checkpoint
+    if ckpt.load_only and ckpt.create_seed_checkpoint:
+        raise ConfigError("checkpoint.load_only never saves, and checkpoint.create_seed_checkpoint only saves: "
+                          "set one of them")
+    initial = initial_load_folder(config)
+    if ckpt.create_seed_checkpoint and initial is not None:
+        raise ConfigError(f"checkpoint.create_seed_checkpoint saves the weights as initialised and never reads {initial[0]} "
+                          f"{initial[1]}: drop one of them")
+    idle = {"load_only": ckpt.load_only, "enable_first_step_checkpoint": ckpt.enable_first_step_checkpoint,
+            "async_mode": ckpt.async_mode != "disabled" and not ckpt.create_seed_checkpoint}
+    name = next((name for name, on in idle.items() if on), None)
+    if not ckpt.enable and name is not None:
+        raise ConfigError(f"checkpoint.{name} acts on the run's checkpoints: it needs checkpoint.enable = true")
 
 
 def _check_fault(config: JobConfig, ranks: int) -> None:

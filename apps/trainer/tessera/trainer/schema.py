@@ -90,7 +90,7 @@ def check_declared(config: typing.Any, accepted: frozenset[str] = frozenset()) -
                 unknown = sorted(set(value) - set(facts.choices))
                 if unknown:
                     raise ConfigError(f"config key {name}: {unknown} not in {list(facts.choices)}")
-            elif value not in facts.choices:
+            elif value not in facts.choices and not (value is None and get_key(defaults, name) is None):  # None: unset
                 raise ConfigError(f"config key {name}: {value!r} is not one of {list(facts.choices)}")
         if facts.bound is not None:
             holds, message = BOUNDS[facts.bound]

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 import torch
 
 from tessera import tp
-from tessera.models import AttentionMask
+from tessera.models import FORCE_RECOMPUTE_DEFAULT, AttentionMask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +127,7 @@ class CheckpointingPlan:
     debug: bool
     memory_budget: float | None = None  # mode memory_budget: what compile's partitioner keeps (0-1)
     pareto_dir: str | None = None  # where the partitioner plots its memory/recompute Pareto fronts
+    force_recompute_fqns: tuple[str, ...] = FORCE_RECOMPUTE_DEFAULT  # selective "op": linears always recomputed
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,31 +14,66 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
-import tessera.models.moe.grouped_mm  # noqa: F401  (registers tessera::grouped_mm, which selective AC keeps)
-
 AC_MODES = ("none", "full", "selective", "memory_budget", "offload")
 _CHECKPOINT_DEFAULTS = {"early_stop": True, "determinism_check": "default", "debug": False}
 
-# Outputs kept by selective AC: recomputing matmuls (the experts' grouped ones too) and attention
-# dominates backward cost; the rest is cheap.
+# Outputs selective AC "op" keeps, as torchtitan's op-level policy does (its models' parallelize.py):
+# the attention kernels' (CPU's flash one too), the collectives ending a sequence-parallel or
+# expert-parallel exchange, amax (float8's scales), and every second matmul of a block
+# (_op_policy); the rest, cheap elementwise ops and the other matmuls, is recomputed.
 _SAVED_OPS = {
-    torch.ops.aten.mm.default,
-    torch.ops.aten.addmm.default,
-    torch.ops.aten.bmm.default,
-    torch.ops.aten._grouped_mm.default,
-    torch.ops.tessera.grouped_mm.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_attention_math.default,
+    torch.ops.aten._scaled_dot_product_fused_attention_overrideable.default,
+    torch._higher_order_ops.flex_attention,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops._c10d_functional.all_to_all_single.default,
+    torch.ops.aten.max.default,
+    torch._higher_order_ops.inductor_compiled_code,
 }
+# torchtitan's activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns default: the MoE
+# router's matmul is recomputed (it is small), and not counted among the block's matmuls.
+FORCE_RECOMPUTE_DEFAULT = ("moe.router.gate",)
 
 
 _PROFILER_OPS = {torch.ops.profiler._record_function_enter_new.default, torch.ops.profiler._record_function_exit.default,
                  torch.ops.profiler._record_function_exit._RecordFunction}
 
 
-def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+def _op_policy(recompute_shapes: frozenset):
+    """A fresh policy per block call: it keeps the 1st, 3rd, 5th ... matmul (counted apart in
+    forward and in recompute, so both passes agree) and recomputes the others, and any matmul
+    whose weight operand has one of `recompute_shapes` ((in, out) features)."""
+    matmuls = {False: 0, True: 0}  # by ctx.is_recompute
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if op is torch.ops.aten.mm.default:
+            if tuple(args[1].shape) in recompute_shapes:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            matmuls[ctx.is_recompute] += 1
+            keep = matmuls[ctx.is_recompute] % 2 == 1
+        else:
+            keep = op in _SAVED_OPS
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    policy.rewind = lambda: matmuls.update({True: 0})  # a recomputation starts (_rewinding)
+    return policy
+
+
+def force_recompute_shapes(model: nn.Module, fqns: tuple[str, ...]) -> frozenset:
+    """(in, out) features of the linears whose names contain one of `fqns`, as torchtitan matches
+    them (none: a pipeline stage may hold no router); ValueError naming a match that is not a linear."""
+    shapes = set()
+    for name, module in model.named_modules():
+        if any(fqn in name for fqn in fqns):
+            if not isinstance(module, nn.Linear):
+                raise ValueError(f"{name} is a {type(module).__name__}, not a Linear: its matmuls cannot be "
+                                 "forced to recompute")
+            shapes.add((module.in_features, module.out_features))
+    return frozenset(shapes)
 
 
 class _KeepEntries(dict):
@@ -57,11 +92,44 @@ class _KeepEntries(dict):
         self.setdefault(key, value)
 
 
+class _RereadRow(list):
+    """torch 2.11's row of the cache: forward appends, a recomputation pops from the front (so a
+    second backward found it empty). Here the entries stay, read from the front again by each
+    recomputation (_rewinding)."""
+
+    read = 0
+
+    def pop(self, index=0):
+        self.read += 1
+        return self[self.read - 1]
+
+
+@functools.cache
+def _rewinding(mode_type: type) -> type:
+    """torch 2.11's recompute mode, which asks the policy again as it recomputes: each
+    recomputation starts the policy's matmul count and the rows' reads afresh, so both passes of
+    a split backward decide and read as forward did (2.13 replays forward's decisions itself)."""
+
+    class Rewinding(mode_type):
+        def __enter__(self):
+            self.policy_fn.rewind()
+            for row in self.storage.values():
+                row.read = 0
+            return super().__enter__()
+
+    return Rewinding
+
+
 def _rereadable_contexts(policy_fn):
     """create_selective_checkpoint_contexts whose cached outputs both backward passes of a split
-    backward can read; the two modes share one cache, swapped for rows of _KeepEntries."""
+    backward can read; the two modes share one cache, swapped for rows of _KeepEntries (torch
+    2.13) or _RereadRow (2.11, whose rows are lists)."""
     forward_mode, recompute_mode = create_selective_checkpoint_contexts(policy_fn)
-    forward_mode.storage = recompute_mode.storage = defaultdict(_KeepEntries)
+    if forward_mode.storage.default_factory is list:
+        forward_mode.storage = recompute_mode.storage = defaultdict(_RereadRow)
+        recompute_mode.__class__ = _rewinding(type(recompute_mode))
+    else:
+        forward_mode.storage = recompute_mode.storage = defaultdict(_KeepEntries)
     return forward_mode, recompute_mode
 
 
@@ -75,6 +143,7 @@ def _every_n(option: str | int) -> int:
 def apply_activation_checkpointing(
     model: nn.Module, mode: str, option: str | int = "op", *, preserve_rng_state: bool = False,
     early_stop: bool = True, determinism_check: str = "default", debug: bool = False, split_backward: bool = False,
+    force_recompute_fqns: tuple[str, ...] = FORCE_RECOMPUTE_DEFAULT,
 ) -> None:
     """Wrap blocks of ``model.layers`` so backward recomputes their activations instead of
     keeping them, trading compute for memory.
@@ -82,11 +151,16 @@ def apply_activation_checkpointing(
     mode (one of ``AC_MODES``): "none" leaves the model as it is, and so do "memory_budget"
     (compile's partitioner chooses what to recompute: ``apply_compile(memory_budget=...)``) and
     "offload" (nothing recomputed, the saved tensors moved to host: ``offload_activations``); "full" recomputes every block;
-    "selective" with option "op" wraps every block but keeps the outputs of matmuls and attention
-    (the costly ops) and recomputes only the cheap ones (norms, activations, elementwise), and
-    with an integer option N (2 or "2") fully checkpoints every N-th block (as torchtitan: the
-    N-th, 2N-th, ... of ``model.layers``, indices N-1, 2N-1, ...) and leaves the others alone. ``option`` only matters for
-    "selective". ValueError naming the culprit for an unknown mode or option.
+    "selective" with option "op" wraps every block and keeps what torchtitan's op-level policy
+    keeps: attention's outputs, every second matmul's (the 1st, 3rd, ... of each block: wq, wv,
+    w1, w2 of a Llama block), sequence- and expert-parallel exchanges' results and amax, while
+    the other matmuls and the cheap ops (norms, activations, elementwise) are recomputed; the
+    matmuls of the linears named by ``force_recompute_fqns`` (torchtitan's
+    per_op_sac_force_recompute_mm_shapes_by_fqns, the MoE router by default) are always
+    recomputed, by shape as torchtitan matches them. "selective" with an integer option N (2 or
+    "2") fully checkpoints every N-th block (as torchtitan: the N-th, 2N-th, ... of
+    ``model.layers``, indices N-1, 2N-1, ...) and leaves the others alone. ``option`` only matters
+    for "selective". ValueError naming the culprit for an unknown mode or option.
 
     The keywords are torch.utils.checkpoint's: RNG state matters only to blocks with dropout
     (saving it costs every forward); early_stop ends a recomputation once it has produced what
@@ -107,7 +181,8 @@ def apply_activation_checkpointing(
     every_n = 1
     if mode == "selective" and option == "op":
         make_contexts = _rereadable_contexts if split_backward else create_selective_checkpoint_contexts
-        contexts["context_fn"] = functools.partial(make_contexts, _save_matmuls)
+        shapes = force_recompute_shapes(model, force_recompute_fqns)
+        contexts["context_fn"] = lambda: make_contexts(_op_policy(shapes))
         # profiler marks are bookkeeping, not computation: hooks inside a block (FSDP on its experts)
         # place a different number of them in forward and recomputation, which SAC would count
         SAC_IGNORED_OPS.update(_PROFILER_OPS)
