@@ -456,7 +456,8 @@ def comm_bytes(plan: JobPlan, local_elements: int, kept: int, blocks: int, modul
         out[("reduce_scatter", "cp")] = gathered
     if dims.tp > 1:
         ends = ("tok_embeddings" in modules) + ("output" in modules)
-        gathered, scattered = tp_bytes(tokens * plan.model_args.dim * e, blocks, ends, plan.checkpointing.mode)
+        gathered, scattered = tp_bytes(tokens * plan.model_args.dim * e, blocks, ends, plan.checkpointing.mode,
+                                       plan.checkpointing.early_stop)
         out[("all_gather", "tp")], out[("reduce_scatter", "tp")] = int(gathered), int(scattered)
     if dims.pp > 1:  # per micro-batch, each stage boundary to another rank: activations forward, gradients back
         out[("send_recv", "pp")] = int(2 * _pipeline_hops(plan, pp_rank) * tokens * plan.model_args.dim // dims.tp * e)
@@ -472,18 +473,19 @@ def reductions(plan: JobPlan) -> int:
     return plan.batch.accumulation if plan.pipeline is None and every else 1
 
 
-def tp_bytes(hidden: float, blocks: float, ends: float, ac_mode: str) -> tuple[float, float]:
+def tp_bytes(hidden: float, blocks: float, ends: float, ac_mode: str, early_stop: bool = True) -> tuple[float, float]:
     """(all-gather, reduce-scatter) buffer bytes of sequence-parallel TP per step: each block
     gathers its two inputs (attention, feed-forward) and reduce-scatters its two outputs in
-    forward, the reverse in backward; recompute regathers both inputs and, under full AC, stops
-    before the block's last reduce-scatter (selective AC "op" keeps both reduce-scatters' results); the
+    forward, the reverse in backward; recompute regathers both inputs and, under full AC, reruns
+    wo's reduce-scatter, and w2's, the block's last, unless it stops early (`early_stop`; selective
+    AC "op" keeps both reduce-scatters' results); the
     embedding and the head one each; offload recomputes nothing, nor does compile's memory budget
     rerun a collective (torch's partitioner saves them: partitioners.force_save_collectives).
     `hidden`: the bytes of the step's hidden states on this rank (tokens x dim x element size)."""
     per_block = 2 * hidden
     no_rerun = (0, 0)
-    regather, rescatter = {"none": no_rerun, "offload": no_rerun, "memory_budget": no_rerun, "full": (1, 0.5),
-                           "selective": (1, 0)}[ac_mode]
+    regather, rescatter = {"none": no_rerun, "offload": no_rerun, "memory_budget": no_rerun,
+                           "full": (1, 0.5 if early_stop else 1), "selective": (1, 0)}[ac_mode]
     return per_block * blocks * (2 + regather) + hidden * ends, per_block * blocks * (2 + rescatter) + hidden * ends
 
 

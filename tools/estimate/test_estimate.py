@@ -159,6 +159,16 @@ def test_formula_against_trace_tp_cuda():
     assert traces["cuda"].activations < traces["cpu"].activations
 
 
+@pytest.mark.parametrize("early_stop", ["true", "false"])
+def test_full_ac_reruns_the_last_reduce_scatter_unless_it_stops_early(early_stop):
+    """TP 2, full AC: recompute regathers both block inputs and reruns wo's reduce-scatter, and
+    w2's unless the recomputation stops early (the trainer's default, torchtitan's: it does not)."""
+    world, degrees = TP2
+    plan, t = _planned_trace((*BASE, *degrees, "--activation_checkpoint.mode", "full", "--activation_checkpoint.early_stop",
+                              early_stop), world, "cpu")
+    assert {key: n for key, n in t.comm.items() if n > 1 << 16} == formulas.estimate_rank(plan).comm
+
+
 def test_cuda_plan_fuses_qwen3_tensor_parallel_qk_norms():
     """Qwen3's q/k norms under TP hold their weight as a DTensor and run on plain tensors
     (tessera.tp's LocalShards): a "cuda" plan's fused norm takes the weight's local value, and

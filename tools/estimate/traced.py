@@ -172,7 +172,8 @@ def trace_rank(plan: JobPlan, rank: int) -> RankMemory:
                 return RankMemory(**_state(live, params, grads, states(), buffers), activations=0, peak=live.peak,
                                   at_peak=at_peak, comm={}, traced_activations=False)
             grads, forward_end, (backward_peak, backward_sizes) = _step(plan, parts, optimizers, meshes, comm, live)
-            # what forward keeps includes collectives' results selective AC "op" keeps (reduce-scatters')
+            # what forward keeps, collectives' results included (selective AC "op"'s reduce-scatters,
+            # expert parallel's all-to-alls that backward reads)
             at_forward_end = _owners(live, forward_end, params, grads, states(), buffers, set())
             phases = {"forward_backward": backward_peak, "optimizer": live.peak}
             at_peak = backward_sizes if backward_peak >= live.peak else live.peak_sizes

@@ -178,7 +178,8 @@ def linear_seconds(a, names: tuple[str, ...], rows: float, tp: int, fp8: frozens
 
 
 def tp_seconds(a, rows: float, itemsize: int, blocks: float, embedding: float, head: float, ac_mode: str, tp: int,
-               fp8: frozenset[str], float8_gather: bool, async_tp: bool, peak: dict[bool, float], gpu: GPU) -> float:
+               fp8: frozenset[str], float8_gather: bool, async_tp: bool, peak: dict[bool, float], gpu: GPU,
+               early_stop: bool = True) -> float:
     """One micro-batch's sequence-parallel TP collectives on a rank holding `blocks` blocks and
     `embedding`, `head` of those modules (fractions: the planner's bound), each moving the
     micro-batch's hidden states (`rows` x dim). Under float8 TP styles a block's gathers move
@@ -189,14 +190,16 @@ def tp_seconds(a, rows: float, itemsize: int, blocks: float, embedding: float, h
     inductor pass) splits each into tp chunks run beside that many chunks of the matmul it feeds
     (or that feeds it): the step takes max(matmul, collective + one chunk of the matmul), so what
     exceeds (tp-1)/tp of the matmul is exposed, and 1 - OVERLAP of the bandwidth time under it
-    still slows the matmul. Those TP_FUSIONS leaves unfused, and the embedding's pair, stay exposed."""
+    still slows the matmul. Those TP_FUSIONS leaves unfused, and the embedding's pair, stay exposed.
+    Full AC without `early_stop` reruns w2's reduce-scatter too (TP_FUSIONS counts it stopping early)."""
     if tp <= 1:
         return 0.0
     nodes, one = group_nodes(tp, 1, gpu), rows * a.dim * itemsize
     # offload reruns nothing; compile's partitioner never reruns a collective (force_save_collectives)
     recomputes = ac_mode if ac_mode in ("full", "selective") else "none"
-    events = [(kind, names, blocks * passes[recomputes], float8_gather and kind == "all_gather")
-              for kind, names, passes in TP_FUSIONS]
+    through = recomputes == "full" and not early_stop
+    events = [(kind, names, blocks * (passes[recomputes] + (through and names == ("feed_forward.w2",) and kind == "reduce_scatter")),
+               float8_gather and kind == "all_gather") for kind, names, passes in TP_FUSIONS]
     events += [(kind, names, count, False) for kind in ("all_gather", "reduce_scatter")
                for names, count in (((), embedding), (("output",), head))]
     total = 0.0
@@ -230,7 +233,7 @@ def _rank_step(plan: JobPlan, pp_rank: int, est, gpu: GPU, efficiency: float) ->
     out["tp"] = w.microbatches * tp_seconds(
         a, rows, e, sum(m.startswith("layers.") for m in modules), "tok_embeddings" in modules, "output" in modules,
         plan.checkpointing.mode, dims.tp, fp8, bool(fp8) and options.recipe_name == "tensorwise",
-        plan.tensor_parallel.async_tp, peak, gpu)
+        plan.tensor_parallel.async_tp, peak, gpu, plan.checkpointing.early_stop)
     # CP's K and V gathers (dK, dV reduce-scatters), each a whole sequence's: synchronous with attention, exposed
     lat, bw = ring_seconds(kv, dims.cp, group_nodes(dims.cp, dims.tp, gpu), gpu)
     out["cp"] = sum(est.comm.get((kind, "cp"), 0) for kind in ("all_gather", "reduce_scatter")) / kv * (lat + bw)

@@ -268,16 +268,16 @@ def test_ring_latency_is_nccls_and_fsdp_exposure_grows_with_nodes():
     assert exposed[0] < exposed[1] < exposed[2]
 
 
-@pytest.mark.parametrize("ac", ["none", "full", "selective"])
-def test_tp_collectives_are_the_estimators_bytes(ac):
+@pytest.mark.parametrize("ac, early_stop", [("none", True), ("full", True), ("full", False), ("selective", True)])
+def test_tp_collectives_are_the_estimators_bytes(ac, early_stop):
     """The step-time model's TP collectives (step_time.TP_FUSIONS, per micro-batch) move the bytes
     the estimator counts (formulas.tp_bytes): synchronous, each costs its ring time."""
     a, rows, blocks, tp = get_model_spec("llama3").flavors["70B"], 8192, 3, 8
     one = rows * a.dim * 2
-    gathered, scattered = formulas.tp_bytes(one, blocks, 2, ac)
+    gathered, scattered = formulas.tp_bytes(one, blocks, 2, ac, early_stop)
     ring = {kind: sum(step_time.ring_seconds(one, tp, 1, H100)) for kind in ("all_gather", "reduce_scatter")}
     peak = step_time.peaks(H100, "bfloat16", 0.35)
-    assert step_time.tp_seconds(a, rows, 2, blocks, 1, 1, ac, tp, frozenset(), False, False, peak, H100) == pytest.approx(
+    assert step_time.tp_seconds(a, rows, 2, blocks, 1, 1, ac, tp, frozenset(), False, False, peak, H100, early_stop) == pytest.approx(
         gathered / one * ring["all_gather"] + scattered / one * ring["reduce_scatter"])
 
 

@@ -237,7 +237,8 @@ def test_compile_wraps_each_block_on_its_own():
 def saved_activation_bytes(model) -> int:
     """Bytes autograd keeps from forward for backward, parameters left out: the activation memory
     that checkpointing trades for recompute (what peak memory grows with, counted exactly). What
-    a checkpointed block keeps inside (selective "op": matmul outputs) is not visible here."""
+    a checkpointed block keeps inside (selective "op": attention's and every second matmul's
+    outputs) is not visible here."""
     params = {p.data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
 

@@ -152,12 +152,14 @@ class Checkpointer:
                       "that is missing")
             self._final_exports(self.steps)
 
-    def _check_within_steps(self, loaded: Path) -> None:
-        """A checkpoint past training.steps would leave this run nothing to train, silently. (One at
-        training.steps is a finished run re-run: it writes the final exports a crash left out.)"""
-        if self.train_state.step > self.steps:
-            raise ConfigError(f"{loaded} is at step {self.train_state.step}, past training.steps {self.steps}: this "
-                              "run would train nothing (raise training.steps or load another checkpoint)")
+    def _check_within_steps(self, loaded: Path, initial: bool = False) -> None:
+        """A checkpoint past training.steps would leave this run nothing to train, silently; so would an
+        initial one at training.steps. (The run's own at training.steps is a finished run re-run: it
+        writes the final exports a crash left out.)"""
+        step = self.train_state.step
+        if step > self.steps or (initial and step == self.steps):
+            raise ConfigError(f"{loaded} is at step {step}, {'past' if step > self.steps else 'at'} training.steps "
+                              f"{self.steps}: this run would train nothing (raise training.steps or load another checkpoint)")
 
     def _lr_from_here(self, excluded: bool) -> None:
         """After a load: every group's lr is this run's schedule's at the position loaded (its own
@@ -207,7 +209,7 @@ class Checkpointer:
         load_into(state_dict, path, optional_prefixes=("rng.",))  # more ranks than saved keep their seeded rng
         for name in names:
             self.states[name].load_state_dict(state_dict[name])
-        self._check_within_steps(path)
+        self._check_within_steps(path, initial=True)
         self._say(f"initial {'weights' if self.config.initial_load_model_only else 'state'} from {path}")
         if "optimizer" in names:
             self._lr_from_here(excluded="lr_scheduler" not in names)

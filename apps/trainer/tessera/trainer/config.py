@@ -24,7 +24,7 @@ import tomllib
 from tessera.ckpt import ASYNC_MODES, EXPORT_DTYPES
 from tessera.data import parse_mixture
 from tessera.fsdp import MIXED_PRECISION_DTYPES, RESHARD_POLICIES
-from tessera.models import AC_MODES
+from tessera.models import AC_MODES, FORCE_RECOMPUTE_DEFAULT
 from tessera.models.moe import CAPACITY_OVERFLOW
 from tessera.trainer.converters import converter_sections, registered_converters
 from tessera.trainer.errors import ConfigError, user_input
@@ -299,7 +299,7 @@ class ActivationCheckpoint:
         False, "with mode memory_budget: plot each graph's memory/recompute Pareto front (SVG) under "
         "dump_folder/memory_budget_pareto")
     per_op_sac_force_recompute_mm_shapes_by_fqns: list[str] = key(
-        ["moe.router.gate"], "selective AC op recomputes the matmuls of linears whose names contain these "
+        list(FORCE_RECOMPUTE_DEFAULT), "selective AC op recomputes the matmuls of linears whose names contain these "
         "(their shapes: the MoE router's by default)")
 
 

@@ -17,10 +17,12 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_sel
 AC_MODES = ("none", "full", "selective", "memory_budget", "offload")
 _CHECKPOINT_DEFAULTS = {"early_stop": True, "determinism_check": "default", "debug": False}
 
-# Outputs selective AC "op" keeps, as torchtitan's op-level policy does (its models' parallelize.py):
-# the attention kernels' (CPU's flash one too), the collectives ending a sequence-parallel or
-# expert-parallel exchange, amax (float8's scales), and every second matmul of a block
-# (_op_policy); the rest, cheap elementwise ops and the other matmuls, is recomputed.
+# Outputs selective AC "op" keeps, after torchtitan's op-level policy (its models' parallelize.py;
+# CPU's flash kernel added, the all-to-all kept for every family): the attention kernels', the
+# collectives ending a sequence-parallel or expert-parallel exchange, amax (float8's scales), and
+# every second matmul of a block (_op_policy); the rest, cheap elementwise ops and the other
+# matmuls, is recomputed. The blocked kernel's attention off the CPU flash kernel (context
+# parallel's all-gather exchange on GPUs, MLA's narrower values) is plain matmuls: recomputed.
 _SAVED_OPS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
