@@ -264,7 +264,9 @@ class ReplicaGroup:
         return {"replicas": self.semi_sync_state} if self.semi_sync_state is not None else {}
 
     def writes_checkpoints(self) -> bool:
-        return bool(self.ft.semi_sync) or self.manager.participating_rank() == 0
+        # before joining (a restore: a group back after the others finished) it has written nothing
+        # and writes nothing: the group that wrote that checkpoint wrote its exports
+        return bool(self.ft.semi_sync) or (self.manager is not None and self.manager.participating_rank() == 0)
 
     # ---- the data each group reads ------------------------------------------------------------
 
