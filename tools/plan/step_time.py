@@ -44,18 +44,18 @@ EAGER_EFFICIENCY = 0.86
 # inputs' gradients, which sum q/k/v's (w1/w3's) input-gradient matmuls first, while torch's pass
 # (torch/_inductor/fx_passes/micro_pipeline_tp.py, _find_producer_matmul) takes a reduce-scatter's
 # input from a single matmul only. Passes: forward + backward, plus AC's recompute (full regathers
-# both inputs and reruns wo's reduce-scatter, selective "op" regathers both inputs and keeps both
-# reduce-scatters' results): formulas.tp_bytes' bytes.
+# both inputs and reruns both reduce-scatters, or wo's alone when it stops early; selective "op"
+# regathers both inputs and keeps both reduce-scatters' results): formulas.tp_bytes' bytes.
 _QKV, _W13 = ("attention.wq", "attention.wk", "attention.wv"), ("feed_forward.w1", "feed_forward.w3")
 TP_FUSIONS = (
-    ("all_gather", _QKV, {"none": 1, "full": 2, "selective": 2}),
-    ("reduce_scatter", (), {"none": 1, "full": 1, "selective": 1}),  # q/k/v's input gradients, summed
-    ("reduce_scatter", ("attention.wo",), {"none": 1, "full": 2, "selective": 1}),
-    ("all_gather", ("attention.wo",), {"none": 1, "full": 1, "selective": 1}),
-    ("all_gather", _W13, {"none": 1, "full": 2, "selective": 2}),
-    ("reduce_scatter", (), {"none": 1, "full": 1, "selective": 1}),  # w1/w3's input gradients, summed
-    ("reduce_scatter", ("feed_forward.w2",), {"none": 1, "full": 1, "selective": 1}),
-    ("all_gather", ("feed_forward.w2",), {"none": 1, "full": 1, "selective": 1}),
+    ("all_gather", _QKV, {"none": 1, "full": 2, "full_early_stop": 2, "selective": 2}),
+    ("reduce_scatter", (), {"none": 1, "full": 1, "full_early_stop": 1, "selective": 1}),  # q/k/v's input gradients, summed
+    ("reduce_scatter", ("attention.wo",), {"none": 1, "full": 2, "full_early_stop": 2, "selective": 1}),
+    ("all_gather", ("attention.wo",), {"none": 1, "full": 1, "full_early_stop": 1, "selective": 1}),
+    ("all_gather", _W13, {"none": 1, "full": 2, "full_early_stop": 2, "selective": 2}),
+    ("reduce_scatter", (), {"none": 1, "full": 1, "full_early_stop": 1, "selective": 1}),  # w1/w3's input gradients, summed
+    ("reduce_scatter", ("feed_forward.w2",), {"none": 1, "full": 2, "full_early_stop": 1, "selective": 1}),
+    ("all_gather", ("feed_forward.w2",), {"none": 1, "full": 1, "full_early_stop": 1, "selective": 1}),
 )
 
 
@@ -191,15 +191,16 @@ def tp_seconds(a, rows: float, itemsize: int, blocks: float, embedding: float, h
     (or that feeds it): the step takes max(matmul, collective + one chunk of the matmul), so what
     exceeds (tp-1)/tp of the matmul is exposed, and 1 - OVERLAP of the bandwidth time under it
     still slows the matmul. Those TP_FUSIONS leaves unfused, and the embedding's pair, stay exposed.
-    Full AC without `early_stop` reruns w2's reduce-scatter too (TP_FUSIONS counts it stopping early)."""
+    `early_stop`: full AC's recomputation stops before w2's reduce-scatter."""
     if tp <= 1:
         return 0.0
     nodes, one = group_nodes(tp, 1, gpu), rows * a.dim * itemsize
     # offload reruns nothing; compile's partitioner never reruns a collective (force_save_collectives)
     recomputes = ac_mode if ac_mode in ("full", "selective") else "none"
-    through = recomputes == "full" and not early_stop
-    events = [(kind, names, blocks * (passes[recomputes] + (through and names == ("feed_forward.w2",) and kind == "reduce_scatter")),
-               float8_gather and kind == "all_gather") for kind, names, passes in TP_FUSIONS]
+    if recomputes == "full" and early_stop:
+        recomputes = "full_early_stop"
+    events = [(kind, names, blocks * passes[recomputes], float8_gather and kind == "all_gather")
+              for kind, names, passes in TP_FUSIONS]
     events += [(kind, names, count, False) for kind in ("all_gather", "reduce_scatter")
                for names, count in (((), embedding), (("output",), head))]
     total = 0.0
