@@ -70,6 +70,10 @@ def test_plan_resolves_layout_batch_and_model():
          "applies only with activation_checkpoint.mode selective and selective_ac_option op \\(this run: 'none', 'op'\\)$"),
         (1, [*SAC_OP, "--activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns", "router"],
          r"^activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns: \['router'\] matches no linear of llama3/debugmodel$"),
+        (1, ["--model.name", "deepseek_v3", *SAC_OP, "--activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns",
+             "moe.router.gate,router.gates"],
+         r"^activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns: \['router.gates'\] matches no linear of "
+         "deepseek_v3/debugmodel$"),
         (1, [*SAC_OP, "--activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns", "ffn_norm"],
          "per_op_sac_force_recompute_mm_shapes_by_fqns: layers.0.ffn_norm is a RMSNorm, not a Linear"),
     ],

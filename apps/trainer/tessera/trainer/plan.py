@@ -223,8 +223,8 @@ def _checkpointing(config: JobConfig, meta_model: Callable[[], torch.nn.Module])
 
 def _force_recompute(config: JobConfig, meta_model: Callable[[], torch.nn.Module]) -> list[str]:
     """activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns: other than torchtitan's
-    default (the MoE router, which a dense model lacks), it must act: under selective "op", on
-    linears of this model."""
+    default (the MoE router, which a dense model lacks), it must act: under selective "op", each
+    name on linears of this model."""
     ac, key = config.activation_checkpoint, "activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns"
     fqns = ac.per_op_sac_force_recompute_mm_shapes_by_fqns
     if fqns == ActivationCheckpoint().per_op_sac_force_recompute_mm_shapes_by_fqns:
@@ -232,12 +232,13 @@ def _force_recompute(config: JobConfig, meta_model: Callable[[], torch.nn.Module
     if (ac.mode, ac.selective_ac_option) != ("selective", "op"):
         raise ConfigError(f"{key} applies only with activation_checkpoint.mode selective and selective_ac_option op "
                           f"(this run: {ac.mode!r}, {ac.selective_ac_option!r})")
+    model = meta_model()
     try:
-        shapes = force_recompute_shapes(meta_model(), tuple(fqns))
+        unmatched = [fqn for fqn in fqns if not force_recompute_shapes(model, (fqn,))]
     except ValueError as e:
         raise ConfigError(f"{key}: {e}") from None
-    if fqns and not shapes:
-        raise ConfigError(f"{key}: {fqns} matches no linear of {config.model.name}/{config.model.flavor}")
+    if unmatched:
+        raise ConfigError(f"{key}: {unmatched} matches no linear of {config.model.name}/{config.model.flavor}")
     return fqns
 
 
