@@ -3,7 +3,8 @@
 
 from tessera.models.attention import KERNELS, AttentionBatch, InnerAttention, choose_kernel, inner_attentions, plain_causal
 from tessera.models.masks import CAUSAL, AttentionMask
-from tessera.models.blocks import AC_MODES, FORCE_RECOMPUTE_DEFAULT, apply_activation_checkpointing, apply_compile, force_recompute_shapes
+from tessera.models.blocks import (AC_MODES, FORCE_RECOMPUTE_DEFAULT, apply_activation_checkpointing, apply_compile,
+                                   force_recompute_shapes)
 from tessera.models.offload import offload_activations
 from tessera.models.hf_config import CONFIG_FILE, read_hf_config
 from tessera.models.module_names import unwrapped_name
