@@ -32,6 +32,14 @@ def test_the_fault_tolerance_extension_s_keys_are_built_in(tmp_path):
         load_config(["--job.config_file", str(toml), "--job.custom_config_module", "my.config"])
 
 
+def test_llama3_ft_is_llama3():
+    """torchtitan's fault-tolerant Llama 3 (its FT launches name it) is its llama3 with DiLoCo's
+    fragments, which Tessera's fault tolerance cuts for any model."""
+    config = load_config(["--model.name", "llama3_ft"])
+    assert config.model.name == "llama3"
+    assert make_plan(config, 1, "cpu").spec.name == "llama3"
+
+
 def test_semi_sync_method_is_matched_as_torchtitan_matches_it():
     """torchtitan's FT manager lower-cases it ("DiLoCo", as the paper writes it)."""
     assert load_config(["--fault_tolerance.semi_sync_method", "DiLoCo"]).fault_tolerance.semi_sync_method == "diloco"

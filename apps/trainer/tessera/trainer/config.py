@@ -64,7 +64,8 @@ class Job:
 
 @dataclasses.dataclass
 class Model:
-    name: str = key("llama3", "model family: a registered model spec (llama2, llama3, ...)")
+    name: str = key("llama3", "model family: a registered model spec (llama2, llama3, ...); torchtitan's llama3_ft reads as "
+                    "llama3 (fault tolerance's fragments apply to every model)")
     flavor: str = key(
         "debugmodel", "size of the family, e.g. debugmodel, 8B, 70B, 405B; from_hf_config: model.hf_assets_path's config.json")
     tokenizer_path: str = key(
@@ -704,9 +705,15 @@ def load_config(argv: list[str], accepted: frozenset[str] = frozenset()) -> JobC
     _read_experimental(config)
     if config.fault_tolerance.semi_sync_method:  # torchtitan's FT manager matches it case-insensitively
         config.fault_tolerance.semi_sync_method = config.fault_tolerance.semi_sync_method.lower()
+    config.model.name = _TORCHTITAN_MODELS.get(config.model.name, config.model.name)
     _custom_import(config.experimental.custom_import)
     validate(config, accepted)
     return config
+
+
+# torchtitan 0.2.2's model names that are a Tessera family under another name: its llama3_ft is
+# llama3 with a fragment function for DiLoCo, which Tessera's fault tolerance applies to any model
+_TORCHTITAN_MODELS = {"llama3_ft": "llama3"}
 
 
 def _custom_import(module: str) -> None:
