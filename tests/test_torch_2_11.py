@@ -10,16 +10,19 @@ import subprocess
 import sys
 from pathlib import Path
 
-SUBSET = {  # test id -> how many tests it holds
-    "libs/fsdp/tests/test_grad_norm.py": 6,
-    "libs/models/tests/test_blocks.py": 18,  # selective AC "op" under split-backward schedules
-    "apps/trainer/tests/test_train.py::test_loss_falls_over_30_steps": 1,
-    "apps/trainer/tests/test_distributed_train.py::test_trainer_layout_matches_single_process[fsdp2]": 1,
-    "apps/trainer/tests/test_distributed_train.py::test_trainer_layout_matches_single_process[tp2]": 1,
-    "apps/trainer/tests/test_pipeline_train.py::test_checkpoint_under_pp2_resumes_under_fsdp2_and_one_process_and_exports_hf": 1,
-    "apps/trainer/tests/test_checkpoint_train.py::test_load_step_resumes_an_older_checkpoint_exactly": 1,
+# test ids -> how many tests they hold, one process per group: under 2.11 a second file's
+# run_on_ranks in one process hung (the first file's ranks had finished), so each file that spawns
+# ranks has a process of its own
+SUBSET = {
+    ("libs/models/tests/test_blocks.py",  # selective AC "op" under split-backward schedules
+     "apps/trainer/tests/test_train.py::test_loss_falls_over_30_steps",
+     "apps/trainer/tests/test_checkpoint_train.py::test_load_step_resumes_an_older_checkpoint_exactly"): 20,
+    ("libs/fsdp/tests/test_grad_norm.py",): 6,
+    ("apps/trainer/tests/test_distributed_train.py::test_trainer_layout_matches_single_process[fsdp2]",
+     "apps/trainer/tests/test_distributed_train.py::test_trainer_layout_matches_single_process[tp2]"): 2,
+    ("apps/trainer/tests/test_pipeline_train.py::test_checkpoint_under_pp2_resumes_under_fsdp2_and_one_process_and_exports_hf",): 1,
 }
-TIMEOUT_S = 300  # each; 12-50 s alone
+TIMEOUT_S = 300  # each group; 12-50 s alone
 
 
 def test_smoke_subset_passes_under_torch_2_11(tmp_path):
@@ -32,15 +35,13 @@ def test_smoke_subset_passes_under_torch_2_11(tmp_path):
     version = subprocess.run([python, "-c", "import torch; print(torch.__version__)"], env=env,
                              capture_output=True, text=True, check=True).stdout.strip()
     assert version.startswith("2.11."), version
-    for i, (test, count) in enumerate(SUBSET.items()):
-        # a process each: under 2.11 a second run_on_ranks in one process hung (the first test
-        # file's ranks had finished); a file, not a pipe, for the output
-        log = tmp_path / f"pytest-{i}.log"
+    for i, (tests, count) in enumerate(SUBSET.items()):
+        log = tmp_path / f"pytest-{i}.log"  # a file, not a pipe, for the output
         with open(log, "w") as out:
             proc = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--import-mode=importlib",
-                                   "--basetemp", str(tmp_path / f"pytest-{i}"), test], cwd=runfiles / "tessera", env=env,
+                                   "--basetemp", str(tmp_path / f"pytest-{i}"), *tests], cwd=runfiles / "tessera", env=env,
                                   stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, timeout=TIMEOUT_S)
         text = log.read_text()
-        assert proc.returncode == 0, f"{test}:\n{text[-8000:]}"
+        assert proc.returncode == 0, f"{tests}:\n{text[-8000:]}"
         summary = text.strip().splitlines()[-1]
-        assert summary.startswith(f"{count} passed"), f"{test}: {summary}"  # nothing deselected or skipped
+        assert summary.startswith(f"{count} passed"), f"{tests}: {summary}"  # nothing deselected or skipped
