@@ -328,6 +328,15 @@ def _every_nth(plan: JobPlan) -> int | None:
     return int(ac.selective_option) if ac.mode == "selective" and ac.selective_option != "op" else None
 
 
+def _blocks_by_mode(plan: JobPlan, blocks: int) -> tuple[tuple[str, int], ...]:
+    """(AC mode, blocks) for `blocks` blocks: selective AC every N-th block checkpoints the N-th,
+    2N-th, ... whole (full AC) and keeps the rest (tessera.models.apply_activation_checkpointing)."""
+    every = _every_nth(plan)
+    if every:
+        return ("full", blocks // every), ("none", blocks - blocks // every)
+    return ((plan.checkpointing.mode, blocks),)
+
+
 def _head_activations(plan: JobPlan) -> float:
     """Bytes the head keeps per micro-batch to the loss: the final norm's output, what it keeps and
     its gathered output, then the logits in the compute dtype (the step holds them until the loss
@@ -381,12 +390,7 @@ def _microbatch_activations(plan: JobPlan, modules: list[str]) -> float:
     """Bytes one micro-batch leaves in `modules` at the end of its forward: each block's share
     under the AC mode, the head's logits (last stage), the token ids and labels (first stage)."""
     blocks = sum(m.startswith("layers.") for m in modules)
-    mode, every = plan.checkpointing.mode, _every_nth(plan)
-    if every:
-        full = blocks // every  # the N-th, 2N-th, ... block (tessera.models.apply_activation_checkpointing)
-        out = full * block_activations(plan, "full") + (blocks - full) * block_activations(plan, "none")
-    else:
-        out = blocks * block_activations(plan, mode)
+    out = sum(n * block_activations(plan, mode) for mode, n in _blocks_by_mode(plan, blocks))
     if "output" in modules:
         out += _head_activations(plan)
     if "tok_embeddings" in modules:
@@ -449,14 +453,16 @@ def comm_bytes(plan: JobPlan, local_elements: int, kept: int, blocks: int, modul
         out[("all_reduce", "dp_replicate")] = int(local_elements * plan.precision.reduce.itemsize) * reductions(plan)
     tokens = batch.local * batch.seq_len * batch.accumulation // dims.cp  # this rank's share of the sequences
     e = plan.precision.param.itemsize
-    if dims.cp > 1:  # all-gather K and V (heads repeated) of the whole sequence; backward reduce-scatters dK, dV
+    if dims.cp > 1:  # all-gather K and V (heads repeated) of the whole sequence; backward reduce-scatters dK, dV;
+        # recompute regathers them (full AC, and selective "op", which saves no gather)
         a = plan.model_args
-        gathered = 2 * tokens * dims.cp * a.n_heads * a.head_dim // dims.tp * e * blocks
-        out[("all_gather", "cp")] = gathered * (1 + (plan.checkpointing.mode == "full"))
-        out[("reduce_scatter", "cp")] = gathered
+        per_block = 2 * tokens * dims.cp * a.n_heads * a.head_dim // dims.tp * e
+        rerun = sum(n for mode, n in _blocks_by_mode(plan, blocks) if mode in ("full", "selective"))
+        out[("all_gather", "cp")] = per_block * (blocks + rerun)
+        out[("reduce_scatter", "cp")] = per_block * blocks
     if dims.tp > 1:
         ends = ("tok_embeddings" in modules) + ("output" in modules)
-        gathered, scattered = tp_bytes(tokens * plan.model_args.dim * e, blocks, ends, plan.checkpointing.mode,
+        gathered, scattered = tp_bytes(tokens * plan.model_args.dim * e, _blocks_by_mode(plan, blocks), ends,
                                        plan.checkpointing.early_stop)
         out[("all_gather", "tp")], out[("reduce_scatter", "tp")] = int(gathered), int(scattered)
     if dims.pp > 1:  # per micro-batch, each stage boundary to another rank: activations forward, gradients back
@@ -473,7 +479,7 @@ def reductions(plan: JobPlan) -> int:
     return plan.batch.accumulation if plan.pipeline is None and every else 1
 
 
-def tp_bytes(hidden: float, blocks: float, ends: float, ac_mode: str, early_stop: bool = True) -> tuple[float, float]:
+def tp_bytes(hidden: float, blocks_by_mode, ends: float, early_stop: bool = True) -> tuple[float, float]:
     """(all-gather, reduce-scatter) buffer bytes of sequence-parallel TP per step: each block
     gathers its two inputs (attention, feed-forward) and reduce-scatters its two outputs in
     forward, the reverse in backward; recompute regathers both inputs and, under full AC, reruns
@@ -481,12 +487,16 @@ def tp_bytes(hidden: float, blocks: float, ends: float, ac_mode: str, early_stop
     AC "op" keeps both reduce-scatters' results); the
     embedding and the head one each; offload recomputes nothing, nor does compile's memory budget
     rerun a collective (torch's partitioner saves them: partitioners.force_save_collectives).
-    `hidden`: the bytes of the step's hidden states on this rank (tokens x dim x element size)."""
-    per_block = 2 * hidden
-    no_rerun = (0, 0)
-    regather, rescatter = {"none": no_rerun, "offload": no_rerun, "memory_budget": no_rerun,
-                           "full": (1, 0.5 if early_stop else 1), "selective": (1, 0)}[ac_mode]
-    return per_block * blocks * (2 + regather) + hidden * ends, per_block * blocks * (2 + rescatter) + hidden * ends
+    `hidden`: the bytes of the step's hidden states on this rank (tokens x dim x element size);
+    `blocks_by_mode`: (AC mode, blocks) pairs."""
+    rerun = {"none": (0, 0), "offload": (0, 0), "memory_budget": (0, 0), "full": (1, 0.5 if early_stop else 1),
+             "selective": (1, 0)}
+    gathered = scattered = hidden * ends
+    for mode, blocks in blocks_by_mode:
+        regather, rescatter = rerun[mode]
+        gathered += 2 * hidden * blocks * (2 + regather)
+        scattered += 2 * hidden * blocks * (2 + rescatter)
+    return gathered, scattered
 
 
 def _pipeline_hops(plan: JobPlan, pp_rank: int) -> int:

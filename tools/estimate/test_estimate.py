@@ -159,13 +159,17 @@ def test_formula_against_trace_tp_cuda():
     assert traces["cuda"].activations < traces["cpu"].activations
 
 
-@pytest.mark.parametrize("early_stop", ["true", "false"])
-def test_full_ac_reruns_the_last_reduce_scatter_unless_it_stops_early(early_stop):
+@pytest.mark.parametrize("ac", [
+    ["full", "--activation_checkpoint.early_stop", "true"],
+    ["full", "--activation_checkpoint.early_stop", "false"],
+    ["selective", "--activation_checkpoint.selective_ac_option", "2"],  # blocks 2, 4, 6 as full AC's, 1, 3, 5 none's
+])
+def test_full_ac_reruns_the_last_reduce_scatter_unless_it_stops_early(ac):
     """TP 2, full AC: recompute regathers both block inputs and reruns wo's reduce-scatter, and
-    w2's unless the recomputation stops early (the trainer's default, torchtitan's: it does not)."""
+    w2's unless the recomputation stops early (the trainer's default, torchtitan's: it does not);
+    selective AC every N-th block does so in those blocks only."""
     world, degrees = TP2
-    plan, t = _planned_trace((*BASE, *degrees, "--activation_checkpoint.mode", "full", "--activation_checkpoint.early_stop",
-                              early_stop), world, "cpu")
+    plan, t = _planned_trace((*BASE, *degrees, "--activation_checkpoint.mode", *ac), world, "cpu")
     assert {key: n for key, n in t.comm.items() if n > 1 << 16} == formulas.estimate_rank(plan).comm
 
 

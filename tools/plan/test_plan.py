@@ -274,7 +274,7 @@ def test_tp_collectives_are_the_estimators_bytes(ac, early_stop):
     the estimator counts (formulas.tp_bytes): synchronous, each costs its ring time."""
     a, rows, blocks, tp = get_model_spec("llama3").flavors["70B"], 8192, 3, 8
     one = rows * a.dim * 2
-    gathered, scattered = formulas.tp_bytes(one, blocks, 2, ac, early_stop)
+    gathered, scattered = formulas.tp_bytes(one, ((ac, blocks),), 2, early_stop)
     ring = {kind: sum(step_time.ring_seconds(one, tp, 1, H100)) for kind in ("all_gather", "reduce_scatter")}
     peak = step_time.peaks(H100, "bfloat16", 0.35)
     assert step_time.tp_seconds(a, rows, 2, blocks, 1, 1, ac, tp, frozenset(), False, False, peak, H100, early_stop) == pytest.approx(
