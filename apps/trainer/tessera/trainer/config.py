@@ -315,7 +315,8 @@ class Compile:
 class Metrics:
     log_freq: int = key(10, "log loss, grad norm, throughput and memory every this many steps", bound=">= 1")
     enable_tensorboard: bool = key(
-        False, "write TensorBoard events under dump_folder/save_tb_folder/<run start time>")
+        False, "write TensorBoard events under dump_folder/save_tb_folder/<run start time> "
+        "(/replica_<id> under fault tolerance)")
     save_tb_folder: str = key("tb", "under job.dump_folder; the W&B run's files too")
     disable_color_printing: bool = key(
         False, "no colour in the console log (colour is used only on a terminal, never with NO_COLOR)")
@@ -336,8 +337,10 @@ class Profiling:
     save_traces_folder: str = key("profile_traces", "under job.dump_folder: iteration_<step>/rank<r>_trace.json")
     profile_freq: int = key(10, "one trace every this many steps", bound=">= 1")
     enable_memory_snapshot: bool = key(
-        False, "CUDA: record allocations and dump a snapshot every profile_freq steps")
-    save_memory_snapshot_folder: str = key("memory_snapshot", "under job.dump_folder")
+        False, "CUDA: record allocations and dump a snapshot every profile_freq steps and when a step runs out "
+        "of memory")
+    save_memory_snapshot_folder: str = key(
+        "memory_snapshot", "under job.dump_folder: iteration_<step>[_exit]/rank<r>_memory_snapshot.pickle")
     profiler_active: int = key(1, "steps recorded in each trace", bound=">= 1")
     profiler_warmup: int = key(3, "steps run under the profiler, unrecorded, before each trace", bound=">= 0")
 
@@ -413,7 +416,8 @@ class Validation:
     dataset: str = key("default", "default: documents held out of the training data; c4_validation or a path")
     dataset_path: str = key("", "as training.dataset_path", path=True)
     freq: int = key(500, "validate every this many steps", bound=">= 1")
-    steps: int = key(10, "batches per validation; -1: the whole validation set once")  # checked in validate()
+    steps: int = key(  # checked in validate()
+        10, "batches per validation, a smaller set read again from its start; -1: the whole set once")
     local_batch_size: int | None = key(
         None, "sequences per rank per validation batch; unset: training.local_batch_size", bound=">= 1")
     seq_len: int | None = key(None, "tokens per validation sequence; unset: training.seq_len", bound=">= 1")

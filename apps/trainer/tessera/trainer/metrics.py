@@ -200,12 +200,15 @@ def tensorboard_sink(folder: Path) -> Sink:
 
 def metrics_folder(config: JobConfig, dump: Path, rank: int) -> Path:
     """Each run's TensorBoard events and W&B files in a folder of its own, named by rank 0's start
-    time, so a rerun's curves do not mix with the last one's; with save_for_all_ranks, one
-    sub-folder per rank. Every rank calls it (a broadcast)."""
+    time, so a rerun's curves do not mix with the last one's; under fault tolerance one
+    sub-folder per replica group (each a job with a rank 0 of its own), as torchtitan's; with
+    save_for_all_ranks, one sub-folder per rank. Every rank calls it (a broadcast)."""
     stamp = [time.strftime("%Y%m%d-%H%M%S")]
     if dist.is_initialized():
         dist.broadcast_object_list(stamp, src=0)
     folder = dump / config.metrics.save_tb_folder / stamp[0]
+    if config.fault_tolerance.enable:
+        folder = folder / f"replica_{config.fault_tolerance.replica_id}"
     all_ranks = config.metrics.save_for_all_ranks or not config.metrics.rank_0_only
     return folder / f"rank_{rank}" if all_ranks else folder
 

@@ -1,5 +1,7 @@
 """torch.profiler traces and CUDA memory snapshots over the training loop, their cycles
-counted in training steps (a resumed run's too), as torchtitan's [profiling] keys say."""
+counted in training steps (a resumed run's too), as torchtitan's [profiling] keys say. Both
+advance at the end of each loop iteration, so step N's trace and snapshot hold all of step N:
+its training step, log, checkpoint and validation."""
 
 from __future__ import annotations
 
@@ -14,10 +16,9 @@ from tessera.trainer.config import JobConfig
 
 
 def profiler(config: JobConfig, dump: Path, rank: int, device: str, start_step: int):
-    """torch.profiler over the loop, its cycles counted in training steps (a resumed run's too)."""
+    """torch.profiler over the loop, its cycles counted in training steps (a resumed run's too);
+    with the ops' input shapes, as torchtitan records them."""
     prof = config.profiling
-    if prof.enable_memory_snapshot:
-        torch.cuda.memory._record_memory_history(max_entries=100_000)
     if not prof.enable_profiling:
         return contextlib.nullcontext(None)
     folder = dump / prof.save_traces_folder
@@ -37,7 +38,8 @@ def profiler(config: JobConfig, dump: Path, rank: int, device: str, start_step: 
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    profiler = torch.profiler.profile(activities=activities, schedule=profile_schedule(prof), on_trace_ready=export)
+    profiler = torch.profiler.profile(activities=activities, schedule=profile_schedule(prof), on_trace_ready=export,
+                                      record_shapes=True)
     profiler.step_num = start_step
     return profiler
 
@@ -51,7 +53,38 @@ def profile_schedule(prof) -> torch.profiler.schedule:
     return torch.profiler.schedule(wait=freq - warmup - active, warmup=warmup, active=active)
 
 
-def save_memory_snapshot(config: JobConfig, dump: Path, rank: int, step: int) -> None:
-    folder = dump / config.profiling.save_memory_snapshot_folder / f"iteration_{step}"
-    folder.mkdir(parents=True, exist_ok=True)
-    torch.cuda.memory._dump_snapshot(str(folder / f"rank{rank}_memory_snapshot.pickle"))
+class MemorySnapshots:
+    """The CUDA allocator's history, recorded from the loop's start and dumped to
+    save_memory_snapshot_folder/iteration_<step>/rank<r>_memory_snapshot.pickle."""
+
+    def __init__(self, config: JobConfig, dump: Path, rank: int, start_step: int):
+        self.folder = dump / config.profiling.save_memory_snapshot_folder
+        self.rank, self.freq, self.last_step = rank, config.profiling.profile_freq, start_step
+        torch.cuda.memory._record_memory_history(max_entries=100_000)
+
+    def step_done(self, step: int) -> None:
+        """At the end of each loop iteration: a snapshot after every profile_freq-th step."""
+        self.last_step = step
+        if step % self.freq == 0:
+            self.dump(f"iteration_{step}")
+
+    def dump(self, name: str) -> None:
+        folder = self.folder / name
+        folder.mkdir(parents=True, exist_ok=True)
+        torch.cuda.memory._dump_snapshot(str(folder / f"rank{self.rank}_memory_snapshot.pickle"))
+
+
+@contextlib.contextmanager
+def memory_snapshots(config: JobConfig, dump: Path, rank: int, start_step: int):
+    """MemorySnapshots over the loop (None unless profiling.enable_memory_snapshot). A step that
+    runs out of memory leaves one more, iteration_<last completed step>_exit, as torchtitan's: the
+    snapshot an OOM is debugged from."""
+    if not config.profiling.enable_memory_snapshot:
+        yield None
+        return
+    snapshots = MemorySnapshots(config, dump, rank, start_step)
+    try:
+        yield snapshots
+    except torch.OutOfMemoryError:
+        snapshots.dump(f"iteration_{snapshots.last_step}_exit")
+        raise

@@ -186,7 +186,8 @@ def _train(plan: JobPlan, info) -> list[dict]:
     gc.disable()  # collected every gc_freq steps instead, at the same point on every rank
     started = time.perf_counter()
     try:
-        with profiling.profiler(config, dump, info.rank, device, start_step) as profiler:
+        with (profiling.profiler(config, dump, info.rank, device, start_step) as profiler,
+              profiling.memory_snapshots(config, dump, info.rank, start_step) as snapshots):
             timer.restart()
             for step in range(start_step + 1, training.steps + 1):
                 collect_garbage(step, training, is_logging_rank)
@@ -194,8 +195,6 @@ def _train(plan: JobPlan, info) -> list[dict]:
                              config.comm.train_timeout_seconds)
                 result = train_step(batches)
                 skips.add(result)  # ordinary steps read nothing back from the device: only log steps do
-                if profiler is not None:
-                    profiler.step()
                 timer.step_done()
                 # as torchtitan: step 1 logs and validates too, and a checkpoint comes before validation
                 if step == 1 or step % config.metrics.log_freq == 0 or step == training.steps:
@@ -204,12 +203,14 @@ def _train(plan: JobPlan, info) -> list[dict]:
                         print(skipped, flush=True)
                     history.append(log(step, result))
                     timer.restart()
-                if config.profiling.enable_memory_snapshot and step % config.profiling.profile_freq == 0:
-                    profiling.save_memory_snapshot(config, dump, info.rank, step)
                 checkpointer.after_step(step, last_step=step == training.steps)
                 if config.validation.enable and (step == 1 or step % config.validation.freq == 0):
                     history.append(run_validation(step))
                     timer.restart()
+                if profiler is not None:  # step N's trace and snapshot hold its log, checkpoint and validation
+                    profiler.step()
+                if snapshots is not None:
+                    snapshots.step_done(step)
                 stopping, save_failed = any_rank(host_group, stop.requested(), checkpointer.save_failed())
                 if save_failed:
                     checkpointer.close()  # every rank raises the background save's error now, not a save later

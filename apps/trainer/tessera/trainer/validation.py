@@ -1,5 +1,6 @@
-"""Validation: the mean loss over validation.steps batches from the start of the validation set,
-forward only, on every rank."""
+"""Validation: the mean loss over validation.steps batches from the start of the validation set
+(read again from its start where it holds fewer, as torchtitan's loader re-loops), forward only,
+on every rank."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ def validate(model: ParallelModel, loss, dataset, plan: JobPlan, tokenizer, dp_r
     (inputs, labels) -> a batch's mean loss (step.evaluation_loss)."""
     config, section = plan.config, plan.config.validation
     batch_size, seq_len = validation_shape(config)
-    loader = build_dataloader(dataset, tokenizer, seq_len, batch_size, dp_rank, plan.dims.dp, infinite=False, peers=peers)
+    loader = build_dataloader(dataset, tokenizer, seq_len, batch_size, dp_rank, plan.dims.dp,
+                              infinite=section.steps != -1, peers=peers)
     workers = section.dataloader.num_workers
     if workers:
         loader = Prefetcher(loader, workers * (section.dataloader.prefetch_factor or 2),
