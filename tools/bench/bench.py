@@ -117,7 +117,7 @@ def measure_bare(overrides: list[str], steps: int, warmup: int) -> dict:
     torch.manual_seed(config.debug.seed)
     tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.hf_assets_path or None)
     spec = get_model_spec(config.model.name)
-    args = dataclasses.replace(spec.flavors[config.model.flavor], vocab_size=tokenizer.vocab_size, max_seq_len=t.seq_len)
+    args = dataclasses.replace(spec.flavors[config.model.flavor], max_seq_len=t.seq_len)
     model = spec.build(args)
     loader = build_dataloader(
         load_dataset(dataset_source(t), text_field=t.dataset_text_field), tokenizer, t.seq_len, t.local_batch_size

@@ -547,7 +547,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--gpu", default="h100")
     parser.add_argument("--seq_len", type=int, default=8192)
     parser.add_argument("--tokenizer_path", default="./assets/tokenizer/original/tokenizer.model",
-                        help="the run's tokenizer (the shipped configs' path); missing here: the flavor's vocabulary")
+                        help="the run's tokenizer (the shipped configs' path), checked to fit the flavor's vocabulary where present")
     parser.add_argument("--global_batch", type=int, default=None, help="sequences per step (default: one per GPU)")
     parser.add_argument("--top", type=int, default=3)
     parser.add_argument("--tp", default=None, help="tensor-parallel degrees to try, comma-separated (default 1,2,4,8); "

@@ -224,9 +224,9 @@ def test_resume_of_another_model_is_refused(run4, tmp_path, capsys):
 
 
 def llama3_debug():
-    """The spec and the args the trainer builds from SMALL (tokenizer vocabulary, seq_len 32)."""
+    """The spec and the args the trainer builds from SMALL (the flavor's, seq_len 32)."""
     spec = get_model_spec("llama3")
-    return spec, dataclasses.replace(spec.flavors["debugmodel"], vocab_size=load_tokenizer().vocab_size, max_seq_len=32)
+    return spec, dataclasses.replace(spec.flavors["debugmodel"], max_seq_len=32)
 
 
 def test_last_save_in_hf_loads_back_like_the_dcp_checkpoint(tmp_path):

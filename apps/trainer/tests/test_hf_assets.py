@@ -24,7 +24,7 @@ from tessera.models import get_model_spec, read_args_record
 from tessera.trainer.config import load_config
 from tessera.trainer.hf_assets import export_files
 from tessera.trainer.main import main
-from tessera.trainer.plan import tokenizer_source
+from tessera.trainer.plan import make_plan, tokenizer_source
 from tessera.trainer.train import train
 
 torch.set_num_threads(1)
@@ -187,9 +187,18 @@ def test_a_folder_holding_only_a_sentencepiece_tokenizer_trains(tmp_path):
     hf = sentencepiece_folder(tmp_path / "hf", "tokenizer.model")
     history = train(load_config([*SMALL, "--job.dump_folder", str(tmp_path / "run"), "--model.name", "llama2",
                                  "--model.hf_assets_path", str(hf), "--training.steps", "2"]))
-    assert [h["step"] for h in history] == [1, 2] and 5 < history[0]["loss"] < 8  # ln 600 = 6.4 at the start
+    assert [h["step"] for h in history] == [1, 2] and 6 < history[0]["loss"] < 9  # ln 2048 = 7.6 at the start
     tokenizer = load_tokenizer(hf)
     assert (tokenizer.vocab_size, tokenizer.bos_id, tokenizer.eos_id) == (600, 1, 2)
+
+
+def test_the_flavor_sizes_the_vocabulary_not_the_tokenizer(tmp_path):
+    """torchtitan 0.2.2's model.flavor: its vocab_size is the model's whatever the tokenizer's ids
+    (they only have to fit), so one TOML builds the same model, and the same losses, in both."""
+    hf = sentencepiece_folder(tmp_path / "hf", "tokenizer.json")
+    assert load_tokenizer(hf).vocab_size == 500
+    plan = make_plan(load_config([*SMALL, "--model.hf_assets_path", str(hf)]), 1, "cpu")
+    assert plan.model_args.vocab_size == get_model_spec("llama3").flavors["debugmodel"].vocab_size == 2048
 
 
 def test_named_flavor_loads_a_folder_of_its_shape(tmp_path):
@@ -209,9 +218,9 @@ def test_named_flavor_loads_a_folder_of_its_shape(tmp_path):
 
 
 @pytest.mark.parametrize("flavor, change, message", [
-    ("debugmodel", {}, "{hf}/config.json: hidden_size is 64 but llama3/debugmodel (vocabulary from the tokenizer) has dim 256"),
-    ("from_hf_config", {"vocab_size": 4096},
-     "{hf}/config.json: vocab_size is 4096 but llama3/from_hf_config (vocabulary from the tokenizer) has vocab_size 2048"),
+    ("debugmodel", {}, "{hf}/config.json: hidden_size is 64 but llama3/debugmodel has dim 256"),
+    ("from_hf_config", {"vocab_size": 1000},
+     f"tokenizer {TOKENIZER} has 2048 ids, more than llama3/from_hf_config's vocab_size 1000"),
     ("from_hf_config", {"attention_bias": True}, "{hf}/config.json: attention_bias True is not supported, only False"),
     ("from_hf_config", "no weights", "model.hf_assets_path {hf} holds neither model.safetensors nor model.safetensors.index.json"),
 ])

@@ -26,7 +26,7 @@ _KERNEL_SUFFIXES = ("_flex_attn", "_varlen_attn", "_flex", "_varlen")
 
 
 def flavor_args(config: JobConfig, spec: ModelSpec):
-    """The architecture named by model.flavor, before the run's vocabulary and seq_len: a flavor
+    """The architecture named by model.flavor, before the run's seq_len: a flavor
     of the spec, or with "from_hf_config" the one model.hf_assets_path's config.json describes."""
     flavor = config.model.flavor
     if flavor != FROM_HF_CONFIG:
@@ -73,7 +73,7 @@ def initial_load_folder(config: JobConfig) -> tuple[str, Path] | None:
 def check_hf_weights(config: JobConfig, spec: ModelSpec, args) -> list[str]:
     """A Hugging Face folder the run loads holds safetensors, quantized only where
     initial_load_in_hf_quantized says so, and its config.json (when it has one) describes the
-    run's model, vocabulary from the tokenizer included: a mismatch names the first differing
+    run's model, vocabulary included: a mismatch names the first differing
     field before any worker starts. A missing folder is _check_paths' job. With last_save_in_hf,
     a model no config.json can state (custom MoE routing) fails here too. Returns warnings."""
     if config.checkpoint.last_save_in_hf and spec.hf_config is not None:
@@ -88,7 +88,7 @@ def check_hf_weights(config: JobConfig, spec: ModelSpec, args) -> list[str]:
         raise ConfigError(f"{key} {folder} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
     warnings = _check_quantized(config, spec, formats, key, folder)
     if spec.hf_config is not None and (folder / CONFIG_FILE).is_file():
-        target = f"{spec.name}/{config.model.flavor} (vocabulary from the tokenizer)"
+        target = f"{spec.name}/{config.model.flavor}"
         source = str(folder / CONFIG_FILE)
         with user_input():
             stated = read_hf_config(folder)

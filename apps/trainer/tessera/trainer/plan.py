@@ -46,7 +46,7 @@ class JobPlan:
     dims: ParallelDims
     meshes: MeshLayout
     spec: ModelSpec
-    model_args: Any  # the flavor's args with the tokenizer's vocab and the run's seq_len
+    model_args: Any  # the flavor's args (its vocab, as torchtitan's) with the run's seq_len
     batch: BatchPlan
     precision: Precision
     converters: tuple[ModelConverter, ...]
@@ -131,7 +131,8 @@ def make_plan(config: JobConfig, world_size: int, device: str | None = None, *, 
             ep_spans_tp=par.expert_tensor_parallel_degree == 1,  # torchtitan: etp 1 puts the tp ranks in ep
         )
         spec = get_model_spec(config.model.name)
-    args = _model_args(config, spec, _vocab_size(config, spec, notes if check_only else None))
+    args = _model_args(config, spec)
+    _check_tokenizer_fits(config, spec, args.vocab_size, notes if check_only else None)
     converters = build_converters(config, dims)
     # expert_tensor_parallel_degree 1: the ep group holds the tp ranks and takes the experts whole
     experts = {"experts": lambda layouts: None} if dims.ep_spans_tp else {}
@@ -288,21 +289,25 @@ def _source_or_note(find: Callable[[], str | None], notes: list[str] | None) -> 
         return None
 
 
-def _vocab_size(config: JobConfig, spec: ModelSpec, notes: list[str] | None) -> int:
-    """The tokenizer decides the vocabulary. Check-only plans without it fall back to the
-    flavor's size."""
+def _check_tokenizer_fits(config: JobConfig, spec: ModelSpec, vocab_size: int, notes: list[str] | None) -> None:
+    """The flavor sizes the vocabulary, as torchtitan's do (a tokenizer with fewer ids leaves rows
+    that no token selects, which still take part in every softmax); a tokenizer with more ids
+    than that is refused. Check-only plans without the tokenizer note it unchecked."""
+    source = tokenizer_source(config)
     try:
         with user_input():
-            return load_tokenizer(tokenizer_source(config)).vocab_size
+            ids = load_tokenizer(source).vocab_size
     except (ConfigError, OSError) as e:
         if notes is None:
             raise ConfigError(str(e)) from e
-        flavor = flavor_args(config, spec)  # an unknown flavor, not the absent tokenizer, is the error then
-        notes.append(f"tokenizer not read here ({e}); vocab_size {flavor.vocab_size} from the flavor")
-        return flavor.vocab_size
+        notes.append(f"tokenizer not read here ({e}); its ids not checked against vocab_size {vocab_size}")
+        return
+    if ids > vocab_size:
+        raise ConfigError(f"tokenizer {source or '(embedded)'} has {ids} ids, more than {spec.name}/{config.model.flavor}'s "
+                          f"vocab_size {vocab_size}")
 
 
-def _model_args(config: JobConfig, spec: ModelSpec, vocab_size: int):
+def _model_args(config: JobConfig, spec: ModelSpec):
     # The run decides how many positions RoPE needs, up to the flavor's context length (its
     # RoPE scaling and training were made for that many).
     flavor = flavor_args(config, spec)
@@ -310,7 +315,7 @@ def _model_args(config: JobConfig, spec: ModelSpec, vocab_size: int):
         if seq_len > flavor.max_seq_len:
             raise ConfigError(f"{key} {seq_len} exceeds the context length of {spec.name}/{config.model.flavor} ({flavor.max_seq_len})")
     longest = max(config.training.seq_len, validation_shape(config)[1])
-    return dataclasses.replace(flavor, vocab_size=vocab_size, max_seq_len=longest)
+    return dataclasses.replace(flavor, max_seq_len=longest)
 
 
 def validation_shape(config: JobConfig) -> tuple[int, int]:
