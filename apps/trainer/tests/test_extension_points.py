@@ -31,7 +31,7 @@ class ParallelGPTArgs:
     dim: int = 64
     n_layers: int = 2
     n_heads: int = 4
-    vocab_size: int = 256
+    vocab_size: int = 2048  # the embedded tokenizer's ids: the flavor sizes the vocabulary
     max_seq_len: int = 64
 
 
