@@ -11,17 +11,20 @@ survivor trained alone), the wall seconds the fault cost (the faulty run's wall 
 uninterrupted one's) and the final weights (torchft: the two groups' digests equal; restart:
 equal to the uninterrupted run's). torchft notices a dead group when its heartbeats stop
 (torchft's default: 5 s; TESSERA_LIGHTHOUSE_ARGS="--heartbeat_timeout_ms N" changes it).
+A recovery that failed is followed by why and the last lines of its faulty run's log.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import time
 from pathlib import Path
 
 STEPS, KILL_AT, INTERVAL = 60, 14, 8
+TAIL = 40  # lines of a failed recovery's log printed under the table
 TWO_GROUPS = ["--nproc", "2", "--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2"]
 
 
@@ -59,28 +62,39 @@ def measure(recovery: Recovery, work: Path) -> dict:
                               [*common, "--debug.fault_at_step", str(KILL_AT), "--debug.fault_rank", "1"], "faulty")
     log = faulty.log.read_text()
     row = {"recovery": recovery.name, "wall lost": wall - reference_wall}
+    # fired on a first attempt only: a rank that restarted before step KILL_AT (it failed to start) never crashes
+    unfired = {f"rank 1 never reached step {KILL_AT} on its first attempt": "debug: injected fault" not in log}
     if recovery.torchft:
         recovered = re.findall(r"^\[replica 1\] fault tolerance: replica group 1 recovered live from replica group 0 at "
                                r"step (\d+)", log, re.M)
         # back after the other group finished: its final checkpoint
         late = re.findall(r"^\[replica 1\] checkpoint: loaded .*step-(\d+);", log, re.M)[-1:] if not recovered else []
-        digests = set(re.findall(r"replica group \d ends at step \d+, weights sha256 (\w+)$", log, re.M))
+        digests = dict(re.findall(r"replica group (\d) ends at step \d+, weights sha256 (\w+)$", log, re.M))
+        weights = ("groups equal" if len(set(digests.values())) == 1 else "groups differ") if len(digests) == 2 else \
+            f"only group(s) {', '.join(sorted(digests)) or 'none'} ended"
         survivor = [int(s) for s in re.findall(r"^\[replica 0\] step +(\d+)/", log, re.M)]
-        row.update(survived=code == 0 and len(recovered + late) == 1 and len(digests) == 1
-                   and survivor == list(range(1, STEPS + 1)),
+        failed = {**unfired, f"exit status {code}": code != 0,
+                  "no line of group 1 recovering (live, or from the final checkpoint)": len(recovered + late) != 1,
+                  f"final weights: {weights}": weights != "groups equal",
+                  f"group 0 trained steps {survivor}": survivor != list(range(1, STEPS + 1))}
+        row.update(survived=not any(failed.values()), why=[what for what, bad in failed.items() if bad],
                    recovered=f"live, step {recovered[0]}" if recovered else f"disk, step {late[0]}" if late else "-",
                    lost=len(re.findall(r"^\[replica 0\] fault tolerance: .* did not count", log, re.M)),
                    sat_out=int(recovered[0]) - KILL_AT + 1 if recovered else STEPS - KILL_AT + 1,
-                   weights="groups equal" if len(digests) == 1 else "groups differ")
+                   weights=weights)
     else:
         steps = [int(s) for s in re.findall(r"^step +(\d+)/", log, re.M)]
         resumed = re.findall(r"^checkpoint: loaded .*step-(\d+);", log, re.M)
         final = faulty.dump / "checkpoint" / f"step-{STEPS}"
         difference = (_weights_difference(final, reference.dump / "checkpoint" / f"step-{STEPS}")
                       if (final / ".metadata").is_file() else float("nan"))
-        row.update(survived=code == 0 and difference == 0, recovered=f"disk, step {resumed[0]}" if resumed else "-",
+        differs = "no final checkpoint" if math.isnan(difference) else f"final weights differ by {difference:.2g}"
+        failed = {**unfired, f"exit status {code}": code != 0, differs: difference != 0}
+        row.update(survived=not any(failed.values()), why=[what for what, bad in failed.items() if bad],
+                   recovered=f"disk, step {resumed[0]}" if resumed else "-",
                    lost=len(steps) - len(set(steps)), sat_out=0,
-                   weights="= uninterrupted" if difference == 0 else f"differ by {difference:.2g}")
+                   weights="= uninterrupted" if difference == 0 else differs.removeprefix("final weights "))
+    row["tail"] = log.splitlines()[-TAIL:]
     return row
 
 
@@ -93,4 +107,8 @@ def table(rows: list[dict]) -> str:
     for row in rows:
         lines.append(f"{row['recovery']:26} {str(row['survived']):>8} {row['recovered']:>15} {row['lost']:>10} "
                      f"{row['sat_out']:>21} {row['wall lost']:>11.1f}  {row['weights']}")
+    for row in rows:  # what a failed recovery's log said, for a failure seen once (in CI) to be read
+        if not row["survived"]:
+            lines += [f"{row['recovery']} failed: {'; '.join(row['why'])}; the faulty run's last {len(row['tail'])} lines:",
+                      *(f"  {line}" for line in row["tail"])]
     return "\n".join(lines)

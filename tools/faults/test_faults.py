@@ -99,3 +99,17 @@ def test_a_crash_mid_run_removes_the_temporary_folder(monkeypatch):
         faults.main(["--only", "sigterm-single"])
     (work,) = made
     assert work.name.startswith("tessera-faults-") and not work.exists()
+
+
+def test_a_failed_recovery_says_why_with_its_log():
+    """A recovery that failed once in CI printed only its row ("-" recovered): now why, and the
+    faulty run's last lines, follow the table."""
+    row = {"recovery": "kill-rank-torchft-per-step", "survived": False, "recovered": "-", "lost": 0, "sat_out": 2,
+           "wall lost": 8.4, "weights": "only group(s) 0 ended",
+           "why": ["rank 1 never reached step 7 on its first attempt", "final weights: only group(s) 0 ended"],
+           "tail": ["[replica 1] error: checkpoint folder is not writable", "[replica 0] run done: 8 steps"]}
+    lines = recovery.table([row]).splitlines()
+    assert lines[-3:] == [
+        "kill-rank-torchft-per-step failed: rank 1 never reached step 7 on its first attempt; final weights: only "
+        "group(s) 0 ended; the faulty run's last 2 lines:",
+        "  [replica 1] error: checkpoint folder is not writable", "  [replica 0] run done: 8 steps"]

@@ -114,11 +114,12 @@ def set_aside(path: Path, why: str = "incomplete") -> Path:
 def check_writable(folder: Path, size: int) -> None:
     """Writes and deletes ``size`` bytes in ``folder``: raises the OSError a checkpoint write
     would meet there (read-only, no permission, full disk). Folders it has to make are removed
-    again, so a check leaves no trace; one process at a time."""
+    again, so a check leaves no trace. Processes may check one folder at once (fault tolerance's
+    replica groups start together): a folder another check removed meanwhile is made again, and
+    one still holding another's probe is left to that check."""
     made = [path for path in (folder, *folder.parents) if not path.exists()]
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(prefix=".probe-", dir=folder)
+        fd, name = _probe_file(folder)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(bytes(size))
@@ -128,8 +129,26 @@ def check_writable(folder: Path, size: int) -> None:
             os.unlink(name)
     finally:
         for path in made:  # innermost first
-            if path.is_dir():
+            try:
                 path.rmdir()
+            except FileNotFoundError:  # never made (the check failed first), or removed by another check
+                continue
+            except OSError:  # holding another check's probe or another process's files, or no folder at all
+                break  # (its parent a file): it and its parents stay, and the check's own error is raised
+
+
+def _probe_file(folder: Path, attempts: int = 16) -> tuple[int, str]:
+    """A new file in ``folder``, made with its parents; made again while other processes' checks,
+    each removing the folder once, take it away between the two."""
+    failed = 0
+    while True:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            return tempfile.mkstemp(prefix=".probe-", dir=folder)
+        except (FileNotFoundError, FileExistsError):  # FileExistsError: mkdir found it, then it was gone
+            failed += 1
+            if failed == attempts:  # a file where a folder should be: the same error every time
+                raise
 
 
 ExtraFiles = Mapping[str, bytes | os.PathLike]  # file name -> its content, or a file to copy
