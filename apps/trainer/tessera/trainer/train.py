@@ -114,7 +114,8 @@ def _train(plan: JobPlan, info) -> list[dict]:
         if config.job.save_config_file:  # whole or not at all: written beside, then renamed
             saved = dump / config.job.save_config_file
             saved.parent.mkdir(parents=True, exist_ok=True)
-            partial = saved.with_name(f".{saved.name}.partial")
+            # one per process: fault tolerance's replica groups (a rank 0 each) write it at once
+            partial = saved.with_name(f".{saved.name}.{os.getpid()}.partial")
             partial.write_text(json.dumps(to_dict(config), indent=2))
             os.replace(partial, saved)
 
