@@ -69,6 +69,26 @@ def test_each_replica_group_logs_into_a_folder_of_its_own(tmp_path):
     assert metrics_folder(load_config([]), tmp_path, 0).parent == tmp_path / "tb"
 
 
+def test_each_replica_group_traces_and_snapshots_into_a_folder_of_its_own(tmp_path, monkeypatch):
+    """Each group's rank 0 wrote iteration_N/rank0_trace.json and rank0_memory_snapshot.pickle over
+    the other groups' files: torchtitan's fault-tolerant trainer adds replica_<id>."""
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda **kwargs: None)
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda path: Path(path).write_bytes(b"snapshot"))
+    config = load_config(["--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2",
+                          "--fault_tolerance.replica_id", "1", "--profiling.enable_profiling", "true",
+                          "--profiling.enable_memory_snapshot", "true", "--profiling.profile_freq", "2",
+                          "--profiling.profiler_warmup", "0"])
+    with (profiling.profiler(config, tmp_path, 0, "cpu", 0) as profiler,
+          profiling.memory_snapshots(config, tmp_path, 0, 0) as snapshots):
+        for step in (1, 2):
+            torch.ones(2).sum()
+            profiler.step()
+            snapshots.step_done(step)
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.*")) == [
+        "memory_snapshot/iteration_2/replica_1/rank0_memory_snapshot.pickle",
+        "profile_traces/iteration_2/replica_1/rank0_trace.json"]
+
+
 def test_validation_reads_validation_steps_batches_from_a_smaller_set(tmp_path, monkeypatch):
     """validation.steps batches, re-reading a set that holds fewer (torchtitan's loader loops);
     -1 reads the set once."""

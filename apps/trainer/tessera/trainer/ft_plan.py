@@ -72,6 +72,13 @@ def torchft_missing() -> str | None:
     return None
 
 
+def replica_subfolder(config: JobConfig) -> str:
+    """Where a replica group's own outputs go below their folder (metrics, profiler traces, memory
+    snapshots): each group is a job with a rank 0 of its own, whose files would take the other
+    groups' names. replica_<id> under fault tolerance, as torchtitan's fault-tolerant trainer."""
+    return f"replica_{config.fault_tolerance.replica_id}" if config.fault_tolerance.enable else ""
+
+
 def group_world_size(world_size: int, config: JobConfig) -> int:
     """The ranks of one replica group when `world_size` ranks (--nproc, all nodes) start the job."""
     groups = config.fault_tolerance.group_size

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from tessera.trainer.config import JobConfig
+from tessera.trainer.ft_plan import replica_subfolder
 from tessera.trainer.gpus import datasheet
 
 def datasheet_peak_tflops(gpu_name: str) -> float | None:
@@ -206,9 +207,7 @@ def metrics_folder(config: JobConfig, dump: Path, rank: int) -> Path:
     stamp = [time.strftime("%Y%m%d-%H%M%S")]
     if dist.is_initialized():
         dist.broadcast_object_list(stamp, src=0)
-    folder = dump / config.metrics.save_tb_folder / stamp[0]
-    if config.fault_tolerance.enable:
-        folder = folder / f"replica_{config.fault_tolerance.replica_id}"
+    folder = dump / config.metrics.save_tb_folder / stamp[0] / replica_subfolder(config)
     all_ranks = config.metrics.save_for_all_ranks or not config.metrics.rank_0_only
     return folder / f"rank_{rank}" if all_ranks else folder
 

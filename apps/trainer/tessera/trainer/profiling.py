@@ -1,7 +1,9 @@
 """torch.profiler traces and CUDA memory snapshots over the training loop, their cycles
 counted in training steps (a resumed run's too), as torchtitan's [profiling] keys say. Both
 advance at the end of each loop iteration, so step N's trace and snapshot hold all of step N:
-its training step, log, checkpoint and validation."""
+its training step, log, checkpoint and validation. Under fault tolerance each replica group's go
+to iteration_<N>/replica_<id>/ (its ranks' names are the other groups'), as torchtitan's
+fault-tolerant trainer writes them."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pathlib import Path
 import torch
 
 from tessera.trainer.config import JobConfig
+from tessera.trainer.ft_plan import replica_subfolder
 
 
 def profiler(config: JobConfig, dump: Path, rank: int, device: str, start_step: int):
@@ -21,7 +24,7 @@ def profiler(config: JobConfig, dump: Path, rank: int, device: str, start_step: 
     prof = config.profiling
     if not prof.enable_profiling:
         return contextlib.nullcontext(None)
-    folder = dump / prof.save_traces_folder
+    folder, group = dump / prof.save_traces_folder, replica_subfolder(config)
     # Kineto prints a line at every trace start and stop unless told otherwise; keep the log clean
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     # each cycle's trace is written by export() before the next starts: clearing is what we want
@@ -31,7 +34,7 @@ def profiler(config: JobConfig, dump: Path, rank: int, device: str, start_step: 
     def export(p):
         if p.step_num % prof.profile_freq:  # the run ended inside a cycle: no partial trace
             return
-        out = folder / f"iteration_{p.step_num}"
+        out = folder / f"iteration_{p.step_num}" / group
         out.mkdir(parents=True, exist_ok=True)
         p.export_chrome_trace(str(out / f"rank{rank}_trace.json"))
 
@@ -55,10 +58,10 @@ def profile_schedule(prof) -> torch.profiler.schedule:
 
 class MemorySnapshots:
     """The CUDA allocator's history, recorded from the loop's start and dumped to
-    save_memory_snapshot_folder/iteration_<step>/rank<r>_memory_snapshot.pickle."""
+    save_memory_snapshot_folder/iteration_<step>/[replica_<id>/]rank<r>_memory_snapshot.pickle."""
 
     def __init__(self, config: JobConfig, dump: Path, rank: int, start_step: int):
-        self.folder = dump / config.profiling.save_memory_snapshot_folder
+        self.folder, self.group = dump / config.profiling.save_memory_snapshot_folder, replica_subfolder(config)
         self.rank, self.freq, self.last_step = rank, config.profiling.profile_freq, start_step
         torch.cuda.memory._record_memory_history(max_entries=100_000)
 
@@ -69,7 +72,7 @@ class MemorySnapshots:
             self.dump(f"iteration_{step}")
 
     def dump(self, name: str) -> None:
-        folder = self.folder / name
+        folder = self.folder / name / self.group
         folder.mkdir(parents=True, exist_ok=True)
         torch.cuda.memory._dump_snapshot(str(folder / f"rank{self.rank}_memory_snapshot.pickle"))
 
