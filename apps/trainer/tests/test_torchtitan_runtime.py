@@ -3,12 +3,14 @@ their names: which steps a trace and a memory snapshot hold, where a replica gro
 how many batches a validation reads."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from tessera.trainer import profiling
+from tessera.trainer import train as train_module
 from tessera.trainer import validation as validation_module
 from tessera.trainer.config import load_config
 from tessera.trainer.metrics import metrics_folder
@@ -87,6 +89,21 @@ def test_each_replica_group_traces_and_snapshots_into_a_folder_of_its_own(tmp_pa
     assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.*")) == [
         "memory_snapshot/iteration_2/replica_1/rank0_memory_snapshot.pickle",
         "profile_traces/iteration_2/replica_1/rank0_trace.json"]
+
+
+def test_each_replica_group_s_flight_recorder_dumps_into_a_folder_of_its_own(tmp_path, monkeypatch):
+    """NCCL's flight recorder names its dumps <prefix><rank>: a replica group's own folder keeps
+    the groups' rank 0 dumps apart; the user's own setting still wins."""
+    for name in ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    group = ["--job.dump_folder", str(tmp_path), "--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2",
+             "--fault_tolerance.replica_id", "1"]
+    train_module._flight_recorder(load_config(group))
+    assert os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "comm_traces" / "replica_1" / "rank_")
+    assert (tmp_path / "comm_traces" / "replica_1").is_dir() and os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "20000"
+    monkeypatch.setenv("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/site/traces/rank_")
+    train_module._flight_recorder(load_config(group))
+    assert os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == "/site/traces/rank_"
 
 
 def test_validation_reads_validation_steps_batches_from_a_smaller_set(tmp_path, monkeypatch):

@@ -30,6 +30,7 @@ from tessera.trainer.config import JobConfig, to_dict, user_input
 from tessera.trainer.data_wiring import data_source, datasets, tokenising_peers, training_loader, user_batches
 from tessera.trainer.family_hooks import FamilyHooks
 from tessera.trainer.fault_tolerance import replica_group
+from tessera.trainer.ft_plan import replica_subfolder
 from tessera.trainer.faults import (
     StopSignals, any_rank, inject_fault, stalled_collective, tighten_timeouts,
 )
@@ -60,12 +61,13 @@ def _seed_everything(seed: int, deterministic: bool, warn_only: bool = False) ->
 
 def _flight_recorder(config: JobConfig) -> None:
     """NCCL keeps its last trace_buf_size collectives per rank and dumps them when one times
-    out, into job.dump_folder/comm.save_traces_folder/<prefix><rank>: which rank stalled where.
-    Set before the process group exists; the user's own environment wins."""
+    out, into job.dump_folder/comm.save_traces_folder/<prefix><rank>: which rank stalled where
+    (a replica group's in replica_<id>/: its ranks' numbers are the other groups'). Set before
+    the process group exists; the user's own environment wins."""
     comm = config.comm
     os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(comm.trace_buf_size))
     if comm.trace_buf_size > 0:
-        folder = Path(config.job.dump_folder) / comm.save_traces_folder
+        folder = Path(config.job.dump_folder) / comm.save_traces_folder / replica_subfolder(config)
         folder.mkdir(parents=True, exist_ok=True)
         os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
         os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(folder / comm.save_traces_file_prefix))
