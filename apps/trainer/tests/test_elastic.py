@@ -4,6 +4,7 @@ job, which resumes from its newest checkpoint by itself and continues exactly as
 uninterrupted run (same losses, same final weights)."""
 
 import errno
+import logging
 import os
 import re
 import socket
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from tessera.ckpt import read_dcp
-from tessera.trainer import master_port
+from tessera.trainer import main, master_port
 from tessera.trainer.faults import elastic_store_note, inject_fault
 from tessera.trainer.config import load_config
 
@@ -55,6 +56,22 @@ def test_a_dead_rank_restarts_the_job_which_resumes_exactly(tmp_path):
     final = [read_dcp(tmp_path / run / "checkpoint" / f"step-{STEPS}", only="model") for run in ("faulty", "reference")]
     assert final[0].keys() == final[1].keys()
     assert all(torch.equal(final[0][key], final[1][key]) for key in final[0])
+
+
+def test_a_restart_of_the_ranks_is_said_with_the_errors_they_reported(tmp_path, capsys):
+    """`--nproc --max_restarts` silences torchrun's log: its restart of the ranks was unsaid, and
+    the errors the ranks reported at it unread (or read as a later attempt's). One line now, and
+    the reports are consumed."""
+    (tmp_path / "rank-1").write_text("2\nerror: checkpoint folder /x is not writable: Directory not empty")
+    (tmp_path / "rank-0").write_text("1\nerror: rank 0, step 3: all_reduce lost a peer rank")
+    record = logging.LogRecord("torch.distributed.elastic.agent.server.api", logging.INFO, __file__, 0,
+                               "[%s] Worker group %s. %s/%s attempts left; will restart worker group",
+                               ("default", "FAILED", 3, 3), None)
+    main._RestartNotice(tmp_path).handle(record)
+    assert capsys.readouterr().err == (
+        "launcher: the ranks failed (rank 0, step 3: all_reduce lost a peer rank; rank 1: checkpoint folder /x is not "
+        "writable: Directory not empty); restarting them, restart 1 of 3\n")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_the_fault_fires_only_where_and_when_asked(monkeypatch):

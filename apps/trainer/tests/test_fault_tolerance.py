@@ -159,6 +159,9 @@ def check_recovery(out, kill_step, every=1):
     last = int(stops[0][1]) if stops else STEPS
     assert [step for step, _ in survivor] == list(range(1, last + 1)), out[-6000:]
     assert fault_line(kill_step) in out, out[-6000:]
+    # group 1's launcher restarted its crashed rank (which reported nothing), and said so; group 0's never did
+    assert "[replica 1] launcher: the ranks failed; restarting them, restart 1 of 3" in out, out[-6000:]
+    assert "[replica 0] launcher:" not in out, out[-6000:]
     recoveries = re.findall(r"^\[replica 1\] fault tolerance: replica group 1 recovered live from replica group 0 at step "
                             rf"(\d+) \(weights, optimizer, lr schedule: .*\); its data resumes after its step {kill_step - 1}$",
                             out, re.M)

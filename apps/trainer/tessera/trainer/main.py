@@ -19,6 +19,7 @@ quietly.
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import sys
 from pathlib import Path
@@ -68,7 +69,6 @@ def _launch_local(nproc: int, argv: list[str], grace_s: int, rendezvous: tuple[s
     status; a rank that crashed printed its own traceback. `rendezvous`: torchrun's options for
     this node among several (tessera.trainer.launch); `max_restarts`: torchrun's restarts of the
     ranks after one failed (each attempt with a rendezvous store of its own, pytorch#135712)."""
-    import logging
     import tempfile
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -92,13 +92,18 @@ def _launch_local(nproc: int, argv: list[str], grace_s: int, rendezvous: tuple[s
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     with tempfile.TemporaryDirectory(prefix="tessera-errors-") as errors:
         os.environ[_ERRORS_ENV] = errors
+        restarts = _RestartNotice(Path(errors))
+        agent_log = logging.getLogger("torch.distributed.elastic.agent.server.api")
+        agent_log.setLevel(logging.INFO)  # its other lines stay unsaid: this handler alone hears it
+        agent_log.propagate = False
+        agent_log.addHandler(restarts)
         try:
             run(launcher_args)
         except Exception as e:
             if isinstance(e, SignalException) and e.sigval in STOP_SIGNALS:  # the ranks said what they saved
                 print(f"{nproc}-process run stopped by {e.sigval.name}", file=sys.stderr)
                 return 0
-            reports = sorted(Path(errors).glob("rank-*"), key=lambda path: int(path.name.removeprefix("rank-")))
+            reports = _reports(Path(errors))
             if reports:
                 code, _, message = reports[0].read_text().partition("\n")
                 print(message, file=sys.stderr)
@@ -109,7 +114,35 @@ def _launch_local(nproc: int, argv: list[str], grace_s: int, rendezvous: tuple[s
             return 1
         finally:
             del os.environ[_ERRORS_ENV]
+            agent_log.removeHandler(restarts)
     return 0
+
+
+def _reports(errors: Path) -> list[Path]:
+    """The ranks' error reports in `errors` (rank-<R>), by rank."""
+    return sorted(errors.glob("rank-*"), key=lambda path: int(path.name.removeprefix("rank-")))
+
+
+class _RestartNotice(logging.Handler):
+    """torchrun's restart of the ranks (--max_restarts), said in one line with the error a rank
+    reported (torchrun's own log is silenced, and a rank's report would otherwise go unread, or be
+    read as the next attempt's): a job that restarts says so, and why."""
+
+    def __init__(self, errors: Path) -> None:
+        super().__init__(logging.INFO)
+        self.errors = errors
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "will restart worker group" not in str(record.msg):
+            return
+        _, state, left, most = record.args
+        why = []
+        for path in _reports(self.errors):  # this attempt's, read once: the next attempt's failure reports its own
+            rank, message = path.name.removeprefix("rank-"), path.read_text().partition("\n")[2].removeprefix("error: ")
+            why.append(message if message.startswith(f"rank {rank}") else f"rank {rank}: {message}")
+            path.unlink()
+        print(f"launcher: the ranks {str(state).lower()}{' (' + '; '.join(why) + ')' if why else ''}; restarting them, "
+              f"restart {most - left + 1} of {most}", file=sys.stderr, flush=True)
 
 
 _ERRORS_ENV = "TESSERA_ERRORS_DIR"  # where the ranks of --nproc leave their error line for the launcher
