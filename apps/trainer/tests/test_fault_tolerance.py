@@ -129,8 +129,9 @@ def killed_run(dump, kill_step, *args, stop=False):
     """The 2-group run whose group 1 is killed before `kill_step` (with `stop`, stopped once that
     group is back: stopped_once_back). Run again, once, when that group's first process did not
     train every step up to it, so the scenario did not take place: the group restarted before it
-    (a start-up failure; torchrun's free master port taken before the rank bound it was one,
-    tessera.trainer.master_port), or the Lighthouse dropped it from a sync's quorum (no heartbeat
+    (a start-up failure, said by its launcher's restart line; torchrun's free master port taken
+    before the rank bound it was one, tessera.trainer.master_port, and the groups' checks of their
+    new checkpoint folder at once another, tessera.ckpt 0.9.3), or the Lighthouse dropped it from a sync's quorum (no heartbeat
     for the tests' 1 s) and it healed, past the step or before it. The skipped run's group-1
     lines and Lighthouse log are kept beside for a reader."""
     argv = ["--nproc", "2", *args, "--debug.fault_at_step", str(kill_step), "--debug.fault_rank", "1"]
@@ -144,7 +145,8 @@ def killed_run(dump, kill_step, *args, stop=False):
     (skipped / "out.txt").write_text(out)
     warnings.warn(f"replica group 1 did not train every step up to {kill_step} in its first process; ran again "
                   f"(see {skipped}): " + " | ".join(line for line in out.splitlines() if line.startswith("[replica 1]")
-                                                      and ("rror" in line or "recovered" in line or "from step" in line))[:800])
+                                                      and ("rror" in line or "recovered" in line or "from step" in line
+                                                           or "launcher:" in line))[:800])
     return faulty(dump, *argv)
 
 
