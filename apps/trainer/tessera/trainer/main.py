@@ -135,13 +135,18 @@ class _RestartNotice(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         if "will restart worker group" not in str(record.msg):
             return
-        _, state, left, most = record.args
+        try:
+            self._say(*record.args)
+        except Exception:  # noqa: BLE001  logging's rule: a handler's failure never stops the caller (the agent)
+            self.handleError(record)
+
+    def _say(self, _role: str, state: str, left: int, most: int) -> None:
         why = []
         for path in _reports(self.errors):  # this attempt's, read once: the next attempt's failure reports its own
             rank, message = path.name.removeprefix("rank-"), path.read_text().partition("\n")[2].removeprefix("error: ")
             why.append(message if message.startswith(f"rank {rank}") else f"rank {rank}: {message}")
             path.unlink()
-        print(f"launcher: the ranks {str(state).lower()}{' (' + '; '.join(why) + ')' if why else ''}; restarting them, "
+        print(f"launcher: the ranks {state.lower()}{' (' + '; '.join(why) + ')' if why else ''}; restarting them, "
               f"restart {most - left + 1} of {most}", file=sys.stderr, flush=True)
 
 
