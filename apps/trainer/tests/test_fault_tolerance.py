@@ -131,8 +131,8 @@ def killed_run(dump, kill_step, *args, stop=False):
     train every step up to it, so the scenario did not take place: the group restarted before it
     (a start-up failure, said by its launcher's restart line; torchrun's free master port taken
     before the rank bound it was one, tessera.trainer.master_port, and the groups' checks of their
-    new checkpoint folder at once another, tessera.ckpt 0.9.3), or the Lighthouse dropped it from a sync's quorum (no heartbeat
-    for the tests' 1 s) and it healed, past the step or before it. The skipped run's group-1
+    new checkpoint folder at once another, tessera.ckpt 0.9.3), or the Lighthouse dropped it from
+    a sync's quorum (no heartbeat for the tests' 1 s) and it healed, past the step or before it. The skipped run's group-1
     lines and Lighthouse log are kept beside for a reader."""
     argv = ["--nproc", "2", *args, "--debug.fault_at_step", str(kill_step), "--debug.fault_rank", "1"]
     faulty = stopped_once_back if stop else run
