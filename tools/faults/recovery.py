@@ -62,8 +62,10 @@ def measure(recovery: Recovery, work: Path) -> dict:
                               [*common, "--debug.fault_at_step", str(KILL_AT), "--debug.fault_rank", "1"], "faulty")
     log = faulty.log.read_text()
     row = {"recovery": recovery.name, "wall lost": wall - reference_wall}
-    # fired on a first attempt only: a rank that restarted before step KILL_AT (it failed to start) never crashes
-    unfired = {f"rank 1 never reached step {KILL_AT} on its first attempt": "debug: injected fault" not in log}
+    # what failed, by what it says; the fault fires on a first attempt only: a rank that restarted
+    # before step KILL_AT (it failed to start) never crashes
+    failed = {f"rank 1 never reached step {KILL_AT} on its first attempt": "debug: injected fault" not in log,
+              f"exit status {code}": code != 0}
     if recovery.torchft:
         recovered = re.findall(r"^\[replica 1\] fault tolerance: replica group 1 recovered live from replica group 0 at "
                                r"step (\d+)", log, re.M)
@@ -73,12 +75,10 @@ def measure(recovery: Recovery, work: Path) -> dict:
         weights = ("groups equal" if len(set(digests.values())) == 1 else "groups differ") if len(digests) == 2 else \
             f"only group(s) {', '.join(sorted(digests)) or 'none'} ended"
         survivor = [int(s) for s in re.findall(r"^\[replica 0\] step +(\d+)/", log, re.M)]
-        failed = {**unfired, f"exit status {code}": code != 0,
-                  "no line of group 1 recovering (live, or from the final checkpoint)": len(recovered + late) != 1,
-                  f"final weights: {weights}": weights != "groups equal",
-                  f"group 0 trained steps {survivor}": survivor != list(range(1, STEPS + 1))}
-        row.update(survived=not any(failed.values()), why=[what for what, bad in failed.items() if bad],
-                   recovered=f"live, step {recovered[0]}" if recovered else f"disk, step {late[0]}" if late else "-",
+        failed.update({"no line of group 1 recovering (live, or from the final checkpoint)": len(recovered + late) != 1,
+                       f"final weights: {weights}": weights != "groups equal",
+                       f"group 0 trained steps {survivor}": survivor != list(range(1, STEPS + 1))})
+        row.update(recovered=f"live, step {recovered[0]}" if recovered else f"disk, step {late[0]}" if late else "-",
                    lost=len(re.findall(r"^\[replica 0\] fault tolerance: .* did not count", log, re.M)),
                    sat_out=int(recovered[0]) - KILL_AT + 1 if recovered else STEPS - KILL_AT + 1,
                    weights=weights)
@@ -89,12 +89,12 @@ def measure(recovery: Recovery, work: Path) -> dict:
         difference = (_weights_difference(final, reference.dump / "checkpoint" / f"step-{STEPS}")
                       if (final / ".metadata").is_file() else float("nan"))
         differs = "no final checkpoint" if math.isnan(difference) else f"final weights differ by {difference:.2g}"
-        failed = {**unfired, f"exit status {code}": code != 0, differs: difference != 0}
-        row.update(survived=not any(failed.values()), why=[what for what, bad in failed.items() if bad],
-                   recovered=f"disk, step {resumed[0]}" if resumed else "-",
+        failed[differs] = difference != 0
+        row.update(recovered=f"disk, step {resumed[0]}" if resumed else "-",
                    lost=len(steps) - len(set(steps)), sat_out=0,
                    weights="= uninterrupted" if difference == 0 else differs.removeprefix("final weights "))
-    row["tail"] = log.splitlines()[-TAIL:]
+    why = [what for what, bad in failed.items() if bad]
+    row.update(survived=not why, why=why, tail=log.splitlines()[-TAIL:])
     return row
 
 

@@ -105,9 +105,9 @@ def _launch_local(nproc: int, argv: list[str], grace_s: int, rendezvous: tuple[s
                 return 0
             reports = _reports(Path(errors))
             if reports:
-                code, _, message = reports[0].read_text().partition("\n")
+                code, message = _read_report(reports[0])
                 print(message, file=sys.stderr)
-                return int(code)
+                return code
             failures = getattr(e, "failures", {})
             exits = ", ".join(f"rank {f.local_rank} exit code {f.exitcode}" for f in failures.values())
             print(f"error: {nproc}-process run failed: {exits or type(e).__name__}", file=sys.stderr)
@@ -119,8 +119,14 @@ def _launch_local(nproc: int, argv: list[str], grace_s: int, rendezvous: tuple[s
 
 
 def _reports(errors: Path) -> list[Path]:
-    """The ranks' error reports in `errors` (rank-<R>), by rank."""
+    """The ranks' error reports in `errors` (rank-<R>, as _error writes them), by rank."""
     return sorted(errors.glob("rank-*"), key=lambda path: int(path.name.removeprefix("rank-")))
+
+
+def _read_report(path: Path) -> tuple[int, str]:
+    """A rank's report: its exit status and its one-line message."""
+    code, _, message = path.read_text().partition("\n")
+    return int(code), message
 
 
 class _RestartNotice(logging.Handler):
@@ -143,7 +149,7 @@ class _RestartNotice(logging.Handler):
     def _say(self, _role: str, state: str, left: int, most: int) -> None:
         why = []
         for path in _reports(self.errors):  # this attempt's, read once: the next attempt's failure reports its own
-            rank, message = path.name.removeprefix("rank-"), path.read_text().partition("\n")[2].removeprefix("error: ")
+            rank, message = path.name.removeprefix("rank-"), _read_report(path)[1].removeprefix("error: ")
             why.append(message if message.startswith(f"rank {rank}") else f"rank {rank}: {message}")
             path.unlink()
         print(f"launcher: the ranks {state.lower()}{' (' + '; '.join(why) + ')' if why else ''}; restarting them, "
