@@ -3,9 +3,11 @@ path: its pyproject lists its code and assets, and it needs no sibling library i
 declare (mesh is the only one the parallel libraries may use)."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -72,3 +74,17 @@ def test_library_installs_and_imports_alone(lib, tmp_path, installed):
 
 def test_every_library_is_covered():
     assert sorted(p.name for p in LIBS.iterdir() if (p / "pyproject.toml").exists()) == sorted(ALLOWED)
+
+
+def test_each_library_declares_the_libraries_it_imports():
+    """pip installs a library's declared dependencies (``pip install ./libs/mesh ./libs/tp``): one
+    imported but undeclared breaks a lone install, one declared but unused is a needless demand."""
+    for lib in ALLOWED:
+        project = tomllib.loads((LIBS / lib / "pyproject.toml").read_text())["project"]
+        declared = {re.match(r"tessera-([a-z0-9]+)", dep).group(1)
+                    for dep in project["dependencies"] if dep.startswith("tessera-")}
+        imported = {name for source in (LIBS / lib / "tessera" / lib).rglob("*.py")
+                    for name in re.findall(r"^\s*(?:from|import) tessera\.(\w+)", source.read_text(), re.MULTILINE)
+                    if name != lib}
+        assert declared == imported, f"libs/{lib}/pyproject.toml declares {sorted(declared)}, its code imports {sorted(imported)}"
+        assert imported <= set(ALLOWED[lib]), f"tessera.{lib} imports {sorted(imported - set(ALLOWED[lib]))}"
