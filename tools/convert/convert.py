@@ -110,6 +110,14 @@ def _check_against_model(state_dict: dict, spec, args, source: str, what: str) -
     check_state_dict(state_dict, expected, source, what)
 
 
+def _check_source(source: str, src: str) -> None:
+    """The source folder must exist: said first, as a folder that is not there would otherwise be
+    reported as one lacking model_args.json or config.json, or behind an output error."""
+    path = Path(src)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{source} {src} {'is not a folder' if path.exists() else 'does not exist'}")
+
+
 def _check_apart(src: str, dst: str) -> None:
     """Refuses an output that is, holds or lies inside the source (symbolic links followed):
     writing it would change the source, and --force would replace the source."""
@@ -205,13 +213,13 @@ def _parser() -> argparse.ArgumentParser:
         command.add_argument("src", help=src)
         command.add_argument("dst", help=dst)
         command.add_argument("--force", action="store_true", help="replace an existing output")
-        command.set_defaults(func=func, output_is_file=False)
+        command.set_defaults(func=func, output_is_file=False, source=src)
     commands.choices["dcp-to-hf"].add_argument("--max-shard-bytes", type=int, default=5 * 10**9)
-    command = commands.add_parser("dcp-to-torch")
-    command.add_argument("src", help="DCP checkpoint folder")
+    command, src = commands.add_parser("dcp-to-torch"), "DCP checkpoint folder"
+    command.add_argument("src", help=src)
     command.add_argument("dst", help="output torch.save file")
     command.add_argument("--force", action="store_true", help="replace an existing output")
-    command.set_defaults(func=dcp_to_torch, output_is_file=True)
+    command.set_defaults(func=dcp_to_torch, output_is_file=True, source=src)
     return parser
 
 
@@ -220,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     if "BUILD_WORKING_DIRECTORY" in os.environ:  # `bazel run` starts in the runfiles tree
         os.chdir(os.environ["BUILD_WORKING_DIRECTORY"])
     try:
+        _check_source(args.source, args.src)
         _check_apart(args.src, args.dst)
         _write_output(args.dst, args.force, args.output_is_file, lambda out: args.func(args, out))
     except (ValueError, OSError) as e:  # FileNotFoundError is an OSError

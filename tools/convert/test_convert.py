@@ -82,6 +82,22 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     assert result.stderr.strip().count("\n") == 0 and "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("command, source", [
+    ("dcp-to-hf", "DCP checkpoint folder"), ("hf-to-dcp", "Hugging Face checkpoint folder"),
+    ("dcp-to-torch", "DCP checkpoint folder"),
+])
+def test_a_missing_source_is_named_first(tmp_path, capsys, command, source):
+    """Before the shape (no model_args.json or config.json without flags) or the output (a file
+    that exists) is looked at."""
+    out = tmp_path / "out"
+    out.write_bytes(b"precious")
+    for src, problem in ((tmp_path / "absent", "does not exist"), (out, "is not a folder")):
+        for dst in (tmp_path / "new", out):
+            assert _run(command, src, dst) == 2
+            assert capsys.readouterr().err.strip() == f"convert: error: {source} {src} {problem}"
+    assert out.read_bytes() == b"precious" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
 def test_outputs_are_never_overwritten_without_force(tmp_path, capsys):
     weights, step_dir = _trained_checkpoint(tmp_path / "ckpt")
     flavor = ("--model", "llama3", "--flavor", "debugmodel")

@@ -1,4 +1,12 @@
-"""Command line: `estimate --job.config_file F [--world_size N] [--formula] [--json] [--section.key value ...]`.
+"""usage: estimate [--job.config_file F] [--world_size N] [--formula] [--json] [--section.key value ...]
+
+  --world_size N     ranks the job runs on (default 1)
+  --formula          the closed form only, without the trace (Llama-shaped models)
+  --json             the report as JSON instead of a table
+  --section.key V    every override the trainer takes (its --job.config_file too), e.g.
+                     --training.seq_len 4096; torchtitan's estimation switches
+                     (--memory_estimation.enable true, --comm.mode fake_backend) as well
+  -h, --help         this text
 
 Per-rank memory (parameters, gradients, optimizer state, buffers, activations, peak), FLOPs and
 bytes per collective kind and mesh dimension of one training step of the trainer's config, for
@@ -22,16 +30,20 @@ MEMORY = ("params", "grads", "optimizer", "buffers", "activations", "peak")
 
 
 def _option(argv: list[str], name: str, flag: bool = False) -> tuple[str | None, list[str]]:
-    for i, arg in enumerate(argv):
-        if arg == name and flag:
-            return "", argv[:i] + argv[i + 1:]
-        if not flag and arg.startswith(name + "="):
-            return arg.partition("=")[2], argv[:i] + argv[i + 1:]
-        if not flag and arg == name:
-            if i + 1 >= len(argv):
-                raise ConfigError(f"option {name} needs a value")
-            return argv[i + 1], argv[:i] + argv[i + 2:]
-    return None, argv
+    """Removes `name` (with its value: `name V` or `name=V`) from argv: (value, rest), value ""
+    for a flag, or (None, argv) when absent. A second one is refused here: left in the rest, the
+    trainer's config reader would call it a malformed override."""
+    found = [i for i, arg in enumerate(argv) if arg == name or (not flag and arg.startswith(name + "="))]
+    if len(found) > 1:
+        raise ConfigError(f"option {name} is given twice")
+    if not found:
+        return None, argv
+    i = found[0]
+    if flag or argv[i] != name:
+        return argv[i].partition("=")[2], argv[:i] + argv[i + 1:]
+    if i + 1 >= len(argv):
+        raise ConfigError(f"option {name} needs a value")
+    return argv[i + 1], argv[:i] + argv[i + 2:]
 
 
 def estimate(plan: JobPlan, trace: bool = True) -> dict:
@@ -99,6 +111,9 @@ ESTIMATOR_SWITCHES = frozenset({"memory_estimation.enable", "memory_estimation.d
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if "--help" in argv or "-h" in argv:  # else the trainer's config reader takes it for an override
+        print(__doc__.strip())
+        return 0
     try:
         world, argv = _option(argv, "--world_size")
         as_json, argv = _option(argv, "--json", flag=True)

@@ -394,6 +394,8 @@ def test_pipeline_in_flight_matches_torch_schedules():
 @pytest.mark.parametrize("argv, message", [
     (["--world_size", "0"], "--world_size '0' must be a positive integer"),
     (["--world_size"], "option --world_size needs a value"),
+    (["--world_size", "1", "--world_size", "2"], "option --world_size is given twice"),
+    (["--formula", "--world_size=2", "--formula"], "option --formula is given twice"),
     (["--world_size", "3", "--parallelism.tensor_parallel_degree", "2"], "world size 3 is not divisible"),
     (["--training.nope", "1"], "unknown config key training.nope"),
     (["--job.config_file", "/nonexistent.toml"], "config file not found"),
@@ -406,6 +408,15 @@ def test_bad_input_one_line_exit_2(argv, message, capsys):
     assert estimate.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--training.seq_len", "32", "-h"]])
+def test_help_is_usage_and_exit_0(argv, capsys, monkeypatch):
+    monkeypatch.setattr(estimate, "make_plan", None)  # usage only: nothing is planned or traced
+    assert estimate.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: estimate ") and "--section.key V    every override the trainer takes" in out
+    assert all(f"  {flag} " in out for flag in ("--world_size", "--formula", "--json"))
 
 
 def test_torchtitan_estimation_switches_are_this_tool(capsys):

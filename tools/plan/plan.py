@@ -576,9 +576,20 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def check_job(args: argparse.Namespace) -> None:
+    """What no layout changes (the flavor's context length against seq_len, the tokenizer where
+    present against its vocabulary) checked once, by the trainer's plan for one rank, before the
+    search: every layout's plan would refuse it alike, and the search could say only that no
+    layout fits."""
+    make_plan(load_config([f"--model.name={args.model}", f"--model.flavor={args.flavor}",
+                           f"--model.tokenizer_path={args.tokenizer_path}", f"--training.seq_len={args.seq_len}"]),
+              1, "cuda", check_only=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = parse(sys.argv[1:] if argv is None else argv)
+        check_job(args)
         gpu = GPUS[args.gpu]
         found, enumerated, evaluated, stopped_at = search(args, gpu)
         if not found:

@@ -5,9 +5,11 @@ plan, and one-line errors for bad input."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 
+from tessera.data import load_tokenizer, write_ranks
 from tessera.models import get_model_spec
 from tessera.trainer.config import ConfigError, load_config
 from tessera.trainer.plan import make_plan
@@ -426,6 +428,28 @@ def test_bad_input_one_line_exit_2(argv, message, capsys):
     assert plan.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+def test_what_no_layout_changes_is_named_once_before_the_search(tmp_path, capsys, monkeypatch):
+    """A tokenizer or seq_len the model cannot take: not "no layout fits" (each layout's job plan
+    refused it), nor a plan (an unreadable tokenizer was only a note), but the trainer's own
+    message, once, and no layout tried."""
+    too_many = {bytes([b]): b for b in range(256)}
+    for pair in itertools.product(range(256), range(8)):  # with the specials, more ids than debugmodel's 2048
+        too_many[bytes(pair)] = len(too_many)
+    write_ranks(too_many, tmp_path / "big.model")
+    ids = load_tokenizer(tmp_path / "big.model").vocab_size
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    monkeypatch.setattr(plan, "search", None)  # a tokenizer problem is not a layout's
+    argv = ["--flavor", "debugmodel", "--gpus", "1", "--seq_len", "256", "--tokenizer_path"]
+    for tokenizer, message in ((tmp_path / "big.model", f"tokenizer {tmp_path / 'big.model'} has {ids} ids, more than "
+                                                        "llama3/debugmodel's vocab_size 2048"),
+                               (tmp_path / "tokenizer.json", f"{tmp_path / 'tokenizer.json'}:1: not valid JSON")):
+        assert plan.main([*argv, str(tokenizer)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {message}") and err.count("\n") == 1
+    assert plan.main(["--flavor", "debugmodel", "--gpus", "1", "--seq_len", "1000000"]) == 2
+    assert capsys.readouterr().err == "error: training.seq_len 1000000 exceeds the context length of llama3/debugmodel (131072)\n"
 
 
 def test_tp_degrees_that_cannot_run_are_left_out_unless_none_can():

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tessera.ckpt import load_hf, read_dcp, save_hf
+from tessera.ckpt import load_hf, read_dcp, save_hf, write_dcp
 from tessera.ckpt import manager as manager_module
 from tessera.data import build_dataloader, load_dataset, load_tokenizer
 from tessera.models import get_model_spec
@@ -221,6 +221,31 @@ def test_resume_of_another_model_is_refused(run4, tmp_path, capsys):
     assert main([*SMALL, "--job.dump_folder", str(dump), "--training.steps", "4", *CKPT, "--model.name", "deepseek_v3"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: checkpoint was written by a llama3/debugmodel run, this run trains deepseek_v3/"), err
+
+
+def test_a_torchtitan_checkpoint_gives_its_weights_and_is_not_resumed(run4, tmp_path, capsys):
+    """torchtitan's CheckpointManager writes the model's weights at the top level beside its
+    other states (_flattened_model_states_sd): they load as initial weights, like the same weights
+    in Tessera's layout; its other states are not Tessera's, so the folder is never resumed."""
+    saved = read_dcp(run4[1] / "checkpoint" / "step-2")
+    torchtitan = tmp_path / "torchtitan" / "checkpoint" / "step-2"
+    write_dcp({**saved["model"], "optimizer": saved["optimizer"], "train_state": {"step": torch.tensor(2)},
+               "freqs_cis": torch.zeros(32, 16)}, torchtitan)  # extra keys of torchtitan's models stay unread
+    ours = run(tmp_path / "a", "--training.steps", "1", "--checkpoint.initial_load_path", str(run4[1] / "checkpoint" / "step-2"))
+    theirs = run(tmp_path / "b", "--training.steps", "1", "--checkpoint.initial_load_path", str(torchtitan))
+    assert numbers(theirs) == numbers(ours) != numbers(run(tmp_path / "c", "--training.steps", "1"))
+    assert f"checkpoint: initial weights from torchtitan checkpoint {torchtitan}" in capsys.readouterr().out
+
+    base = [*SMALL, "--training.steps", "3", "--checkpoint.enable", "true"]
+    assert main([*base, "--job.dump_folder", str(tmp_path / "d"), "--checkpoint.initial_load_path", str(torchtitan),
+                 "--checkpoint.initial_load_model_only", "false"]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: checkpoint.initial_load_path {torchtitan} is a torchtitan checkpoint "
+                                               "(the model's weights at its top level): only its weights load here; set "
+                                               "checkpoint.initial_load_model_only true")
+    assert main([*base, "--job.dump_folder", str(tmp_path / "torchtitan")]) == 2
+    assert capsys.readouterr().err.strip().startswith(f"error: {torchtitan} is a torchtitan checkpoint (the model's weights "
+                                                      "at its top level), which this run cannot resume; start from its weights")
+    assert steps_in(torchtitan.parent) == ["step-2"]
 
 
 def llama3_debug():

@@ -61,6 +61,8 @@ def test_relative_paths_resolve_against_the_users_directory(tmp_path, monkeypatc
         (["--optimizer.lr", "fast"], r"config key optimizer.lr: value 'fast' is not a float"),
         (["--metrics.enable_tensorboard", "maybe"], r"metrics.enable_tensorboard: value 'maybe' is not a bool"),
         (["--training.steps"], r"option --training.steps needs a value"),
+        (["--compile.no_bogus"], r"^unknown config key compile.no_bogus$"),  # not "needs a value"
+        (["--training.dataset_mixture", "a=b"], r"dataset mixture entry 'a=b': weight 'b' must be"),  # as written, unresolved
         (["steps=3"], r"unexpected argument 'steps=3'"),
         (["--steps", "3"], r"must look like --section.key"),
         (["--lr_scheduler.decay_type", "cosin"], r"lr_scheduler.decay_type: 'cosin' is not one of"),
@@ -89,6 +91,11 @@ def test_errors_name_the_culprit(argv, message):
         ("steps = 3\n", r"'steps' must be a \[section\] table"),
         ("[checkpoint]\nexclude_from_loading = 'model'\n", r"exclude_from_loading: value 'model' is not a list of strings"),
         ("[metrics]\nenable_tensorboard = 1\n", r"enable_tensorboard: value 1 is not a bool"),
+        # torchtitan's flux config: its model, not its first key of its own, is what Tessera lacks
+        ("[model]\nname = 'flux'\n[training]\nclassifier_free_guidance_prob = 0.1\n",
+         r"bad.toml: unknown model 'flux'; registered: \['deepseek_v3', "),
+        ("[model]\nname = 'llama3'\n[training]\nclassifier_free_guidance_prob = 0.1\n",
+         r"^unknown config key training.classifier_free_guidance_prob$"),
     ],
 )
 def test_toml_errors(tmp_path, text, message):

@@ -206,7 +206,7 @@ def _count_steps(model: nn.Module) -> None:
     HOOK_CALLS.append(model)
 
 
-register_converter("mark_linears", lambda config, dims: ModelConverter(
+register_converter("mark_linears", lambda config, dims, device: ModelConverter(
     "mark_linears", _mark_linears, post_optimizer_hooks=(_count_steps,),
 ))
 

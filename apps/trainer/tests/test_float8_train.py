@@ -15,7 +15,7 @@ from tessera.trainer.plan import make_plan
 from tessera.trainer.train import train
 
 TRAINED: list[nn.Module] = []  # the model, once per optimizer step (a hook sees it)
-register_converter("remember_model", lambda config, dims: ModelConverter(
+register_converter("remember_model", lambda config, dims, device: ModelConverter(
     "remember_model", lambda model: None, post_optimizer_hooks=(TRAINED.append,),
 ))
 
@@ -118,10 +118,10 @@ def test_bad_float8_keys_end_the_plan_with_one_line(argv, message):
 def test_torchtitan_auto_filter_flag_and_fsdp_only_switches():
     config = load_config([*FLOAT8, "--float8.filter_fqns", "output,auto_filter_small_kn", *ALL_GATHER])
     fsdp2 = make_plan(config, world_size=2, device="cpu").dims
-    options = float8_options(config, fsdp2)
+    options = float8_options(config, fsdp2, "cpu")
     assert options.auto_filter_small_kn and options.filter_fqns == ("output",)
     assert options.enable_fsdp_float8_all_gather and options.precompute_float8_dynamic_scale_for_fsdp
-    single = float8_options(config, make_plan(config, world_size=1, device="cpu").dims)
+    single = float8_options(config, make_plan(config, world_size=1, device="cpu").dims, "cpu")
     assert not single.enable_fsdp_float8_all_gather and not single.precompute_float8_dynamic_scale_for_fsdp
 
 
@@ -139,7 +139,7 @@ def test_float8_with_its_table_unset_reads_torchtitan_0_2_s(capsys):
     config = load_config(["--model.converters", "float8", "--quantize.linear.float8.filter_fqns", "output", *[
         arg.replace("--float8.", "--quantize.linear.float8.") for arg in ALL_GATHER]])
     assert "note: model.converters 'float8' reads [quantize.linear.float8]" in capsys.readouterr().err
-    options = float8_options(config, make_plan(config, world_size=2, device="cpu").dims)
+    options = float8_options(config, make_plan(config, world_size=2, device="cpu").dims, "cpu")
     assert options.filter_fqns == ("output",) and options.enable_fsdp_float8_all_gather
 
 

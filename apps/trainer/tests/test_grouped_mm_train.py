@@ -39,7 +39,7 @@ def _remember(model: nn.Module) -> None:
     INITIAL.update({name: p.detach().float().clone() for name, p in model.named_parameters() if ".experts." in name})
 
 
-register_converter("remember_converted", lambda config, dims: ModelConverter("remember_converted", _remember))
+register_converter("remember_converted", lambda config, dims, device: ModelConverter("remember_converted", _remember))
 
 
 @contextlib.contextmanager

@@ -48,6 +48,9 @@ def test_plan_resolves_layout_batch_and_model():
          "tensor_parallel_degree 4 does not divide seq_len=30"),
         (2, ["--training.global_batch_size", "6", "--training.local_batch_size", "4"], "global_batch_size 6 is not a multiple"),
         (1, ["--training.enable_cpu_offload", "true"], "enable_cpu_offload needs FSDP"),
+        (1, ["--compile.enable", "true", "--compile.backend", "bogus"], "^compile.backend 'bogus' is not a torch.compile backend"),
+        (1, ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "7"],
+         "^activation_checkpoint.selective_ac_option 7: llama3/debugmodel has 6 blocks, so no block would be checkpointed$"),
         (2, ["--checkpoint.create_seed_checkpoint", "true"], "create_seed_checkpoint needs a single process, not 2"),
         (1, ["--checkpoint.initial_load_in_hf", "true"], "initial_load_in_hf reads a Hugging Face folder: set model.hf_assets_path"),
         (1, ["--profiling.enable_memory_snapshot", "true"], "enable_memory_snapshot records the CUDA caching allocator"),
@@ -161,6 +164,14 @@ def test_check_only_plan_notes_files_it_cannot_see():
         assert any(missing in note for note in notes) and any("c4_validation" in note for note in notes), notes
 
 
+def test_check_only_plan_refuses_a_tokenizer_here_that_cannot_be_read(tmp_path):
+    """Absent on this host: a note; present but broken: the run would fail on it too."""
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    config = load_config(["--model.hf_assets_path", str(tmp_path)])
+    with pytest.raises(ConfigError, match="tokenizer.json:1: not valid JSON"):
+        make_plan(config, 1, check_only=True)
+
+
 def test_check_prints_the_plan_and_exits_0(capsys):
     assert main(["--job.config_file", str(CONFIGS / "llama3_405b.toml"), "--check", "--check_world_size", "512"]) == 0
     out = capsys.readouterr().out
@@ -226,10 +237,47 @@ def test_check_plans_the_cluster_s_cuda_ranks_from_a_cpu_host(capsys):
 
 
 def test_check_of_a_big_layout_on_one_rank_suggests_the_world_size(capsys):
+    """Any degree that cannot fit one rank (a whole world's, or ep's over the FSDP ranks) gets the
+    hint; a config error of another kind does not."""
+    hint = "(planned for 1 rank: --check_world_size N plans the cluster's job)"
     assert main(["--job.config_file", str(CONFIGS / "llama3_70b.toml"), "--check"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: world size 1 is not divisible") and err.count("\n") == 1
-    assert "--check_world_size N plans the cluster's job" in err
+    assert hint in err
+    assert main(["--check", "--model.name", "deepseek_v3", "--parallelism.expert_parallel_degree", "8",
+                 "--parallelism.data_parallel_shard_degree", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ep=8 must divide") and err.strip().endswith(hint)
+    assert main(["--check", "--model.flavor", "nope"]) == 2
+    assert hint not in capsys.readouterr().err
+
+
+def test_an_output_folder_that_is_a_file_is_refused_before_training(tmp_path):
+    """A run would fail there only at its first write (a trace, a checkpoint), hours in."""
+    (tmp_path / "afile").write_text("")
+    dump = ["--job.dump_folder", str(tmp_path)]
+    for argv, key in ((["--profiling.enable_profiling", "true", "--profiling.save_traces_folder", "afile"], "profiling.save_traces_folder"),
+                      (["--checkpoint.enable", "true", "--checkpoint.folder", "afile/ckpt"], "checkpoint.folder"),
+                      (["--metrics.enable_tensorboard", "true", "--metrics.save_tb_folder", "afile"], "metrics.save_tb_folder")):
+        with pytest.raises(ConfigError, match=f"^{re.escape(key)} .*: {re.escape(str(tmp_path / 'afile'))} is a file, not a folder$"):
+            plan(1, *dump, *argv)
+    plan(1, *dump, "--profiling.save_traces_folder", "afile")  # profiling off: nothing is written there
+
+
+def test_a_cluster_s_gpu_only_converters_plan_from_a_cpu_host(capsys):
+    """MXFP8 and float8 grouped GEMMs need a GPU: a plan for CUDA ranks made here accepts them
+    (the capability is the GPU's to tell), a plan for this host's CPU refuses them."""
+    for converter, more in (("quantize.linear.mx", []), ("quantize.grouped_mm.float8", ["--quantize.grouped_mm.float8.fqns", "experts"])):
+        argv = ["--check", "--check_world_size", "2", "--model.name", "deepseek_v3", "--model.converters", converter, *more]
+        assert main(argv) == 0, capsys.readouterr().err
+        assert "on 2 cuda rank(s)" in capsys.readouterr().out
+        assert main([*argv, "--check_device", "cpu"]) == 2
+        assert "on cpu" in capsys.readouterr().err
+
+
+def test_selective_ac_every_0th_block_is_every_block_as_in_torchtitan():
+    sac = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option"]
+    assert [plan(1, *sac, n).checkpointing.selective_option for n in ("0", "2", "op")] == ["1", "2", "op"]
 
 
 def test_check_into_a_closed_pipe_ends_quietly():

@@ -237,7 +237,7 @@ def test_tensorboard_carries_torchtitan_s_tags_beside_its_own(tmp_path):
 def test_custom_import_registers_before_checks(tmp_path, monkeypatch):
     (tmp_path / "my_converters.py").write_text(
         "from tessera.trainer.converters import ModelConverter, register_converter\n"
-        "register_converter('noop_for_test', lambda config, dims: ModelConverter(name='noop_for_test', convert=lambda m: None))\n"
+        "register_converter('noop_for_test', lambda config, dims, device: ModelConverter(name='noop_for_test', convert=lambda m: None))\n"
     )
     monkeypatch.setenv("BUILD_WORKING_DIRECTORY", str(tmp_path))
     config = load_config(["--experimental.custom_import", "my_converters", "--model.converters", "noop_for_test"])

@@ -231,6 +231,34 @@ def test_bad_shards_are_one_line_errors(corpus, tmp_path):
         build_dataloader(open_shards(folder), other, 15, 2)
 
 
+@pytest.mark.parametrize("edit, message", [
+    (lambda i: i["shards"][0].update(tokens="abc"), "shard 'shard-00000' tokens 'abc' is not a non-negative integer"),
+    (lambda i: i["shards"][0].update(tokens=-3), "shard 'shard-00000' tokens -3 is not a non-negative integer"),
+    (lambda i: i["shards"][0].update(documents=2.5), "shard 'shard-00000' documents 2.5 is not a non-negative integer"),
+    (lambda i: i["shards"][1].pop("documents"), "shard 'shard-00001' documents is missing"),
+    (lambda i: i["shards"][0].pop("name"), "shard entry name is missing"),
+    (lambda i: i["shards"].append(7), "shard entry 7 is not a JSON object"),
+    (lambda i: i.update(shards="shard-00000"), "shards 'shard-00000' is not a JSON list"),
+    (lambda i: i.update(tokens="12"), "tokens '12' is not a non-negative integer"),
+    (lambda i: i.update(max_id="x"), "max_id 'x' is not an integer >= -1"),
+    (lambda i: i.update(dtype="abc"), r"dtype 'abc' is not a token-id type \(uint16 or uint32\)"),
+    (lambda i: i.pop("dtype"), "dtype is missing"),
+    (lambda i: i.update(tokenizer="tessera-default"), "tokenizer 'tessera-default' is not a JSON object"),
+    (lambda i: i["tokenizer"].update(vocab_size=True), "tokenizer.vocab_size True is not a non-negative integer"),
+], ids=["tokens not a number", "negative tokens", "fractional documents", "no documents", "no name", "entry not an object",
+        "shards not a list", "total a string", "max_id a string", "dtype unknown", "no dtype", "tokenizer not an object",
+        "vocab_size a bool"])
+def test_a_bad_index_field_is_named(corpus, tmp_path, edit, message):
+    """Each field read from index.json is checked: one line naming the file and the field."""
+    _, folder = corpus
+    bad = _copy(folder, tmp_path)
+    index = json.loads((folder / "index.json").read_text())
+    edit(index)
+    (bad / "index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=f"^{re.escape(str(bad / 'index.json'))}: {message}$"):
+        open_shards(bad)
+
+
 def test_an_index_naming_files_outside_its_folder_is_refused(corpus, tmp_path):
     _, folder = corpus
     bad = _copy(folder, tmp_path)

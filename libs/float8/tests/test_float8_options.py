@@ -10,7 +10,9 @@ from torchao.float8.float8_linear import Float8Linear
 from tessera import tp
 from tessera.float8 import (
     Float8Options,
+    GroupedMMOptions,
     MXOptions,
+    check_grouped_mm_options,
     check_mx_options,
     check_options,
     convert,
@@ -37,6 +39,7 @@ def test_bad_options_one_line(options, message):
 
 
 def test_gpu_before_sm89_refused_unless_emulated(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     with pytest.raises(ValueError, match=r"compute capability >= 8.9, this one is 8.0: set emulate = true") as error:
         check_options(Float8Options(), "cuda")
@@ -44,6 +47,18 @@ def test_gpu_before_sm89_refused_unless_emulated(monkeypatch):
     assert check_options(Float8Options(emulate=True), "cuda").emulate
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     check_options(Float8Options(), "cuda")
+
+
+def test_a_host_without_cuda_checks_all_but_the_gpu_s_capability(monkeypatch):
+    """Options for a cluster's GPUs checked on a login node: what only the GPU can tell passes,
+    the rest is still checked."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: pytest.fail("asked a missing GPU"))
+    check_options(Float8Options(), "cuda")
+    check_mx_options(MXOptions(), "cuda")
+    check_grouped_mm_options(GroupedMMOptions("fp8_rowwise", fqns=("experts",)), "cuda")
+    with pytest.raises(ValueError, match="needs recipe_name 'tensorwise'"):
+        check_options(Float8Options(recipe_name="rowwise", enable_fsdp_float8_all_gather=True), "cuda")
 
 
 class Attention(nn.Module):
@@ -135,6 +150,7 @@ def test_mx_runs_emulated_on_cpu_and_is_refused_where_torchao_cannot(monkeypatch
         (MXOptions(), "cpu", r"mx recipe_name 'mxfp8_rceil' needs torchao's triton kernels on a CUDA GPU; on cpu use"),
         (MXOptions(recipe_name="mxfp8_rceil_wgrad_with_hp"), "cuda", r"compute capability >= 10.0 \(Blackwell\), this one is 9.0"),
     ]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     for options, device, message in cases:
         with pytest.raises(ValueError, match=message) as error:

@@ -31,6 +31,7 @@ def test_what_cannot_run_on_cpu_is_refused_in_one_line(options, message):
 
 
 def test_gpus_before_sm90_are_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
     for recipe in ("fp8_rowwise", EMULATED):
         with pytest.raises(ValueError, match=rf"'{recipe}' needs a GPU of compute capability >= 9.0 .*this one is 8.9"):

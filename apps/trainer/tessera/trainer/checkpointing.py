@@ -13,7 +13,7 @@ from torch import nn
 
 from tessera.ckpt import (
     EXPORT_DTYPES, CheckpointManager, ModelState, OptimizerState, RankLocalState, export_folder, export_hf,
-    hf_export_folder, import_hf, load_into, rng_state,
+    hf_export_folder, import_hf, load_into, rng_state, stored_keys,
 )
 from tessera.models.spec import hf_export_note
 from tessera.trainer.config import JobConfig
@@ -49,6 +49,14 @@ class TrainState:
             raise ValueError(f"checkpoint was written with optimizer groups {_groups_text(saved)}, this run has "
                              f"{_groups_text(self.optimizer)} (optimizer.name, param_groups, weight_decay, muon_exclude)")
         self.step = state["step"]
+
+
+def _torchtitan_layout(path: Path, model_state: dict) -> bool:
+    """Whether the DCP checkpoint at `path` keeps the model's weights at its top level, as
+    torchtitan writes them (its CheckpointManager flattens the model state beside "optimizer",
+    "train_state"...), where Tessera's sit under "model"."""
+    stored = stored_keys(path)
+    return not any(key.startswith("model.") for key in stored) and not stored.isdisjoint(model_state)
 
 
 def _groups_text(signature: list[list] | None) -> str:
@@ -120,6 +128,8 @@ class Checkpointer:
             if passed:
                 self._say(f"{self.folder / f'step-{passed[-1]}'} holds only the model; resuming from the newest "
                           f"full checkpoint, step-{full}")
+        if self.config.enable:
+            self._refuse_torchtitan_resume()
         loaded = self.manager.load(self.config.load_step) if self.config.enable else None
         if loaded is not None:
             self._resumed(loaded)
@@ -151,6 +161,16 @@ class Checkpointer:
             self._say(f"step {self.steps} is training.steps: nothing left to train; writing any final export "
                       "that is missing")
             self._final_exports(self.steps)
+
+    def _refuse_torchtitan_resume(self) -> None:
+        """A torchtitan run's checkpoint folder holds step-<N> folders too, but its optimizer, data
+        and schedule states are not Tessera's: its weights load as initial weights instead."""
+        step = self.manager.resume_step()[0] if self.config.load_step == -1 else self.config.load_step
+        path = self.folder / f"step-{step}"
+        if step is not None and path.is_dir() and _torchtitan_layout(path, self.states["model"].state_dict()):
+            raise ConfigError(f"{path} is a torchtitan checkpoint (the model's weights at its top level), which this "
+                              f"run cannot resume; start from its weights with checkpoint.initial_load_path {path} "
+                              "and another checkpoint.folder")
 
     def _check_within_steps(self, loaded: Path, initial: bool = False) -> None:
         """A checkpoint past training.steps would leave this run nothing to train, silently; so would an
@@ -202,6 +222,15 @@ class Checkpointer:
                 import_hf(part, path, lambda state_dict: adapter.from_hf(state_dict, self.args), model_shapes=shapes,
                           stacked=stacked and (lambda name: stacked(name, self.args)))
             self._say(f"initial weights from Hugging Face checkpoint {path}")
+            return
+        model = self.states["model"].state_dict()
+        if _torchtitan_layout(path, model):
+            if not self.config.initial_load_model_only:
+                raise ConfigError(f"{key} {path} is a torchtitan checkpoint (the model's weights at its top level): "
+                                  "only its weights load here; set checkpoint.initial_load_model_only true")
+            load_into(model, path)
+            self.states["model"].load_state_dict(model)
+            self._say(f"initial weights from torchtitan checkpoint {path}")
             return
         excluded = set(self.config.exclude_from_loading)
         names = ["model"] if self.config.initial_load_model_only else [n for n in self.states if n not in excluded]

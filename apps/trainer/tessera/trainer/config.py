@@ -24,7 +24,7 @@ import tomllib
 from tessera.ckpt import ASYNC_MODES, EXPORT_DTYPES
 from tessera.data import parse_mixture
 from tessera.fsdp import MIXED_PRECISION_DTYPES, RESHARD_POLICIES
-from tessera.models import AC_MODES, FORCE_RECOMPUTE_DEFAULT
+from tessera.models import AC_MODES, FORCE_RECOMPUTE_DEFAULT, list_model_specs
 from tessera.models.moe import CAPACITY_OVERFLOW
 from tessera.trainer.converters import converter_sections, registered_converters
 from tessera.trainer.errors import ConfigError, user_input
@@ -287,7 +287,7 @@ class ActivationCheckpoint:
         "copied back for backward)", choices=AC_MODES)
     selective_ac_option: str = key(  # checked in validate(): "op" or an int
         "op", "op (torchtitan's policy: keep attention's and every second matmul's outputs, recompute the rest) "
-        "or N (checkpoint every N-th block)")
+        "or N (checkpoint every N-th block; 0, as in torchtitan: every block)")
     preserve_rng_state: bool = key(True, "recompute with the forward's RNG state (dropout-exact)")
     early_stop: bool = key(False, "stop recomputing once the needed activations exist")
     determinism_check: str = key(
@@ -618,6 +618,7 @@ def parse_overrides(argv: list[str]) -> list[tuple[str, str, str]]:
             value = "true"
         elif not eq:
             if alone:
+                _field_type(section, key)  # an unknown key is named as such, not as one missing its value
                 raise ConfigError(f"option --{name} needs a value" + (f", got the option {argv[i + 1].split('=')[0]}"
                                                                       if i + 1 < len(argv) else ""))
             value = argv[i + 1]
@@ -689,18 +690,26 @@ def load_config(argv: list[str], accepted: frozenset[str] = frozenset()) -> JobC
         sections = _read_toml(path)
         if not sections:  # an empty (or comment-only) file: surely not the config meant
             raise ConfigError(f"config file {path} holds no settings")
-        for section, entries in sections.items():
-            if not isinstance(entries, dict):
-                raise ConfigError(f"config file {path}: '{section}' must be a [section] table")
-            _section_fields(section)
-            for name, value in _keys(entries):
-                _apply(config, section, name, value, from_cli=False)
+        try:
+            for section, entries in sections.items():
+                if not isinstance(entries, dict):
+                    raise ConfigError(f"config file {path}: '{section}' must be a [section] table")
+                _section_fields(section)
+                for name, value in _keys(entries):
+                    _apply(config, section, name, value, from_cli=False)
+        except ConfigError:
+            _refuse_a_model_of_another_stack(path, sections)
+            raise
     for section, name, value in overrides:
         _apply(config, section, name, value, from_cli=True)
     for name, facts in declared(JobConfig).items():
         value = get_key(config, name)
         if facts.path and value:
             _set_key(config, name, str(base / os.path.expanduser(value)))
+    try:  # checked as written: an entry named in an error is the user's, not its resolved path
+        parse_mixture(config.training.dataset_mixture)
+    except ValueError as e:
+        raise ConfigError(f"config key training.dataset_mixture: {e}") from None
     config.training.dataset_mixture = [  # "path=weight": the paths resolve like dataset_path
         f"{base / os.path.expanduser(path.strip())}={weight}" if path.strip() else entry
         for entry in config.training.dataset_mixture
@@ -718,6 +727,18 @@ def load_config(argv: list[str], accepted: frozenset[str] = frozenset()) -> JobC
 # torchtitan 0.2.2's model names that are a Tessera family under another name: its llama3_ft is
 # llama3 with a fragment function for DiLoCo, which Tessera's fault tolerance applies to any model
 _TORCHTITAN_MODELS = {"llama3_ft": "llama3"}
+
+
+def _refuse_a_model_of_another_stack(path: Path, sections: dict) -> None:
+    """A file whose keys do not read may be for a model no one registered here (torchtitan's flux
+    and vlm configs carry their own keys): the model, not its first unknown key, is the culprit.
+    A file importing its own registrations is left to its key's error."""
+    model, experimental = sections.get("model"), sections.get("experimental")
+    name = model.get("name") if isinstance(model, dict) else None
+    if not isinstance(name, str) or (isinstance(experimental, dict) and experimental.get("custom_import")):
+        return
+    if _TORCHTITAN_MODELS.get(name, name) not in list_model_specs():
+        raise ConfigError(f"config file {path}: unknown model {name!r}; registered: {list_model_specs()}")
 
 
 def _custom_import(module: str) -> None:
@@ -772,12 +793,8 @@ def validate(config: JobConfig, accepted: frozenset[str] = frozenset()) -> None:
         raise ConfigError("config key training.global_batch_size: 0 sequences per step; -1 is local_batch_size x "
                           "the data-parallel degree")
     option = config.activation_checkpoint.selective_ac_option
-    if option != "op" and not (option.isdigit() and int(option) >= 1):
+    if option != "op" and not option.isdigit():
         raise ConfigError(f"config key activation_checkpoint.selective_ac_option: {option!r} is not 'op' or a positive int")
-    try:
-        parse_mixture(config.training.dataset_mixture)
-    except ValueError as e:
-        raise ConfigError(f"config key training.dataset_mixture: {e}") from None
     saved = config.job.save_config_file
     if saved and (Path(saved).is_absolute() or ".." in Path(saved).parts):
         raise ConfigError(f"config key job.save_config_file: {saved!r} must be a file name inside job.dump_folder")

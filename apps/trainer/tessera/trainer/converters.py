@@ -4,8 +4,9 @@ and FSDP wrap it (float8 linears now, other quantisations later), as `model.conv
 A converter is registered under its config name with a factory and, declared by the converter's
 module, the config table it reads (e.g. "quantize.linear.float8"): the config notes such a table
 set while its converter is not listed, and the factory finds its table through the registry
-(`converter_sections`). The job plan calls the factory with the config and the parallel degrees,
-so a converter that cannot serve a layout raises its ConfigError there, once, before any worker
+(`converter_sections`). The job plan calls the factory with the config, the parallel degrees and
+the device the job runs on (a plan checked for a cluster's GPUs may be made on a CPU host), so a
+converter that cannot serve a layout raises its ConfigError there, once, before any worker
 starts. What the factory returns says everything the rest of the build needs from it: the swap
 itself, tensor-parallel styles for roles its modules need (handed to tessera.tp), and hooks to
 run after every optimizer step (e.g. float8 scale precompute for FSDP).
@@ -41,7 +42,7 @@ class ModelConverter:
     selects_by_name: Callable[[str, nn.Module], bool] | None = None
 
 
-ConverterFactory = Callable[["JobConfig", "ParallelDims"], ModelConverter]
+ConverterFactory = Callable[["JobConfig", "ParallelDims", str], ModelConverter]
 
 _REGISTRY: dict[str, tuple[ConverterFactory, str]] = {}
 
@@ -63,6 +64,7 @@ def converter_sections() -> dict[str, str]:
     return {name: section for name, (_, section) in sorted(_REGISTRY.items()) if section}
 
 
-def build_converters(config: JobConfig, dims: ParallelDims) -> tuple[ModelConverter, ...]:
-    """The configured converters, in the order `model.converters` lists them."""
-    return tuple(_REGISTRY[name][0](config, dims) for name in config.model.converters)
+def build_converters(config: JobConfig, dims: ParallelDims, device: str) -> tuple[ModelConverter, ...]:
+    """The configured converters for a job on `device` ("cpu", "cuda"), in the order
+    `model.converters` lists them."""
+    return tuple(_REGISTRY[name][0](config, dims, device) for name in config.model.converters)

@@ -12,6 +12,11 @@ class ConfigError(ValueError):
     use; the message names it. The command line prints it as one line and exits 2."""
 
 
+class LayoutError(ConfigError):
+    """Parallel degrees that do not fit the world size: on a host planning a cluster's job with
+    the default world size of 1 the cure is usually --check_world_size, not the config."""
+
+
 @contextlib.contextmanager
 def user_input() -> Iterator[None]:
     """Around reading what the user named (data, checkpoints): the libraries' ValueErrors there

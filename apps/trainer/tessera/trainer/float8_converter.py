@@ -13,7 +13,6 @@ import dataclasses
 import functools
 from typing import TYPE_CHECKING, Any
 
-from tessera.mesh import device_type
 from tessera.trainer.converters import ModelConverter, converter_sections, register_converter
 from tessera.trainer.errors import ConfigError
 from tessera.trainer.schema import get_key, key, table
@@ -97,9 +96,9 @@ def float8_reads_linear_table(config: JobConfig) -> bool:
             and LINEAR_FLOAT8 not in config.model.converters)
 
 
-def float8_options(config: JobConfig, dims: ParallelDims, name: str = "float8") -> Float8Options:
-    """The float8 keys of converter `name`'s section as tessera.float8 options for this layout;
-    ConfigError naming the key when they cannot run here (checked once, in the job plan)."""
+def float8_options(config: JobConfig, dims: ParallelDims, device: str, name: str = "float8") -> Float8Options:
+    """The float8 keys of converter `name`'s section as tessera.float8 options for this layout on
+    `device`; ConfigError naming the key when they cannot run there (checked once, in the job plan)."""
     # Imported here: torchao takes seconds to import, which only runs that use float8 should pay.
     from tessera import float8
 
@@ -111,12 +110,12 @@ def float8_options(config: JobConfig, dims: ParallelDims, name: str = "float8") 
         # On CPU the float8 matmul itself is always emulated (the casts and scales stay float8's):
         # torch's CPU _scaled_mm is a reference kernel on many CPUs, measured 1,000x an fp32 matmul
         # of the same 64x256x256 shape, so the same run took minutes or seconds by machine.
-        emulate=section.emulate or device_type() == "cpu",
+        emulate=section.emulate or device == "cpu",
         enable_fsdp_float8_all_gather=section.enable_fsdp_float8_all_gather,
         precompute_float8_dynamic_scale_for_fsdp=section.precompute_float8_dynamic_scale_for_fsdp,
     )
     try:
-        float8.check_options(options, device_type())
+        float8.check_options(options, device)
     except ValueError as e:
         raise ConfigError(f"config section [{path}]: {e}") from None
     if dims.fsdp_enabled:
@@ -128,10 +127,10 @@ def float8_options(config: JobConfig, dims: ParallelDims, name: str = "float8") 
     )
 
 
-def _factory(name: str, config: JobConfig, dims: ParallelDims) -> ModelConverter:
+def _factory(name: str, config: JobConfig, dims: ParallelDims, device: str) -> ModelConverter:
     from tessera import float8
 
-    options = float8_options(config, dims, name)
+    options = float8_options(config, dims, device, name)
     return ModelConverter(
         name=name,
         convert=functools.partial(float8.convert, options=options),
@@ -143,13 +142,13 @@ def _factory(name: str, config: JobConfig, dims: ParallelDims) -> ModelConverter
     )
 
 
-def _mx_factory(name: str, config: JobConfig, dims: ParallelDims) -> ModelConverter:
+def _mx_factory(name: str, config: JobConfig, dims: ParallelDims, device: str) -> ModelConverter:
     from tessera import float8
 
     path, section = _section(config, name)
     options = float8.MXOptions(recipe_name=section.recipe_name, filter_fqns=tuple(section.filter_fqns))
     try:
-        float8.check_mx_options(options, device_type())
+        float8.check_mx_options(options, device)
     except ValueError as e:
         raise ConfigError(f"config section [{path}]: {e}") from None
     if dims.tp_enabled:  # torchao 0.18 has no MX tensor-parallel styles
@@ -159,7 +158,7 @@ def _mx_factory(name: str, config: JobConfig, dims: ParallelDims) -> ModelConver
                           patterns=(f"{path}.filter_fqns", options.filter_fqns))
 
 
-def _grouped_factory(name: str, config: JobConfig, dims: ParallelDims) -> ModelConverter:
+def _grouped_factory(name: str, config: JobConfig, dims: ParallelDims, device: str) -> ModelConverter:
     """The experts' weights are wrapped before expert parallel and FSDP shard them on dim 0
     (torchtitan's order); layouts no test here has proven are refused."""
     from tessera import float8
@@ -169,7 +168,7 @@ def _grouped_factory(name: str, config: JobConfig, dims: ParallelDims) -> ModelC
     recipe = getattr(section, "recipe_name", float8.FLOAT8_ROWWISE)
     options = float8.GroupedMMOptions(recipe_name=recipe, fqns=tuple(section.fqns))
     try:
-        float8.check_grouped_mm_options(options, device_type())
+        float8.check_grouped_mm_options(options, device)
     except ValueError as e:
         raise ConfigError(f"config section [{path}]: {e}") from None
     for degree_key, degree in (("tensor_parallel_degree", dims.tp), ("pipeline_parallel_degree", dims.pp),

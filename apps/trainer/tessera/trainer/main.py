@@ -32,6 +32,7 @@ if _LOADING:
     gc.disable()
 
 from tessera.trainer.config import ConfigError, load_config
+from tessera.trainer.errors import LayoutError
 from tessera.trainer.faults import STOP_SIGNALS, TrainingError, die_with_launcher, elastic_store_note
 
 
@@ -242,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 plan = make_plan(config, world_size, device, check_only=True)
             except ConfigError as e:
-                if check_world_size or nproc or "WORLD_SIZE" in os.environ or "world size" not in str(e):
+                if check_world_size or nproc or "WORLD_SIZE" in os.environ or not isinstance(e, LayoutError):
                     raise
                 raise ConfigError(f"{e} (planned for 1 rank: --check_world_size N plans the cluster's job)") from None
             _print_for_a_reader(describe(plan))

@@ -26,6 +26,7 @@ from tessera.trainer.chunked_loss import hidden_output_style
 from tessera.trainer.config import (ActivationCheckpoint, ConfigError, JobConfig, Loss, Optimizer, user_directory,
                                     user_input)
 from tessera.trainer.converters import ModelConverter, build_converters
+from tessera.trainer.errors import LayoutError
 from tessera.trainer.ft_plan import FaultTolerancePlan, fault_tolerance_plan
 from tessera.trainer.hf_assets import check_hf_weights, flavor_args, initial_load_folder
 from tessera.trainer.param_groups import resolve_groups
@@ -123,17 +124,20 @@ def make_plan(config: JobConfig, world_size: int, device: str | None = None, *, 
     config = _with_param_dtype(config, device)
     par, training = config.parallelism, config.training
     notes: list[str] = []
-    with user_input():
+    try:
         dims = resolve_parallel_dims(
             world_size, dp_replicate=par.data_parallel_replicate_degree,
             dp_shard=par.data_parallel_shard_degree, tp=par.tensor_parallel_degree,
             pp=par.pipeline_parallel_degree, cp=par.context_parallel_degree, ep=par.expert_parallel_degree,
             ep_spans_tp=par.expert_tensor_parallel_degree == 1,  # torchtitan: etp 1 puts the tp ranks in ep
         )
+    except ValueError as e:
+        raise LayoutError(str(e)) from None
+    with user_input():
         spec = get_model_spec(config.model.name)
     args = _model_args(config, spec)
     _check_tokenizer_fits(config, spec, args.vocab_size, notes if check_only else None)
-    converters = build_converters(config, dims)
+    converters = build_converters(config, dims, device)
     # expert_tensor_parallel_degree 1: the ep group holds the tp ranks and takes the experts whole
     experts = {"experts": lambda layouts: None} if dims.ep_spans_tp else {}
     # the chunked loss projects the hidden states itself: under TP they come out gathered
@@ -171,7 +175,7 @@ def make_plan(config: JobConfig, world_size: int, device: str | None = None, *, 
         pipeline=pipeline, experts=ExpertPlan(config.debug.moe_force_load_balance, par.expert_capacity_factor,
                                               par.expert_capacity_overflow),
         attention=attention, checkpointing=_checkpointing(config, meta_model),
-        compile=CompilePlan(_compiles(config, "model"), config.compile.backend), optimizer=optimizer,
+        compile=_compile_plan(config), optimizer=optimizer,
         # a compiled cross-entropy of vocab-sharded logits bypasses loss parallel (torch 2.13: the
         # local shard's loss, 2.6 instead of 8.2 on the debug model), so it stays eager there
         loss=LossPlan(loss_parallel, _compiles(config, "loss") and not loss_parallel,
@@ -179,6 +183,17 @@ def make_plan(config: JobConfig, world_size: int, device: str | None = None, *, 
         fault_tolerance=fault_tolerance, flops_per_token=_flops_per_token(config, spec, args), seed=config.debug.seed,
         dataset=dataset, validation_dataset=validation, notes=tuple(notes), warnings=tuple(warnings),
     )
+
+
+def _compile_plan(config: JobConfig) -> CompilePlan:
+    """An unknown backend is refused here, once, rather than by dynamo at the first compiled call."""
+    if config.compile.enable:
+        from torch._dynamo.backends.registry import list_backends
+
+        if config.compile.backend not in list_backends(exclude_tags=()):  # debug ones too; entry points included
+            raise ConfigError(f"compile.backend {config.compile.backend!r} is not a torch.compile backend; "
+                              f"these are: {list_backends()}")
+    return CompilePlan(_compiles(config, "model"), config.compile.backend)
 
 
 def _compiles(config: JobConfig, component: str) -> bool:
@@ -207,18 +222,23 @@ def _checkpointing(config: JobConfig, meta_model: Callable[[], torch.nn.Module])
     it needs the blocks compiled, and its two keys mean nothing under another mode."""
     ac = config.activation_checkpoint
     recompute = tuple(_force_recompute(config, meta_model))
+    # torchtitan checkpoints every block at N = 0 (`not ac_freq or count % ac_freq == 0`)
+    option = ac.selective_ac_option if ac.selective_ac_option == "op" else str(int(ac.selective_ac_option) or 1)
+    if ac.mode == "selective" and option != "op" and int(option) > len(meta_model().layers):
+        raise ConfigError(f"activation_checkpoint.selective_ac_option {option}: {config.model.name}/{config.model.flavor} "
+                          f"has {len(meta_model().layers)} blocks, so no block would be checkpointed")
     if ac.mode != "memory_budget":
         for name in ("memory_budget", "visualize_memory_budget_pareto"):
             if getattr(ac, name) != getattr(ActivationCheckpoint(), name):
                 raise ConfigError(f"activation_checkpoint.{name} applies only with activation_checkpoint.mode "
                                   f"memory_budget (this run: {ac.mode!r})")
-        return CheckpointingPlan(ac.mode, ac.selective_ac_option, ac.preserve_rng_state, ac.early_stop,
+        return CheckpointingPlan(ac.mode, option, ac.preserve_rng_state, ac.early_stop,
                                  ac.determinism_check, ac.debug, force_recompute_fqns=recompute)
     if not _compiles(config, "model"):
         raise ConfigError("activation_checkpoint.mode memory_budget lets compile's partitioner choose what to recompute: "
                           "set compile.enable true with 'model' in compile.components, or use mode selective or full")
     pareto = str(Path(config.job.dump_folder) / "memory_budget_pareto") if ac.visualize_memory_budget_pareto else None
-    return CheckpointingPlan(ac.mode, ac.selective_ac_option, ac.preserve_rng_state, ac.early_stop, ac.determinism_check,
+    return CheckpointingPlan(ac.mode, option, ac.preserve_rng_state, ac.early_stop, ac.determinism_check,
                              ac.debug, ac.memory_budget, pareto, recompute)
 
 
@@ -292,13 +312,14 @@ def _source_or_note(find: Callable[[], str | None], notes: list[str] | None) -> 
 def _check_tokenizer_fits(config: JobConfig, spec: ModelSpec, vocab_size: int, notes: list[str] | None) -> None:
     """The flavor sizes the vocabulary, as torchtitan's do (a tokenizer with fewer ids leaves rows
     that no token selects, which still take part in every softmax); a tokenizer with more ids
-    than that is refused. Check-only plans without the tokenizer note it unchecked."""
+    than that is refused. Check-only plans on a host without the tokenizer note it unchecked; one
+    that is here but unreadable is refused (a login node sees the cluster's file)."""
     source = tokenizer_source(config)
     try:
         with user_input():
             ids = load_tokenizer(source).vocab_size
     except (ConfigError, OSError) as e:
-        if notes is None:
+        if notes is None or (source and Path(source).exists()):
             raise ConfigError(str(e)) from e
         notes.append(f"tokenizer not read here ({e}); its ids not checked against vocab_size {vocab_size}")
         return
@@ -663,6 +684,24 @@ def _check_fault(config: JobConfig, ranks: int) -> None:
                           f"training.steps {config.training.steps}: the fault would never fire")
 
 
+def _output_folders(config: JobConfig) -> list[tuple[str, str]]:
+    """(key, folder under job.dump_folder) of each output this run writes there."""
+    prof, metrics = config.profiling, config.metrics
+    return [(key, folder) for key, folder, written in (
+        ("checkpoint.folder", config.checkpoint.folder, config.checkpoint.enable or config.checkpoint.create_seed_checkpoint),
+        ("profiling.save_traces_folder", prof.save_traces_folder, prof.enable_profiling),
+        ("profiling.save_memory_snapshot_folder", prof.save_memory_snapshot_folder, prof.enable_memory_snapshot),
+        ("metrics.save_tb_folder", metrics.save_tb_folder, metrics.enable_tensorboard or metrics.enable_wandb),
+        ("comm.save_traces_folder", config.comm.save_traces_folder, config.comm.trace_buf_size > 0),
+    ) if written]
+
+
+def _file_in_the_way(folder: Path) -> Path | None:
+    """The first of `folder` and its parents that exists and is not a folder: a write under it
+    would fail only when the run first writes there, possibly hours in."""
+    return next((path for path in (folder, *folder.parents) if path.exists() and not path.is_dir()), None)
+
+
 def _check_paths(config: JobConfig, notes: list[str] | None) -> None:
     """Paths the run will read exist, the output folder can be one and the optional packages its
     settings need are installed; a check-only plan notes what is missing on this host instead."""
@@ -677,6 +716,9 @@ def _check_paths(config: JobConfig, notes: list[str] | None) -> None:
     dump = Path(config.job.dump_folder)
     if dump.exists() and not dump.is_dir():
         problems.append(f"job.dump_folder {dump} is not a folder")
+    else:
+        problems += [f"{key} {dump / folder}: {blocker} is a file, not a folder" for key, folder in _output_folders(config)
+                     if (blocker := _file_in_the_way(dump / folder)) is not None]
     if config.metrics.enable_wandb and importlib.util.find_spec("wandb") is None:
         problems.append("metrics.enable_wandb needs the wandb package, which is not installed: pip install wandb")
     if notes is None and problems:

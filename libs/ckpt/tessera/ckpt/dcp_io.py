@@ -79,6 +79,12 @@ def read_metadata(checkpoint: str | os.PathLike) -> Metadata:
     return metadata
 
 
+def stored_keys(checkpoint: str | os.PathLike) -> frozenset[str]:
+    """The flattened keys a DCP checkpoint holds ("model.norm.weight"), from its metadata alone:
+    which states it has, or whose layout it is, before anything is loaded."""
+    return frozenset(read_metadata(checkpoint).state_dict_metadata)
+
+
 def check_storage_files(checkpoint: str | os.PathLike, metadata: Metadata) -> None:
     """Every data file the metadata names exists and is long enough (catches truncation)."""
     needed: dict[str, int] = {}

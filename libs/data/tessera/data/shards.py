@@ -27,6 +27,7 @@ INDEX = "index.json"
 FORMAT = "tessera-token-shards"
 VERSION = 1
 _OFFSET_DTYPE = np.dtype("<i8")
+_KINDS = {dict: "JSON object", list: "JSON list", str: "string"}  # the index's field types, as its errors name them
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -115,32 +116,64 @@ def open_shards(folder: str | os.PathLike) -> ShardDataset:
         raise ValueError(f"{index_path}: not a token-shard index ({e})") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT or index.get("version") != VERSION:
         raise ValueError(f"{index_path}: not a {FORMAT} index of version {VERSION}")
-    try:
-        dtype = np.dtype(index["dtype"])
-        if dtype.kind != "u" or dtype.itemsize not in (2, 4):  # a float or signed type would reinterpret the ids
-            raise ValueError(f"{index_path}: dtype {index['dtype']!r} is not a token-id type (uint16 or uint32)")
-        shards = tuple(_open_shard(folder, entry, dtype, index_path) for entry in index["shards"])
-        tokenizer, total = index["tokenizer"], index["tokens"]
-        if not isinstance(tokenizer.get("vocab_size"), int):
-            raise TypeError("tokenizer.vocab_size")
-        if index.get("max_id", -1) >= tokenizer["vocab_size"]:
-            raise ValueError(f"{index_path}: its shards hold token id {index['max_id']}, beyond the vocabulary of "
-                             f"{tokenizer['vocab_size']}")
-    except (KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"{index_path}: malformed index (missing or bad {e})") from None
+    dtype = _token_dtype(index, index_path)
+    tokenizer = _field(index, "tokenizer", dict, index_path)
+    vocab_size = _count(tokenizer, "vocab_size", index_path, "tokenizer.")
+    max_id = _count(index, "max_id", index_path, least=-1) if "max_id" in index else -1  # -1: no tokens
+    if max_id >= vocab_size:
+        raise ValueError(f"{index_path}: its shards hold token id {max_id}, beyond the vocabulary of {vocab_size}")
+    total = _count(index, "tokens", index_path)
+    shards = tuple(_open_shard(folder, entry, dtype, index_path) for entry in _field(index, "shards", list, index_path))
     if sum(s.num_tokens for s in shards) != total or not shards:
         raise ValueError(f"{index_path}: index/shard mismatch: shard token counts do not add up to {total}")
     return ShardDataset(str(folder), tokenizer, dtype, shards, total, index)
 
 
-def _open_shard(folder: Path, entry: dict, dtype: np.dtype, index_path: Path) -> Shard:
-    name = entry["name"]
+def _field(mapping: dict, key: str, kind: type, index_path: Path, where: str = "") -> Any:
+    """mapping[key] if it is a `kind`: the index is data, and a missing or mistyped field must be
+    named, not surface as a KeyError or a TypeError far from the file."""
+    if key not in mapping:
+        raise ValueError(f"{index_path}: {where}{key} is missing")
+    if not isinstance(mapping[key], kind):
+        raise ValueError(f"{index_path}: {where}{key} {mapping[key]!r} is not a {_KINDS[kind]}")
+    return mapping[key]
+
+
+def _count(mapping: dict, key: str, index_path: Path, where: str = "", least: int = 0) -> int:
+    """An integer field >= `least`: counts size the reads, so "12", 2.5, true or -3 is refused
+    (int() took some, and a negative count was reported as a wrong file size)."""
+    value = _field(mapping, key, object, index_path, where)
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        wanted = "a non-negative integer" if least == 0 else f"an integer >= {least}"
+        raise ValueError(f"{index_path}: {where}{key} {value!r} is not {wanted}")
+    return value
+
+
+def _token_dtype(index: dict, index_path: Path) -> np.dtype:
+    """The index's dtype, if token ids can be stored in it: a float or signed type would
+    reinterpret them."""
+    name = _field(index, "dtype", str, index_path)
+    try:
+        dtype = np.dtype(name)
+    except TypeError:  # not a numpy type name
+        dtype = None
+    if dtype is None or dtype.kind != "u" or dtype.itemsize not in (2, 4):
+        raise ValueError(f"{index_path}: dtype {name!r} is not a token-id type (uint16 or uint32)")
+    return dtype
+
+
+def _open_shard(folder: Path, entry: Any, dtype: np.dtype, index_path: Path) -> Shard:
+    if not isinstance(entry, dict):
+        raise ValueError(f"{index_path}: shard entry {entry!r} is not a JSON object")
+    name = _field(entry, "name", object, index_path, "shard entry ")
     if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
         # the index is data: the files it names must be in its own folder
         raise ValueError(f"{index_path} names shard {name!r}, not a file name in {folder}")
     tokens_path = folder / f"{name}.tokens"
     offsets_path = folder / f"{name}.offsets"
-    num_tokens, num_documents = int(entry["tokens"]), int(entry["documents"])
+    where = f"shard {name!r} "
+    num_tokens = _count(entry, "tokens", index_path, where)
+    num_documents = _count(entry, "documents", index_path, where)
     for path, expected in ((tokens_path, num_tokens * dtype.itemsize),
                            (offsets_path, (num_documents + 1) * _OFFSET_DTYPE.itemsize)):
         if not path.is_file():

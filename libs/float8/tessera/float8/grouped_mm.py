@@ -25,6 +25,7 @@ from torchao.prototype.moe_training.config import (
 from torchao.quantization import quantize_
 
 from tessera.float8.mx import MX_BLOCK, MX_RECIPES, MXOptions, check_mx_options
+from tessera.float8.options import cuda_capability
 
 FLOAT8_ROWWISE = "fp8_rowwise"  # torchao's only float8 grouped recipe: one scale per row
 MX_ALIASES = {"mxfp8": "mxfp8_rceil"}  # torchtitan 0.2's recipe name -> torchao 0.18's
@@ -59,7 +60,8 @@ class GroupedMMOptions:
 
 
 def check_grouped_mm_options(options: GroupedMMOptions, device: str | torch.device = "cpu") -> GroupedMMOptions:
-    """Returns `options` if torchao can run them on `device`, else ValueError naming the key."""
+    """Returns `options` if torchao can run them on `device`, else ValueError naming the key
+    (the GPU's compute capability only where this host has CUDA)."""
     if options.recipe_name not in GROUPED_RECIPES:
         raise ValueError(f"grouped_mm recipe_name {options.recipe_name!r} is not one of {list(GROUPED_RECIPES)}")
     if not options.fqns:
@@ -72,10 +74,11 @@ def check_grouped_mm_options(options: GroupedMMOptions, device: str | torch.devi
             f"float8 grouped GEMMs (torch._scaled_grouped_mm, torchao's triton casts) need a CUDA GPU of compute "
             f"capability >= 9.0 and have no emulated mode; on {device.type} the MXFP8 recipe 'mxfp8_emulated_rceil' runs"
         )
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < MIN_GROUPED_CAPABILITY:
+    capability = cuda_capability(device) if device.type == "cuda" else None
+    if capability is not None and capability < MIN_GROUPED_CAPABILITY:
         raise ValueError(
             f"grouped_mm recipe_name {options.recipe_name!r} needs a GPU of compute capability >= 9.0 (torch's grouped "
-            f"GEMMs), this one is {'.'.join(map(str, torch.cuda.get_device_capability(device)))}"
+            f"GEMMs), this one is {'.'.join(map(str, capability))}"
         )
     return options
 

@@ -12,6 +12,8 @@ from torch import nn
 from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe
 from torchao.quantization import quantize_
 
+from tessera.float8.options import cuda_capability
+
 MX_RECIPES = tuple(recipe.value for recipe in MXFP8TrainingRecipe)
 EMULATED_MX_RECIPES = ("mxfp8_emulated_rceil",)
 MIN_MX_CUDA_CAPABILITY = (10, 0)
@@ -25,7 +27,8 @@ class MXOptions:
 
 
 def check_mx_options(options: MXOptions, device: str | torch.device = "cpu") -> MXOptions:
-    """Returns `options` if torchao can run them on `device`, else ValueError naming the key."""
+    """Returns `options` if torchao can run them on `device`, else ValueError naming the key
+    (the GPU's compute capability only where this host has CUDA)."""
     if options.recipe_name not in MX_RECIPES:
         raise ValueError(f"mx recipe_name {options.recipe_name!r} is not one of {list(MX_RECIPES)}")
     if options.recipe_name in EMULATED_MX_RECIPES:
@@ -36,8 +39,8 @@ def check_mx_options(options: MXOptions, device: str | torch.device = "cpu") -> 
             f"mx recipe_name {options.recipe_name!r} needs torchao's triton kernels on a CUDA GPU; "
             f"on {device.type} use one of {list(EMULATED_MX_RECIPES)}"
         )
-    capability = torch.cuda.get_device_capability(device)
-    if capability < MIN_MX_CUDA_CAPABILITY:
+    capability = cuda_capability(device)
+    if capability is not None and capability < MIN_MX_CUDA_CAPABILITY:
         raise ValueError(
             f"mx recipe_name {options.recipe_name!r} needs a GPU of compute capability >= 10.0 (Blackwell), "
             f"this one is {'.'.join(map(str, capability))}; use one of {list(EMULATED_MX_RECIPES)} to emulate"

@@ -34,8 +34,15 @@ class Float8Options:
         )
 
 
+def cuda_capability(device: torch.device) -> tuple[int, int] | None:
+    """The compute capability of CUDA `device`, or None on a host without CUDA: options checked
+    there for a cluster's GPUs (a plan made on a login node) pass what only the GPU can tell."""
+    return torch.cuda.get_device_capability(device) if torch.cuda.is_available() else None
+
+
 def check_options(options: Float8Options, device: str | torch.device = "cpu") -> Float8Options:
-    """Returns `options` if they can run on `device`, else raises ValueError naming the key."""
+    """Returns `options` if they can run on `device`, else raises ValueError naming the key
+    (the GPU's compute capability only where this host has CUDA)."""
     if options.recipe_name not in RECIPES:
         raise ValueError(f"float8 recipe_name {options.recipe_name!r} is not one of {list(RECIPES)}")
     if options.enable_fsdp_float8_all_gather and options.recipe_name != "tensorwise":
@@ -50,8 +57,8 @@ def check_options(options: Float8Options, device: str | torch.device = "cpu") ->
         )
     device = torch.device(device)
     if device.type == "cuda" and not options.emulate:
-        capability = torch.cuda.get_device_capability(device)
-        if capability < MIN_CUDA_CAPABILITY:
+        capability = cuda_capability(device)
+        if capability is not None and capability < MIN_CUDA_CAPABILITY:
             raise ValueError(
                 f"float8 needs a GPU of compute capability >= {'.'.join(map(str, MIN_CUDA_CAPABILITY))}, "
                 f"this one is {'.'.join(map(str, capability))}: set emulate = true to run it emulated"
