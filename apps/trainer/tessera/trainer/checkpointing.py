@@ -15,7 +15,7 @@ from tessera.ckpt import (
     EXPORT_DTYPES, CheckpointManager, ModelState, OptimizerState, RankLocalState, export_folder, export_hf,
     hf_export_folder, import_hf, load_into, rng_state, stored_keys,
 )
-from tessera.models.spec import hf_export_note
+from tessera.models.spec import hf_export_note, read_args_record
 from tessera.trainer.config import JobConfig
 from tessera.trainer.errors import ConfigError
 from tessera.trainer.faults import TrainingError, weights_finite
@@ -162,6 +162,14 @@ class Checkpointer:
                       "that is missing")
             self._final_exports(self.steps)
 
+    def _whose(self, path: Path) -> str:
+        """Initial weights of another model with the same shapes (Llama 2's and 3's debug models)
+        load without a word from the tensors: said from the checkpoint's model_args.json."""
+        found = read_args_record(path)
+        theirs = found and f"{found[2]['model']}/{found[2].get('flavor', '?')}"
+        return f" (weights of a {theirs} model; this run builds {self.train_state.model})" \
+            if theirs and theirs != self.train_state.model else ""
+
     def _refuse_torchtitan_resume(self) -> None:
         """A torchtitan run's checkpoint folder holds step-<N> folders too, but its optimizer, data
         and schedule states are not Tessera's: its weights load as initial weights instead."""
@@ -239,7 +247,7 @@ class Checkpointer:
         for name in names:
             self.states[name].load_state_dict(state_dict[name])
         self._check_within_steps(path, initial=True)
-        self._say(f"initial {'weights' if self.config.initial_load_model_only else 'state'} from {path}")
+        self._say(f"initial {'weights' if self.config.initial_load_model_only else 'state'} from {path}{self._whose(path)}")
         if "optimizer" in names:
             self._lr_from_here(excluded="lr_scheduler" not in names)
 
