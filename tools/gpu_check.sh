@@ -6,9 +6,10 @@
 # else benchmarks/. Arguments go to gpu_check; --dry-run (automatic without CUDA, in both) goes
 # to the bench too.
 set -uo pipefail
+out=$(realpath -m "${OUT:-$(dirname "$0")/../benchmarks}")  # a relative $OUT: from where it was given
+export OUT=$out  # for tools/bench/gpu.sh
 cd "$(dirname "$0")/.."
 start=$SECONDS
-out=${OUT:-benchmarks}
 timeout 300 tools/run_from_source.sh tools/gpu_check/gpu_check.py --out "$out" "$@"
 status=$?
 left=$((480 - (SECONDS - start)))

@@ -8,7 +8,7 @@ tools/estimate's traced and closed-form peaks, then the ratios the GPU targets a
 (default benchmarks/).
 
 A variant whose larger estimate is over FIT of the GPU's memory is skipped with both figures
-rather than launched to run out of memory: the 8B one (about 104 GiB with AdamW in fp32) runs on
+rather than launched to run out of memory: the 8B one (about 120 GiB with AdamW in fp32) runs on
 an H200 (141 GB) but not on an H100 (80 GB), and device minutes are scarce.
 
 Each variant runs in its own process (a clean memory peak); a variant that fails (e.g. out of
@@ -212,7 +212,7 @@ def _report(rows: dict[str, dict], gpu: str, args: argparse.Namespace, dry: bool
             lines.append(f"| {name} | {outcome} | | | | | {traced} | {formula} | | |")
             continue
         lines.append(f"| {name} | {r['tps']:,.0f} | {r['tflops']:.1f} | {r['mfu_pct']:.1f} | "
-                     f"{100 * r['tflops'] / r['matmul_tflops']:.1f} (of {r['matmul_tflops']:.0f} TFLOP/s) | "
+                     f"{100 * r['tflops'] / r['matmul_tflops']:.1f} (of {r['matmul_tflops']:.3g} TFLOP/s) | "
                      f"{'n/a' if peak is None else f'{peak:.1f}'} | {traced} | {formula} | {r['warmup_s'] or 0:.0f} | "
                      f"{r['loss']:.3f} |")
     lines += ["", *_ratios(rows)]

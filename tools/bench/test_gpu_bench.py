@@ -28,7 +28,7 @@ def test_dry_run_measures_every_variant_a_cpu_can_run(tmp_path):
 
 def test_gpu_variants_are_valid_and_skipped_only_where_they_cannot_fit(tmp_path):
     """The CUDA variants plan as a CUDA job and trace (float8, offload and compile included); the 8B
-    one, about 104 GiB with AdamW in fp32, is skipped on an H100 and runs on an H200; every 1B one
+    one, about 120 GiB with AdamW in fp32, is skipped on an H100 and runs on an H200; every 1B one
     fits both."""
     for name in gpu_bench.VARIANTS:
         estimated = gpu_bench.estimates(gpu_bench.variant_argv(name, 30, tmp_path, dry=False))

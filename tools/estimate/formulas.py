@@ -9,13 +9,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
 from tessera import pp
-from tessera.float8 import Float8Options
-from tessera.float8.convert import selected
 from tessera.trainer.plan import JobPlan
+
+if TYPE_CHECKING:  # imported where float8 is asked about: torchao may be absent (a bare GPU machine)
+    from tessera.float8 import Float8Options
 
 F32 = 4
 LLAMA_SHAPED = ("llama2", "llama3")  # the model specs the closed form covers
@@ -48,6 +50,10 @@ def _block_params(a) -> list[tuple[int, int, int | None]]:
 
 def float8_of(plan: JobPlan) -> Float8Options | None:
     """The float8 linear converter's options as the job plan resolved them for its layout, or None."""
+    if not plan.converters:
+        return None
+    from tessera.float8 import Float8Options
+
     return next((c.options for c in plan.converters if isinstance(c.options, Float8Options)), None)
 
 
@@ -57,6 +63,8 @@ def float8_linears(options: Float8Options | None, a) -> frozenset[str]:
     own rule, on the full (pre-TP) shapes."""
     if options is None:
         return frozenset()
+    from tessera.float8.convert import selected
+
     shapes = {f"layers.0.{k}": (i, o) for k, (o, i, _) in block_linears(a).items()} | {"output": (a.dim, a.vocab_size)}
     return frozenset(name.removeprefix("layers.0.") for name, (i, o) in shapes.items()
                      if selected(name, torch.nn.Linear(i, o, bias=False, device="meta"), options))

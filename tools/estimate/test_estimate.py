@@ -7,7 +7,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import importlib
 import math
+import sys
 import types
 from pathlib import Path
 
@@ -442,3 +444,13 @@ def test_cli_table_and_json(capsys):
     assert "host_offloaded" not in plain
     assert estimate.main([*argv, "--activation_checkpoint.mode", "offload"]) == 0
     assert "GiB of activations in host memory" in capsys.readouterr().out
+
+
+def test_the_formulas_need_torchao_only_for_float8(monkeypatch):
+    """The GPU machine has no torchao unless the bundle carries it: the bench's estimates of its
+    bf16 variants failed at import all the same."""
+    monkeypatch.setitem(sys.modules, "tessera.float8", None)  # `import tessera.float8` now fails
+    monkeypatch.delitem(sys.modules, "formulas")
+    fresh = importlib.import_module("formulas")
+    plan = make_plan(load_config(["--training.seq_len", "64"]), 1, "cuda", check_only=True)
+    assert fresh.float8_of(plan) is None and fresh.float8_linears(None, plan.model_args) == frozenset()

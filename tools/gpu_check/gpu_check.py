@@ -54,6 +54,26 @@ def _argv(dry: bool, dump: Path, *extra: str, dp: int = 1, fp32: bool = True) ->
             "--debug.deterministic", "true" if fp32 else "false", *extra]
 
 
+def _run_with_ranks(command: list[str], timeout_s: float, env: dict | None,
+                    grace_s: float = 30) -> subprocess.CompletedProcess | None:
+    """The command's end, or None when it ran past `timeout_s`: it is then asked to stop
+    (SIGTERM, which torchrun passes on to its ranks, started in sessions of their own that a kill
+    of torchrun alone leaves running, holding the GPU for the checks after) and killed only if
+    still there after `grace_s`."""
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            proc.communicate(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+        return None
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
+
+
 def _launch(jobs: list[dict], ranks: int, tmp: Path, timeout_s: float, env: dict | None = None) -> dict:
     """Runs the jobs in one process (ranks 1) or on torchrun's local ranks; their results by name,
     an error for each job that left none (crash, hang, timeout)."""
@@ -62,11 +82,11 @@ def _launch(jobs: list[dict], ranks: int, tmp: Path, timeout_s: float, env: dict
     command = [sys.executable, str(WORKER), str(jobs_file), str(results_file)]
     if ranks > 1:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", *command[1:]]
-    try:
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=max(timeout_s, 1), env=env)
-        why = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1][:200]
-    except subprocess.TimeoutExpired:
+    finished = _run_with_ranks(command, max(timeout_s, 1), env)
+    if finished is None:
         why = f"did not finish within {timeout_s:.0f} s"
+    else:
+        why = (finished.stderr.strip().splitlines() or [f"exit {finished.returncode}"])[-1][:200]
     results = json.loads(results_file.read_text()) if results_file.exists() else {}
     return {job["name"]: results.get(job["name"], {"error": f"no result: {why}"}) for job in jobs}
 

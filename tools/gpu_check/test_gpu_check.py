@@ -1,6 +1,11 @@
 """gpu_check's dry run on CPU: its plumbing (launches, seed checkpoint, comparisons, result
 file) works, every CPU-capable check passes and every CUDA-only check is skipped by name."""
 
+import os
+import signal
+import sys
+import time
+
 import gpu_check
 import torch
 
@@ -27,3 +32,24 @@ def test_every_gpu_job_is_a_valid_trainer_config(tmp_path):
         for jobs, _, _ in gpu_check._groups(runs, cuda=True, ranks=min(gpus, 2)):
             for job in jobs:
                 load_config(job["argv"])
+
+
+def test_a_launch_past_its_time_leaves_no_rank_running(tmp_path):
+    """torchrun's ranks live in sessions of their own: a launch stopped at its timeout must stop
+    them too, or they hold the GPU through every later check."""
+    script = tmp_path / "hang.py"
+    script.write_text("import os, sys, time\n"
+                      f"open({str(tmp_path / 'pid')!r}, 'w').write(str(os.getpid()))\n"
+                      "time.sleep(600)\n")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", str(script)]
+    deadline = time.monotonic() + 60
+    assert gpu_check._run_with_ranks(command, timeout_s=15, env=None) is None
+    pid = int((tmp_path / "pid").read_text())
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    os.kill(pid, signal.SIGKILL)
+    raise AssertionError(f"rank {pid} still running after its launch timed out")

@@ -22,7 +22,7 @@ def _stubs(tmp_path, srun_body):
         (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
         (bin_dir / name).chmod(0o755)
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="42", SLURM_NNODES="1",
-               SLURM_JOB_NODELIST="node1", SLURM_GPUS_ON_NODE="1")
+               SLURM_JOB_NODELIST="node1", SLURM_GPUS_ON_NODE="1", SLURM_CPUS_PER_TASK="96")
     return subprocess.Popen(["bash", str(SBATCH), "job.toml"], env=env, cwd=tmp_path), calls
 
 
@@ -39,7 +39,8 @@ def test_time_limit_signal_stops_the_ranks_and_requeues(tmp_path):
     proc.send_signal(signal.SIGUSR1)
     assert proc.wait(timeout=30) == 0
     lines = calls.read_text().splitlines()
-    assert lines[1] == "srun bazel-bin/apps/trainer/trainer --nproc 1 --hosts node1 --port 29500 --job.config_file job.toml"
+    assert lines[1] == ("srun --cpus-per-task 96 bazel-bin/apps/trainer/trainer --nproc 1 --hosts node1 --port 29500 "
+                        "--job.config_file job.toml")
     assert lines[2:] == ["scancel --signal=USR1 42", "ranks-saved-and-stopped", "scontrol requeue 42"]
 
 

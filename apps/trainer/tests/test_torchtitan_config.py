@@ -128,6 +128,25 @@ def test_version_names_trainer_libraries_torch_and_commit(capsys):
     assert "\n" not in out and " git " in out
 
 
+def test_naming_the_commit_never_writes_into_the_checkout(tmp_path, monkeypatch):
+    """`git describe --dirty` rewrote the index of a checkout whose files' stat had changed, at
+    every run; the commit and whether it is dirty are read without that."""
+    git = lambda *args: subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *args],  # noqa: E731
+                                       check=True, capture_output=True, text=True).stdout.strip()
+    git("init", "-q")
+    (tmp_path / "f").write_text("a")
+    git("add", "f")
+    git("commit", "-qm", "one")
+    monkeypatch.setenv("BUILD_WORKSPACE_DIRECTORY", str(tmp_path))
+    index = tmp_path / ".git" / "index"
+    os.utime(tmp_path / "f", ns=(index.stat().st_mtime_ns + 10**9,) * 2)  # stat changed, content not
+    before = index.stat().st_mtime_ns
+    assert cli_info._git_commit() == git("rev-parse", "--short", "HEAD")
+    (tmp_path / "f").write_text("b")
+    assert cli_info._git_commit() == git("rev-parse", "--short", "HEAD") + "-dirty"
+    assert index.stat().st_mtime_ns == before
+
+
 def test_version_names_the_code_s_commit_from_any_folder(tmp_path, monkeypatch, capsys):
     source = Path(cli_info.__file__).resolve().parent
     described = subprocess.run(["git", "-C", str(source), "describe", "--always", "--dirty"], capture_output=True, text=True)

@@ -6,6 +6,9 @@ import json
 import os
 import pickle
 import re
+import socket
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -191,6 +194,22 @@ def test_pretokenize_rerun_is_a_no_op_and_refuses_other_inputs(corpus, tmp_path)
     with pytest.raises(ValueError, match="exists and does not hold shards of these inputs"):
         pretokenize([text], folder, workers=1)  # another shard size
     assert not [p for p in folder.parent.iterdir() if p.name.startswith(".")]  # no temporary left behind
+
+
+def test_a_killed_run_s_partial_output_is_removed_by_the_next(corpus, tmp_path):
+    """A SIGKILL leaves the partial folder (as large as the shards written): the next run into the
+    same output removes it; a live process's, or another host's, stays."""
+    text, _ = corpus
+    out, host = tmp_path / "shards", socket.gethostname()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    killed, live, other_host = (tmp_path / f".shards.tmp-{name}" for name in
+                                (f"{host}-{dead.pid}", f"{host}-{os.getppid()}", f"elsewhere-{dead.pid}"))
+    for folder in (killed, live, other_host):
+        folder.mkdir()
+        (folder / "shard-00000.tokens").write_bytes(bytes(64))
+    pretokenize([text], out, workers=1, shard_tokens=1500)
+    assert not killed.exists() and live.exists() and other_host.exists()
 
 
 def _copy(folder, tmp_path):

@@ -88,12 +88,18 @@ def _git_commit() -> str:
     """The commit of the checkout the trainer's code comes from: Bazel names the workspace, else
     this file's real folder (Bazel's runfiles link into the checkout), wherever the cwd is."""
     where = os.environ.get("BUILD_WORKSPACE_DIRECTORY") or str(Path(__file__).resolve().parent)
+    # Read only: `describe --dirty` rewrites the index (under .git/index.lock) whenever a file's
+    # stat changed, so every run wrote into the checkout and could fail a git command running
+    # there; `status` leaves the index alone when optional locks are off.
+    git = lambda *args: subprocess.run(["git", "-C", where, *args], capture_output=True, text=True, timeout=10,  # noqa: E731
+                                       env={**os.environ, "GIT_OPTIONAL_LOCKS": "0"})
     try:
-        out = subprocess.run(["git", "-C", where, "describe", "--always", "--dirty"], capture_output=True, text=True,
-                             timeout=10)
+        commit, status = git("describe", "--always"), git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
-    return out.stdout.strip() if out.returncode == 0 else "unknown"
+    if commit.returncode != 0 or status.returncode != 0:
+        return "unknown"
+    return commit.stdout.strip() + ("-dirty" if status.stdout.strip() else "")
 
 
 def version_text() -> str:

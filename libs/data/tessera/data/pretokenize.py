@@ -10,9 +10,11 @@ tokenizer, shard size): re-running on the same inputs is a no-op, on other input
 
 from __future__ import annotations
 
+import glob
 import multiprocessing
 import os
 import shutil
+import socket
 import time
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -68,6 +70,27 @@ def _inputs(sources: list, text_field: str, tokenizer: Tokenizer, shard_tokens: 
     }
 
 
+def _remove_killed_runs(out: Path) -> None:
+    """Deletes the partial outputs of runs into `out` on this host whose process is gone (killed
+    before they could clean up): each is as large as the shards it had written. Another host's,
+    or a live process's, are left alone."""
+    prefix = f".{out.name}.tmp-{socket.gethostname()}-"
+    for tmp in out.parent.glob(f"{glob.escape(prefix)}*") if out.parent.is_dir() else ():
+        pid = tmp.name[len(prefix):]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
 def pretokenize(
     sources: list,
     out: str | os.PathLike,
@@ -91,12 +114,13 @@ def pretokenize(
     tokenizer = load_tokenizer(tokenizer_path)
     inputs = _inputs(sources, text_field, tokenizer, shard_tokens)
     out = Path(out)
+    _remove_killed_runs(out)
     if out.exists():
         if is_shard_folder(out) and open_shards(out).index.get("inputs") == inputs:
             return open_shards(out).index
         raise ValueError(f"{out} exists and does not hold shards of these inputs; remove it or choose another folder")
 
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    tmp = out.parent / f".{out.name}.tmp-{socket.gethostname()}-{os.getpid()}"
     tmp.mkdir(parents=True)
     try:
         writer = ShardWriter(tmp, token_dtype(tokenizer.vocab_size), shard_tokens)
