@@ -25,10 +25,10 @@ ADAMW_ATOL = 8e-5  # lr / 10
 def final_params() -> Iterator[dict[str, torch.Tensor]]:
     params, close = {}, Checkpointer.close
 
-    def gather_then_close(self):
+    def gather_then_close(self, after_failure=False):
         for key, value in self.states["model"].state_dict().items():
             params[key] = (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
-        close(self)
+        close(self, after_failure)
 
     Checkpointer.close = gather_then_close
     try:

@@ -7,6 +7,7 @@ import io
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -17,6 +18,7 @@ import torch
 
 from tessera.ckpt import load_hf, read_dcp, save_hf, write_dcp
 from tessera.ckpt import manager as manager_module
+from tessera.ckpt.folders import LOCK_FILE, claim
 from tessera.data import build_dataloader, load_dataset, load_tokenizer
 from tessera.models import get_model_spec
 from tessera.trainer.config import load_config
@@ -43,7 +45,8 @@ def numbers(history):
 
 
 def steps_in(folder):
-    return sorted(p.name for p in Path(folder).iterdir())
+    """Everything in a checkpoint folder but the run's claim on it (tessera.ckpt's lock file)."""
+    return sorted(p.name for p in Path(folder).iterdir() if p.name != LOCK_FILE)
 
 
 def assert_same(a, b, where=""):
@@ -263,6 +266,33 @@ def test_initial_weights_of_another_model_of_the_same_shapes_are_said(run4, tmp_
     assert capsys.readouterr().err.startswith(f"error: {damaged / 'model_args.json'} is not a model args record")
 
 
+def test_a_resume_with_another_batch_says_so(run4, tmp_path, capsys):
+    """Another data-parallel degree changes the batch where global_batch_size is -1: the resume
+    is then not the run it continues (losses differ from step 1 on), which it says."""
+    dump = copy_steps(run4, tmp_path, 2)
+    run(dump, "--training.steps", "3", *CKPT, "--training.local_batch_size", "1")
+    assert ("checkpoint: step-2 was trained on 2 sequences x 32 tokens per step, this run takes 1 x 32: to go on as "
+            "that run would, set --training.global_batch_size 2") in capsys.readouterr().out
+    shutil.rmtree(dump / "checkpoint" / "step-3")
+    run(dump, "--training.steps", "3", *CKPT)
+    assert "sequences x" not in capsys.readouterr().out
+
+
+def test_a_second_run_on_one_checkpoint_folder_is_refused(tmp_path, capsys):
+    """Two runs writing one folder mixed their saves into a step folder marked complete (a double
+    submit, a requeue while the old job lives): the later one is refused before it trains."""
+    folder = tmp_path / "checkpoint"
+    other_run = claim(folder)
+    argv = [*SMALL, "--job.dump_folder", str(tmp_path), "--training.steps", "2", *CKPT]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip() == (f"error: checkpoint folder {folder} is in use by process {os.getpid()} on "
+                                               f"{socket.gethostname()}: two runs writing one folder would mix their "
+                                               "checkpoints; wait for it to end or use another folder")
+    other_run.close()
+    assert main(argv) == 0
+    assert steps_in(folder) == ["step-2"]
+
+
 def llama3_debug():
     """The spec and the args the trainer builds from SMALL (the flavor's, seq_len 32)."""
     spec = get_model_spec("llama3")
@@ -367,10 +397,12 @@ def test_bad_checkpoints_fail_in_one_line_and_change_nothing(run4, tmp_path, cap
         _wrong_shape_hf(dump)
     elif damage is not None:
         damage(folder / "step-4")
-    before = {p: p.stat().st_size for p in sorted(dump.rglob("*"))}
+    # the files: a refused run may leave the folder it claimed (empty but for the claim's lock file)
+    files = lambda: {p: p.stat().st_size for p in sorted(dump.rglob("*")) if p.is_file() and p.name != LOCK_FILE}  # noqa: E731
+    before = files()
     extra = [arg.format(dump=dump) for arg in extra]
     assert main([*SMALL, "--job.dump_folder", str(dump), "--training.steps", "6", *CKPT, *extra]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err, err
     assert message.format(folder=folder, dump=dump) in err, err
-    assert {p: p.stat().st_size for p in sorted(dump.rglob("*"))} == before  # nothing written or deleted
+    assert files() == before  # nothing written or deleted

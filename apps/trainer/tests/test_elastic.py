@@ -7,6 +7,7 @@ import errno
 import logging
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -14,9 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.run
 
 from tessera.ckpt import read_dcp
-from tessera.trainer import main, master_port
+from tessera.trainer import faults, main, master_port
 from tessera.trainer.faults import elastic_store_note, inject_fault
 from tessera.trainer.config import load_config
 
@@ -115,3 +117,22 @@ def test_the_master_port_stays_held_until_rank_0_binds_it(monkeypatch):
     assert torch.distributed.TCPStore("localhost", port, is_master=False).get("bound") == b"yes"
     for sock in master_port._held:
         sock.close()
+
+
+@pytest.mark.parametrize("report, code, said", [
+    (None, 0, "2-process run stopped by SIGTERM"),
+    ("error: not stopped within 5s of SIGTERM (job.stop_grace_seconds); exiting without a checkpoint of this step", 1,
+     "error: not stopped within 5s of SIGTERM (job.stop_grace_seconds); exiting without a checkpoint of this step"),
+])
+def test_a_stop_ends_the_job_with_0_only_when_its_ranks_stopped(monkeypatch, capsys, report, code, said):
+    """Ranks that saved and stopped leave no report: exit 0 (a scheduler requeues the job). A rank
+    whose grace ran out reports it: the job's end is a failure, not a stop."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    def stopped(args):
+        if report is not None:
+            Path(os.environ[faults.ERRORS_ENV], "rank-1").write_text(f"1\n{report}")
+        raise SignalException("stopped", signal.SIGTERM)
+    monkeypatch.setattr(torch.distributed.run, "run", stopped)
+    assert main._launch_local(2, [], grace_s=5) == code
+    assert capsys.readouterr().err.strip() == said

@@ -2,6 +2,7 @@
 and full checkpoint folders, stop signals, orphaned ranks, and bad input that used to pass."""
 
 import errno
+import functools
 import os
 import re
 import resource
@@ -10,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -21,7 +23,9 @@ from tessera.models import get_model_spec
 from tessera.trainer import data_wiring
 from tessera.trainer import validation as validation_module
 from tessera.trainer import train as train_module
+from tessera.trainer.checkpointing import Checkpointer
 from tessera.trainer.config import ConfigError, load_config
+from tessera.trainer.faults import ERRORS_ENV
 from tessera.trainer.main import main
 from tessera.trainer.plan import make_plan
 from tessera.trainer.train import train
@@ -116,7 +120,7 @@ def test_non_finite_weights_are_never_checkpointed(tmp_path, capsys, monkeypatch
     assert code == 1
     assert err == (f"error: step 4: model weights are not finite; not writing a checkpoint "
                    f"(the newest one in {tmp_path / 'checkpoint'} stays)")
-    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-2"]
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir() if p.name != ".lock") == ["step-2"]  # the run's claim
 
 
 # ---- 3. unwritable and full checkpoint folders -------------------------------------------
@@ -127,7 +131,8 @@ def test_unwritable_checkpoint_folder_fails_before_the_first_step(tmp_path, caps
                  "--checkpoint.folder", "blocker/ckpt"])
     out, err = capsys.readouterr()
     assert code == 2
-    assert err.strip() == f"error: checkpoint folder {tmp_path / 'blocker' / 'ckpt'} is not writable: Not a directory"
+    assert err.strip() == (f"error: checkpoint.folder {tmp_path / 'blocker' / 'ckpt'}: {tmp_path / 'blocker'} is a file, "
+                           "not a folder")  # said by the plan, before any worker starts
     assert "step 1" not in out
 
 
@@ -160,6 +165,20 @@ def test_failed_save_names_the_folder_and_keeps_the_previous_checkpoint(tmp_path
     assert output(dump, "err").strip() == f"error: cannot write checkpoint to {dump / 'checkpoint'}: File too large"
     assert {p.name: p.read_bytes() for p in step2.iterdir()} == before
     assert not (dump / "checkpoint" / "step-4").exists()
+
+
+def test_a_background_save_failing_after_the_run_failed_leaves_the_run_s_error_alone(capsys):
+    """A lost rank fails the run and then the background save's gather: raised at the final close,
+    that second failure's traceback (80 lines under --nproc) buried the run's one-line error."""
+    class FailingSave:
+        def close(self):
+            raise RuntimeError("gather_object: a peer rank is gone\n(torch's details)")
+    checkpointer = types.SimpleNamespace(manager=FailingSave(), rank=0)
+    checkpointer._say = functools.partial(Checkpointer._say, checkpointer)
+    Checkpointer.close(checkpointer, after_failure=True)
+    assert capsys.readouterr().out == "checkpoint: the background save failed too: gather_object: a peer rank is gone\n"
+    with pytest.raises(RuntimeError, match="a peer rank is gone"):  # after a run that ended well it is the error
+        Checkpointer.close(checkpointer)
 
 
 def test_failed_async_save_stops_the_run_at_once_in_one_line(tmp_path, capsys, monkeypatch):
@@ -386,7 +405,12 @@ def test_stop_grace_ends_a_process_that_cannot_stop(tmp_path):
     started = time.monotonic()
     result = subprocess.run([sys.executable, "-c", script], env=ENV, capture_output=True, text=True, timeout=60)
     assert result.returncode == 1 and time.monotonic() - started < 30
-    assert result.stderr.strip() == "error: not stopped within 1s of SIGTERM (job.stop_grace_seconds); exiting"
+    message = "error: not stopped within 1s of SIGTERM (job.stop_grace_seconds); exiting without a checkpoint of this step"
+    assert result.stderr.strip() == message
+    # a rank of --nproc reports it, so the launcher ends the job with it, not as a stop that saved (exit 0)
+    result = subprocess.run([sys.executable, "-c", script], env={**ENV, ERRORS_ENV: str(tmp_path), "RANK": "1"},
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and (tmp_path / "rank-1").read_text() == f"1\n{message}"
 
 
 # ---- 8. validation on held-out documents --------------------------------------------------

@@ -1,6 +1,11 @@
 """CheckpointManager under faults: leftovers of foreign copies, final exports, unwritable folders."""
 
+import multiprocessing
+import os
+import re
+import socket
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -8,6 +13,7 @@ import torch
 from torch import nn
 
 from tessera.ckpt import CheckpointManager, ModelState, OptimizerState, read_dcp
+from tessera.ckpt.folders import claim
 
 
 def _manager(folder, **kwargs):
@@ -95,3 +101,47 @@ def test_checks_of_one_new_folder_at_once_all_pass(tmp_path):
             thread.join()
     assert errors == []
     assert [p for p in tmp_path.rglob("*") if not p.is_dir()] == []  # no probe left behind
+
+
+def _hold(folder, ready):
+    lock = claim(folder)  # held while the file is open
+    ready.set()
+    time.sleep(600)
+    lock.close()
+
+
+def test_a_folder_has_one_writer_until_it_ends_by_any_death(tmp_path):
+    """Two writers of one folder share its in-progress names and retention: their saves mixed into
+    a step folder marked complete (measured: two trainer runs on one folder, step-2 unreadable)."""
+    folder = tmp_path / "ckpt"
+    first, second = _manager(folder), _manager(folder)
+    first.claim()
+    with pytest.raises(OSError, match=rf"^checkpoint folder {re.escape(str(folder))} is in use by process {os.getpid()} "
+                                      rf"on {re.escape(socket.gethostname())}: two runs writing one folder"):
+        second.claim()
+    first.close()
+    second.claim()  # given up by close()
+    second.close()
+    context = multiprocessing.get_context("fork")
+    ready = context.Event()
+    holder = context.Process(target=_hold, args=(folder, ready))
+    holder.start()
+    assert ready.wait(60)
+    with pytest.raises(OSError, match=f"in use by process {holder.pid} "):
+        _manager(folder).claim()
+    holder.kill()  # SIGKILL: no cleanup of its own
+    holder.join()
+    claimed = _manager(folder)
+    claimed.claim()
+    claimed.close()
+
+
+def test_the_one_writer_removes_the_partial_saves_of_crashed_runs(tmp_path):
+    """A full disk's failed save leaves its partial folder, which holds the space a re-run needs."""
+    folder = tmp_path / "ckpt"
+    (folder / ".step-4.tmp").mkdir(parents=True)
+    (folder / ".step-4.tmp" / "__0_0.distcp").write_bytes(bytes(1024))
+    manager = _manager(folder)
+    manager.claim()
+    assert sorted(p.name for p in folder.iterdir()) == [".lock"]
+    manager.close()

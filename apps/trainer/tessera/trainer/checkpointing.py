@@ -27,17 +27,22 @@ from tessera.trainer.plan import tokenizer_source
 class TrainState:
     """Steps completed, the model they trained and its optimizer groups: resuming another model's
     run is refused even where the shapes agree (llama2 and llama3 debug models), and so is a
-    resume with other groups, whose state and settings would load into the wrong places."""
+    resume with other groups, whose state and settings would load into the wrong places. The
+    batch (sequences, tokens each) its steps took: a resume with another is told
+    (`batch_before`), as another layout changes it where global_batch_size is left at -1."""
 
-    optional_keys = ("optimizer",)  # checkpoints before tessera-trainer 0.12 lack it: one AdamW group
+    # checkpoints before tessera-trainer 0.12 lack the optimizer groups (one AdamW group), before 0.22 the batch
+    optional_keys = ("optimizer", "batch")
 
-    def __init__(self, model: str, optimizer: list[list]) -> None:
+    def __init__(self, model: str, optimizer: list[list], batch: list[int]) -> None:
         self.step = 0
         self.model = model
         self.optimizer = optimizer  # param_groups.signature
+        self.batch = batch  # [sequences per step, seq_len]
+        self.batch_before: list[int] | None = None  # the checkpoint's, where it differs
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "model": self.model, "optimizer": self.optimizer}
+        return {"step": self.step, "model": self.model, "optimizer": self.optimizer, "batch": self.batch}
 
     def load_state_dict(self, state: dict) -> None:
         if state["model"] != self.model:
@@ -49,6 +54,7 @@ class TrainState:
             raise ValueError(f"checkpoint was written with optimizer groups {_groups_text(saved)}, this run has "
                              f"{_groups_text(self.optimizer)} (optimizer.name, param_groups, weight_decay, muon_exclude)")
         self.step = state["step"]
+        self.batch_before = state["batch"] if state.get("batch", self.batch) != self.batch else None
 
 
 def _torchtitan_layout(path: Path, model_state: dict) -> bool:
@@ -76,12 +82,14 @@ class Checkpointer:
 
     def __init__(self, config: JobConfig, plan, parts: list[nn.Module], optimizers: list[list[torch.optim.Optimizer]],
                  scheduler, dataloader, rank: int, pp_group=None, tokenizer=None, extra_states: dict | None = None,
-                 writes: Callable[[], bool] = lambda: True) -> None:
+                 writes: Callable[[], bool] = lambda: True, shared: bool = False) -> None:
         """parts: the model, or this rank's pipeline stages (the optimizers of each); pp_group:
         the pipeline's process group, which a Hugging Face export gathers the stages over;
         tokenizer: the run's, whose bos/eos ids an export's config.json states; extra_states:
         more state a checkpoint holds (fault tolerance's semi-sync state); writes: whether this
-        job writes the checkpoints (of fault tolerance's replica groups, one writes them)."""
+        job writes the checkpoints (of fault tolerance's replica groups, one writes them); shared:
+        whether other jobs write the folder in turn (live fault tolerance's groups), else the
+        folder is claimed for this run and a second run on it refused."""
         self.config = config.checkpoint
         spec, args = plan.spec, plan.model_args
         self.spec, self.args, self.parts, self.rank, self.pp_group = spec, args, parts, rank, pp_group
@@ -89,7 +97,8 @@ class Checkpointer:
         dcp_files, self.hf_files = export_files(config, spec, args, tokenizer, tokenizer_source(config))
         self.folder = Path(config.job.dump_folder) / self.config.folder
         self.steps = config.training.steps
-        self.train_state = TrainState(f"{config.model.name}/{config.model.flavor}", signature(plan.optimizer.groups))
+        self.train_state = TrainState(f"{config.model.name}/{config.model.flavor}", signature(plan.optimizer.groups),
+                                      [plan.batch.global_size, plan.batch.seq_len])
         # train_state first: loading applies states in this order, so a wrong model fails first
         self.states = {
             "train_state": self.train_state,
@@ -114,6 +123,8 @@ class Checkpointer:
             )
             if not self.config.load_only:  # a load_only run may read from read-only storage
                 self.manager.check_writable()
+                if not shared:
+                    self.manager.claim()
 
     def _say(self, message: str) -> None:
         if self.rank == 0:
@@ -157,6 +168,12 @@ class Checkpointer:
         self._say(f"loaded {self.folder / f'step-{loaded}'}{why}; training continues after step "
                   f"{self.train_state.step}{unused}")
         self._lr_from_here(excluded="lr_scheduler" in self.config.exclude_from_loading)
+        if self.train_state.batch_before is not None:  # e.g. global_batch_size -1 under another data-parallel degree
+            before, now = self.train_state.batch_before, self.train_state.batch
+            keys = " ".join(f"--training.{key} {was}" for key, was, is_ in zip(("global_batch_size", "seq_len"), before, now)
+                            if was != is_)
+            self._say(f"step-{loaded} was trained on {before[0]} sequences x {before[1]} tokens per step, this run takes "
+                      f"{now[0]} x {now[1]}: to go on as that run would, set {keys}")
         if self.train_state.step == self.steps and not self.config.load_only and self.writes():
             self._say(f"step {self.steps} is training.steps: nothing left to train; writing any final export "
                       "that is missing")
@@ -332,7 +349,15 @@ class Checkpointer:
         """A background save of this rank failed (its error is raised by `close`)."""
         return self.manager is not None and self.manager.failed()
 
-    def close(self) -> None:
-        """Waits for an in-flight async save; call before the process group goes."""
-        if self.manager is not None:
+    def close(self, after_failure: bool = False) -> None:
+        """Waits for an in-flight async save; call before the process group goes. After the run
+        failed (a lost rank) that save's own failure is its consequence: said, not raised over
+        the run's error."""
+        if self.manager is None:
+            return
+        try:
             self.manager.close()
+        except Exception as e:
+            if not after_failure:
+                raise
+            self._say(f"the background save failed too: {(str(e).splitlines() or [type(e).__name__])[0]}")

@@ -79,6 +79,9 @@ class NoReplicas:
     def writes_checkpoints(self) -> bool:
         return True
 
+    def shares_checkpoint_folder(self) -> bool:
+        return False
+
     def join(self, checkpointer, start_step: int) -> int:
         return start_step
 
@@ -267,6 +270,11 @@ class ReplicaGroup:
         # before joining (a restore: a group back after the others finished) it has written nothing
         # and writes nothing: the group that wrote that checkpoint wrote its exports
         return bool(self.ft.semi_sync) or (self.manager is not None and self.manager.participating_rank() == 0)
+
+    def shares_checkpoint_folder(self) -> bool:
+        """Live recovery's groups write one folder, whichever group leads at the time; semi-sync's
+        each their own."""
+        return not self.ft.semi_sync
 
     # ---- the data each group reads ------------------------------------------------------------
 

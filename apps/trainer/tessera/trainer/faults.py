@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -144,6 +145,27 @@ def any_rank(group: dist.ProcessGroup | None, *flags: bool) -> list[bool]:
     return [bool(flag) for flag in raised.tolist()]
 
 
+ERRORS_ENV = "TESSERA_ERRORS_DIR"  # where the ranks of --nproc leave their error line for the launcher
+
+
+def exit_with_error(message: str, code: int) -> int:
+    """Prints `message` (one line) and returns the exit status, or under --nproc hands it to the
+    launcher, which prints the first rank's once, and exits."""
+    folder = os.environ.get(ERRORS_ENV)
+    if folder:  # whole or absent: the launcher may stop this rank mid-write once another rank failed
+        report = Path(folder, f"rank-{os.environ.get('RANK', '0')}")
+        tmp = report.with_name(f".{report.name}.tmp")
+        tmp.write_text(f"{code}\n{message}")
+        tmp.rename(report)
+        sys.stdout.flush()
+        # no interpreter teardown: with the process group's threads still up it can abort, printing
+        # "terminate called without an active exception" beside the launcher's one line (seen in CI)
+        os._exit(code)
+    else:
+        print(message, file=sys.stderr)
+    return code
+
+
 class StopSignals:
     """SIGTERM / SIGUSR1 (what SLURM and Kubernetes send ahead of a kill) ask the run to stop
     after the current step with a checkpoint: `received` names the signal, and the loop shares it
@@ -176,9 +198,10 @@ class StopSignals:
             timer.start()
 
     def _expire(self) -> None:
-        print(f"error: not stopped within {self.grace_s}s of {self.received} (job.stop_grace_seconds); exiting",
-              file=sys.stderr, flush=True)
-        os._exit(1)
+        """Under --nproc the launcher reads this as the job's end (not a stop that saved)."""
+        exit_with_error(f"error: not stopped within {self.grace_s}s of {self.received} (job.stop_grace_seconds); "
+                        "exiting without a checkpoint of this step", 1)
+        os._exit(1)  # run alone: exit_with_error printed and returned
 
     def close(self) -> None:
         for sig, handler in self._previous.items():

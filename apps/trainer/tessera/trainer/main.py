@@ -33,7 +33,8 @@ if _LOADING:
 
 from tessera.trainer.config import ConfigError, load_config
 from tessera.trainer.errors import LayoutError
-from tessera.trainer.faults import STOP_SIGNALS, TrainingError, die_with_launcher, elastic_store_note
+from tessera.trainer.faults import (ERRORS_ENV, STOP_SIGNALS, TrainingError, die_with_launcher, elastic_store_note,
+                                    exit_with_error)
 
 
 def _take_option(argv: list[str], name: str, takes_value: bool = True) -> tuple[str | None, list[str]]:
@@ -92,7 +93,7 @@ def _launch_local(nproc: int, argv: list[str], grace_s: int, rendezvous: tuple[s
     # the launcher's own log lines (ranks signalled, exit codes) would follow every rank's error
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     with tempfile.TemporaryDirectory(prefix="tessera-errors-") as errors:
-        os.environ[_ERRORS_ENV] = errors
+        os.environ[ERRORS_ENV] = errors
         restarts = _RestartNotice(Path(errors))
         agent_log = logging.getLogger("torch.distributed.elastic.agent.server.api")
         agent_log.setLevel(logging.INFO)  # its other lines stay unsaid: this handler alone hears it
@@ -101,10 +102,10 @@ def _launch_local(nproc: int, argv: list[str], grace_s: int, rendezvous: tuple[s
         try:
             run(launcher_args)
         except Exception as e:
-            if isinstance(e, SignalException) and e.sigval in STOP_SIGNALS:  # the ranks said what they saved
+            reports = _reports(Path(errors))
+            if isinstance(e, SignalException) and e.sigval in STOP_SIGNALS and not reports:  # the ranks said what they saved
                 print(f"{nproc}-process run stopped by {e.sigval.name}", file=sys.stderr)
                 return 0
-            reports = _reports(Path(errors))
             if reports:
                 code, message = _read_report(reports[0])
                 print(message, file=sys.stderr)
@@ -114,7 +115,7 @@ def _launch_local(nproc: int, argv: list[str], grace_s: int, rendezvous: tuple[s
             print(f"error: {nproc}-process run failed: {exits or type(e).__name__}", file=sys.stderr)
             return 1
         finally:
-            del os.environ[_ERRORS_ENV]
+            del os.environ[ERRORS_ENV]
             agent_log.removeHandler(restarts)
     return 0
 
@@ -155,27 +156,6 @@ class _RestartNotice(logging.Handler):
             path.unlink()
         print(f"launcher: the ranks {state.lower()}{' (' + '; '.join(why) + ')' if why else ''}; restarting them, "
               f"restart {most - left + 1} of {most}", file=sys.stderr, flush=True)
-
-
-_ERRORS_ENV = "TESSERA_ERRORS_DIR"  # where the ranks of --nproc leave their error line for the launcher
-
-
-def _error(message: str, code: int) -> int:
-    """Prints `message` (one line) and returns the exit status, or under --nproc hands it to the
-    launcher, which prints the first rank's once, and exits."""
-    folder = os.environ.get(_ERRORS_ENV)
-    if folder:  # whole or absent: the launcher may stop this rank mid-write once another rank failed
-        report = Path(folder, f"rank-{os.environ.get('RANK', '0')}")
-        tmp = report.with_name(f".{report.name}.tmp")
-        tmp.write_text(f"{code}\n{message}")
-        tmp.rename(report)
-        sys.stdout.flush()
-        # no interpreter teardown: with the process group's threads still up it can abort, printing
-        # "terminate called without an active exception" beside the launcher's one line (seen in CI)
-        os._exit(code)
-    else:
-        print(message, file=sys.stderr)
-    return code
 
 
 def _loaded() -> None:
@@ -273,9 +253,9 @@ def main(argv: list[str] | None = None) -> int:
             print(note, file=sys.stderr, flush=True)
         train(config)
     except (ConfigError, OSError) as e:  # OSError: unwritable dump folder, full disk, unreadable files
-        return _error(f"error: {e}", 2)
+        return exit_with_error(f"error: {e}", 2)
     except TrainingError as e:  # diverged: the numbers, not the input, are at fault
-        return _error(f"error: {e}", 1)
+        return exit_with_error(f"error: {e}", 1)
     return 0
 
 

@@ -136,12 +136,17 @@ def _train(plan: JobPlan, info) -> list[dict]:
     checkpointer = Checkpointer(replicas.checkpoint_config(config), plan, model.parts, optimizers.per_part, scheduler,
                                 loader, info.rank, pp_group=meshes.pp.get_group() if meshes.pp is not None else None,
                                 tokenizer=tokenizer, extra_states=replicas.checkpoint_states(),
-                                writes=replicas.writes_checkpoints)
-    with user_input():
-        if config.checkpoint.create_seed_checkpoint:
-            checkpointer.save_seed()
-            return []
-        start_step = checkpointer.restore()
+                                writes=replicas.writes_checkpoints, shared=replicas.shares_checkpoint_folder())
+    try:
+        with user_input():
+            if config.checkpoint.create_seed_checkpoint:
+                checkpointer.save_seed()
+                checkpointer.close()
+                return []
+            start_step = checkpointer.restore()
+    except BaseException:
+        checkpointer.close()  # gives the folder up (a refused resume): another run may take it now
+        raise
 
     forward_backward, evaluate = step_functions(model.parts, model.pipeline, loss_fn, plan, meshes, tokenizer.bos_id)
     family = FamilyHooks(plan, model.parts, meshes)
@@ -187,7 +192,7 @@ def _train(plan: JobPlan, info) -> list[dict]:
     batches = user_batches(loader)
     stop = StopSignals(config.job.stop_grace_seconds)
     gc.disable()  # collected every gc_freq steps instead, at the same point on every rank
-    started = time.perf_counter()
+    started, ended = time.perf_counter(), False
     try:
         with (profiling.profiler(config, dump, info.rank, device, start_step) as profiler,
               profiling.memory_snapshots(config, dump, info.rank, start_step) as snapshots):
@@ -231,6 +236,7 @@ def _train(plan: JobPlan, info) -> list[dict]:
                 print(f"data: realised mixture {shares} (weights {training.dataset_mixture})", flush=True)
             if isinstance(loader, Prefetcher):
                 loader.close()  # before the process group goes; collective-safe, see tessera.data.prefetch
+        ended = True
     except RuntimeError as e:
         stall = stalled_collective(e, info.rank, step, config.comm.train_timeout_seconds) if step > start_step + 1 else None
         if stall is None:
@@ -240,7 +246,7 @@ def _train(plan: JobPlan, info) -> list[dict]:
         gc.enable()
         stop.close()
         logger.close()
-        checkpointer.close()
+        checkpointer.close(after_failure=not ended)
         replicas.close()
     if info.rank == 0:
         print(run_summary(history, step - start_step, plan.batch.global_tokens, time.perf_counter() - started,

@@ -109,7 +109,18 @@ def safe_torch_load(data: io.BytesIO | bytes, what: str) -> Any:
     try:
         return torch.load(stream, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        raise ValueError(f"{what} is not weights_only-safe: {str(e).splitlines()[0]}") from None
+        raise ValueError(f"{what} is not weights_only-safe: {_reason(e)}") from None
+
+
+def _reason(e: Exception) -> str:
+    """Why a read failed, in one line: torch's weights_only refusal is a paragraph of advice around
+    the unpickler's own reason ("Unsupported operand 0"), which is what names the damage."""
+    text = str(e)
+    _, found, cause = text.partition("WeightsUnpickler error:")
+    lines = [line.strip() for line in (cause if found else text).splitlines() if line.strip()]
+    if not lines:
+        return type(e).__name__
+    return f"not a weights-only pickle: {lines[0]}" if found else lines[0]
 
 
 class _SafeReader(FileSystemReader):
@@ -133,7 +144,7 @@ class _SafeReader(FileSystemReader):
             try:
                 super().read_data(dataclasses.replace(plan, items=items), planner).wait()
             except Exception as e:
-                raise ValueError(f"checkpoint data file {Path(self.path) / relative_path} is corrupt: {e}") from None
+                raise ValueError(f"checkpoint data file {Path(self.path) / relative_path} is corrupt: {_reason(e)}") from None
         done: Future = Future()
         done.set_result(None)
         return done

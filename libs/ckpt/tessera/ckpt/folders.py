@@ -7,12 +7,15 @@ holding a ``.metadata`` file is complete; everything starting with "." is ignore
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shutil
+import socket
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
+from typing import IO
 
 from tessera.ckpt.dcp_io import METADATA_FILE
 
@@ -109,6 +112,44 @@ def set_aside(path: Path, why: str = "incomplete") -> Path:
     os.rename(path, target)
     fsync_path(path.parent)
     return target
+
+
+LOCK_FILE = ".lock"
+
+
+class FolderInUse(OSError):
+    """Another process holds the folder's lock; ``holder`` says which, as it wrote itself down."""
+
+    def __init__(self, folder: Path, holder: str) -> None:
+        super().__init__(f"{folder} is in use by {holder}")
+        self.holder = holder
+
+
+def claim(folder: Path) -> IO | None:
+    """Locks ``folder`` (made if need be) for this process until the returned file is closed or
+    the process ends, by any death: an flock on ``<folder>/.lock``, which then names its holder.
+    FolderInUse if another process (or another claim of this one) holds it; None where the
+    filesystem has no locks (some network mounts), so nothing is claimed."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / LOCK_FILE
+    # held open read-only: a file open for writing would keep the filesystem from being remounted
+    # read-only (and a read-only folder is a failure the saves report, not one to cause)
+    lock = os.fdopen(os.open(path, os.O_RDONLY | os.O_CREAT, 0o644), "r")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = lock.read().strip() or "another process"
+        lock.close()
+        raise FolderInUse(folder, holder) from None
+    except OSError:  # ENOLCK, EOPNOTSUPP: no locks here
+        lock.close()
+        return None
+    try:
+        path.write_text(f"process {os.getpid()} on {socket.gethostname()}\n")
+    except OSError:
+        lock.close()
+        raise
+    return lock
 
 
 def check_writable(folder: Path, size: int) -> None:

@@ -22,8 +22,8 @@ from tessera.ckpt.dcp_io import (
     METADATA_FILE, check_storage_files, load_into, raise_first_failure, read_metadata, save_state_dict,
 )
 from tessera.ckpt.folders import (
-    ExtraFiles, check_extra_files, check_writable, complete_steps, export_folder, hf_export_folder, incomplete_steps,
-    is_complete, publish, remove_stale_tmp, remove_step, set_aside, step_folder, write_extra_files,
+    ExtraFiles, FolderInUse, check_extra_files, check_writable, claim, complete_steps, export_folder, hf_export_folder,
+    incomplete_steps, is_complete, publish, remove_stale_tmp, remove_step, set_aside, step_folder, write_extra_files,
 )
 from tessera.ckpt.states import ModelState, RankLocalState, Stateful
 
@@ -100,6 +100,7 @@ class CheckpointManager:
         self._stager = None
         self._pending: Future | None = None
         self._passed_over: list[int] | None = None  # set by load(), used up by the next write
+        self._claim = None  # rank 0's lock of the folder (claim())
         self._committer: ThreadPoolExecutor | None = None
         if async_mode != "disabled":
             # Background saves get their own gloo group: sharing the training group's
@@ -155,6 +156,25 @@ class CheckpointManager:
         if self._rank == 0:
             try:
                 check_writable(self.folder, size=4096)
+            except OSError as e:
+                error[0] = f"checkpoint folder {self.folder} is not writable: {e.strerror or e}"
+        self._raise_rank0_error(error)
+
+    def claim(self) -> None:
+        """Collective: makes this manager the folder's one writer until close() or the process
+        ends (a crash included). Another writer on it, in this run or another, raises OSError
+        naming the holder: two writers share the in-progress names and retention, so their saves
+        would mix into one "complete" checkpoint. Leftovers of saves that crashed (a full disk's
+        partial folder holds its space) are removed then, which only the one writer may do. A
+        filesystem without locks (some network mounts) leaves the folder unclaimed."""
+        error = [None]
+        if self._rank == 0 and self._claim is None:
+            try:
+                self._claim = claim(self.folder)
+                remove_stale_tmp(self.folder)
+            except FolderInUse as e:
+                error[0] = (f"checkpoint folder {self.folder} is in use by {e.holder}: two runs writing one folder "
+                            "would mix their checkpoints; wait for it to end or use another folder")
             except OSError as e:
                 error[0] = f"checkpoint folder {self.folder} is not writable: {e.strerror or e}"
         self._raise_rank0_error(error)
@@ -302,8 +322,11 @@ class CheckpointManager:
             self._barrier()
 
     def close(self) -> None:
-        """Waits for the last save; call it before the process exits."""
+        """Waits for the last save and gives up the folder (claim()); call it before the process exits."""
         self.wait()
+        if self._claim is not None:
+            self._claim.close()
+            self._claim = None
         if self._stager is not None:
             self._stager.close()
             self._stager = None
