@@ -1,6 +1,6 @@
 """The smoke subset under torch 2.11, the oldest torch Tessera supports (the GPU machine's): the
 suite's own tests, run by a second venv's interpreter (requirements_torch_2_11.txt) on these
-sources. One process; FSDP 2 and TP 2 against one process; PP 2 with its checkpoint resumed under
+sources. One process; FSDP 2 and TP 2 against one process; a --nproc launch; PP 2 with its checkpoint resumed under
 FSDP 2 and one process; an exact resume from an older checkpoint; and the gradient clip of
 partial sums, which 2.11's _foreach_mul_ left unscaled (sequence-parallel norm weights); the
 blocks' activation checkpointing, whose selective cache 2.11 keeps in lists the policy reads again."""
@@ -19,7 +19,9 @@ SUBSET = {
      "apps/trainer/tests/test_checkpoint_train.py::test_load_step_resumes_an_older_checkpoint_exactly"): 20,
     ("libs/fsdp/tests/test_grad_norm.py",): 6,
     ("apps/trainer/tests/test_distributed_train.py::test_trainer_layout_matches_single_process[fsdp2]",
-     "apps/trainer/tests/test_distributed_train.py::test_trainer_layout_matches_single_process[tp2]"): 2,
+     "apps/trainer/tests/test_distributed_train.py::test_trainer_layout_matches_single_process[tp2]",
+     # --nproc through 2.11's torchrun, whose options differ from 2.13's (no --shutdown_timeout)
+     "apps/trainer/tests/test_distributed_train.py::test_nproc_launch_runs_two_ranks"): 3,
     ("apps/trainer/tests/test_pipeline_train.py::test_checkpoint_under_pp2_resumes_under_fsdp2_and_one_process_and_exports_hf",): 1,
 }
 TIMEOUT_S = 300  # each group; 12-50 s alone

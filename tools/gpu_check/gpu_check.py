@@ -55,11 +55,12 @@ def _argv(dry: bool, dump: Path, *extra: str, dp: int = 1, fp32: bool = True) ->
 
 
 def _run_with_ranks(command: list[str], timeout_s: float, env: dict | None,
-                    grace_s: float = 30) -> subprocess.CompletedProcess | None:
+                    grace_s: float = 60) -> subprocess.CompletedProcess | None:
     """The command's end, or None when it ran past `timeout_s`: it is then asked to stop
     (SIGTERM, which torchrun passes on to its ranks, started in sessions of their own that a kill
     of torchrun alone leaves running, holding the GPU for the checks after) and killed only if
-    still there after `grace_s`."""
+    still there after `grace_s`, beyond torchrun's own 30 s for its ranks (whose parent-death
+    signal, worker.py's, ends them if it comes to that)."""
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)

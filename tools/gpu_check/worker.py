@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from tessera.mesh import Meshes, build_meshes, destroy_distributed, device_type, init_distributed
 from tessera.trainer.config import load_config
+from tessera.trainer.faults import die_with_launcher
 from tessera.trainer.parallelize import build_parallel_model
 from tessera.trainer.plan import make_plan
 from tessera.trainer.step import build_loss
@@ -119,6 +120,7 @@ KINDS = {"train": train_job, "init_stats": init_stats_job, "ring_kernel": ring_k
 
 
 def main(jobs_path: str, results_path: str) -> int:
+    die_with_launcher()  # a torchrun that gpu_check had to kill takes its ranks along, off the GPU
     jobs = json.loads(Path(jobs_path).read_text())
     info = init_distributed(device_type())
     results = {}

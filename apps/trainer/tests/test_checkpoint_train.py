@@ -253,7 +253,7 @@ def test_a_torchtitan_checkpoint_gives_its_weights_and_is_not_resumed(run4, tmp_
 
 def test_initial_weights_of_another_model_of_the_same_shapes_are_said(run4, tmp_path, capsys):
     """Llama 2's and 3's debug models have the same tensors: the load succeeds, and says whose they
-    are; a damaged model_args.json beside them is refused as convert refuses it."""
+    are. The record is only for the remark: a damaged one (or an older trainer's) changes nothing."""
     step2 = run4[1] / "checkpoint" / "step-2"
     run(tmp_path / "a", "--training.steps", "1", "--checkpoint.initial_load_path", str(step2), "--model.name", "llama2")
     out = capsys.readouterr().out
@@ -261,9 +261,8 @@ def test_initial_weights_of_another_model_of_the_same_shapes_are_said(run4, tmp_
     damaged = tmp_path / "step-2"
     shutil.copytree(step2, damaged)
     (damaged / "model_args.json").write_text("{")
-    assert main([*SMALL, "--job.dump_folder", str(tmp_path / "b"), "--training.steps", "1",
-                 "--checkpoint.initial_load_path", str(damaged)]) == 2
-    assert capsys.readouterr().err.startswith(f"error: {damaged / 'model_args.json'} is not a model args record")
+    run(tmp_path / "b", "--training.steps", "1", "--checkpoint.initial_load_path", str(damaged), "--model.name", "llama2")
+    assert f"initial weights from {damaged}\n" in capsys.readouterr().out
 
 
 def test_a_resume_with_another_batch_says_so(run4, tmp_path, capsys):

@@ -134,5 +134,8 @@ def test_a_stop_ends_the_job_with_0_only_when_its_ranks_stopped(monkeypatch, cap
             Path(os.environ[faults.ERRORS_ENV], "rank-1").write_text(f"1\n{report}")
         raise SignalException("stopped", signal.SIGTERM)
     monkeypatch.setattr(torch.distributed.run, "run", stopped)
+    monkeypatch.setattr(master_port, "hold_master_ports", lambda: None)  # torch's port picker stays its own
+    for name in ("TESSERA_LAUNCHER_PID", "OMP_NUM_THREADS"):  # what the launcher sets, restored after
+        monkeypatch.setenv(name, os.environ.get(name, "1"))
     assert main._launch_local(2, [], grace_s=5) == code
     assert capsys.readouterr().err.strip() == said

@@ -264,9 +264,10 @@ def test_an_output_folder_that_is_a_file_is_refused_before_training(tmp_path):
     plan(1, *dump, "--profiling.save_traces_folder", "afile")  # profiling off: nothing is written there
 
 
-def test_a_cluster_s_gpu_only_converters_plan_from_a_cpu_host(capsys):
+def test_a_cluster_s_gpu_only_converters_plan_from_a_cpu_host(capsys, monkeypatch):
     """MXFP8 and float8 grouped GEMMs need a GPU: a plan for CUDA ranks made here accepts them
     (the capability is the GPU's to tell), a plan for this host's CPU refuses them."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU host, also where the suite has a GPU
     for converter, more in (("quantize.linear.mx", []), ("quantize.grouped_mm.float8", ["--quantize.grouped_mm.float8.fqns", "experts"])):
         argv = ["--check", "--check_world_size", "2", "--model.name", "deepseek_v3", "--model.converters", converter, *more]
         assert main(argv) == 0, capsys.readouterr().err

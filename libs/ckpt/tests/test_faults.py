@@ -1,5 +1,6 @@
 """CheckpointManager under faults: leftovers of foreign copies, final exports, unwritable folders."""
 
+import errno
 import multiprocessing
 import os
 import re
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 
 from tessera.ckpt import CheckpointManager, ModelState, OptimizerState, read_dcp
+from tessera.ckpt import folders
 from tessera.ckpt.folders import claim
 
 
@@ -144,4 +146,34 @@ def test_the_one_writer_removes_the_partial_saves_of_crashed_runs(tmp_path):
     manager = _manager(folder)
     manager.claim()
     assert sorted(p.name for p in folder.iterdir()) == [".lock"]
+    manager.close()
+
+
+def test_a_filesystem_that_locks_only_files_open_for_writing_is_claimed_so(tmp_path, monkeypatch):
+    """NFS refuses an exclusive flock on a file open read-only (EBADF): without the retry every
+    run on NFS, the usual shared folder, went unclaimed."""
+    real_flock = folders.fcntl.flock
+
+    def nfs_flock(file, operation):
+        if file.mode == "r":
+            raise OSError(errno.EBADF, "Bad file descriptor")
+        real_flock(file, operation)
+    monkeypatch.setattr(folders.fcntl, "flock", nfs_flock)
+    lock = claim(tmp_path / "ckpt")
+    assert lock is not None and lock.mode == "r+"
+    with pytest.raises(OSError, match="in use by process"):
+        _manager(tmp_path / "ckpt").claim()
+    lock.close()
+
+
+def test_a_folder_that_cannot_be_locked_is_said_and_its_partial_saves_kept(tmp_path, monkeypatch, caplog):
+    """Without a lock another run's save in progress looks like a crashed one's: it stays."""
+    def no_locks(file, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+    monkeypatch.setattr(folders.fcntl, "flock", no_locks)
+    partial = tmp_path / "ckpt" / ".step-2.tmp"
+    partial.mkdir(parents=True)
+    manager = _manager(tmp_path / "ckpt")
+    manager.claim()
+    assert partial.is_dir() and "could not be locked" in caplog.text
     manager.close()

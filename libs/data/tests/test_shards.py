@@ -200,7 +200,7 @@ def test_a_killed_run_s_partial_output_is_removed_by_the_next(corpus, tmp_path):
     """A SIGKILL leaves the partial folder (as large as the shards written): the next run into the
     same output removes it; a live process's, or another host's, stays."""
     text, _ = corpus
-    out, host = tmp_path / "shards", socket.gethostname()
+    out, host = tmp_path / "shards", f"{socket.gethostname()}-{os.stat('/proc/self/ns/pid').st_ino}"
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     killed, live, other_host = (tmp_path / f".shards.tmp-{name}" for name in

@@ -4,6 +4,7 @@ Hugging Face export (with config.json and the tokenizer's files, see hf_assets).
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,7 +16,7 @@ from tessera.ckpt import (
     EXPORT_DTYPES, CheckpointManager, ModelState, OptimizerState, RankLocalState, export_folder, export_hf,
     hf_export_folder, import_hf, load_into, rng_state, stored_keys,
 )
-from tessera.models.spec import hf_export_note, read_args_record
+from tessera.models.spec import ARGS_FILE, hf_export_note
 from tessera.trainer.config import JobConfig
 from tessera.trainer.errors import ConfigError
 from tessera.trainer.faults import TrainingError, weights_finite
@@ -122,9 +123,9 @@ class Checkpointer:
                 extra_files=dcp_files,
             )
             if not self.config.load_only:  # a load_only run may read from read-only storage
-                self.manager.check_writable()
-                if not shared:
+                if not shared:  # first: it clears crashed saves' leftovers, which may hold the space checked next
                     self.manager.claim()
+                self.manager.check_writable()
 
     def _say(self, message: str) -> None:
         if self.rank == 0:
@@ -181,11 +182,16 @@ class Checkpointer:
 
     def _whose(self, path: Path) -> str:
         """Initial weights of another model with the same shapes (Llama 2's and 3's debug models)
-        load without a word from the tensors: said from the checkpoint's model_args.json."""
-        found = read_args_record(path)
-        theirs = found and f"{found[2]['model']}/{found[2].get('flavor', '?')}"
+        load without a word from the tensors: said from the checkpoint's model_args.json, read
+        leniently (an older trainer's record, a model this run has not registered, a damaged file:
+        the tensors decide whether the weights load, not this remark)."""
+        try:
+            record = json.loads((path / ARGS_FILE).read_text())
+            theirs = f"{record['model']}/{record.get('flavor', '?')}"
+        except (OSError, ValueError, TypeError, KeyError):
+            return ""
         return f" (weights of a {theirs} model; this run builds {self.train_state.model})" \
-            if theirs and theirs != self.train_state.model else ""
+            if theirs != self.train_state.model else ""
 
     def _refuse_torchtitan_resume(self) -> None:
         """A torchtitan run's checkpoint folder holds step-<N> folders too, but its optimizer, data

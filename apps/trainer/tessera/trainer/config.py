@@ -794,7 +794,8 @@ def validate(config: JobConfig, accepted: frozenset[str] = frozenset()) -> None:
                           "the data-parallel degree")
     option = config.activation_checkpoint.selective_ac_option
     if option != "op" and not option.isdigit():
-        raise ConfigError(f"config key activation_checkpoint.selective_ac_option: {option!r} is not 'op' or a positive int")
+        raise ConfigError(f"config key activation_checkpoint.selective_ac_option: {option!r} is not 'op' or a block count N "
+                          "(every N-th block; 0: every block)")
     saved = config.job.save_config_file
     if saved and (Path(saved).is_absolute() or ".." in Path(saved).parts):
         raise ConfigError(f"config key job.save_config_file: {saved!r} must be a file name inside job.dump_folder")

@@ -73,6 +73,7 @@ def _launch_local(nproc: int, argv: list[str], grace_s: int, rendezvous: tuple[s
     ranks after one failed (each attempt with a rendezvous store of its own, pytorch#135712)."""
     import tempfile
 
+    import torch
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import get_args_parser, run
 
@@ -85,8 +86,15 @@ def _launch_local(nproc: int, argv: list[str], grace_s: int, rendezvous: tuple[s
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if max_restarts:
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    launcher_args = get_args_parser().parse_args([
-        *rendezvous, f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}", f"--shutdown_timeout={grace_s + 30}",
+    parser = get_args_parser()
+    # how long torchrun waits for the ranks to stop (save) after a stop signal; torch 2.11's has no
+    # option for it and waits 30 s
+    shutdown = [f"--shutdown_timeout={grace_s + 30}"] if "shutdown_timeout" in parser.parse_args(["x"]) else []
+    if not shutdown and grace_s > 30:
+        print(f"note: torch {torch.__version__.split('+')[0]}'s torchrun stops the ranks 30 s after a stop signal, within "
+              f"job.stop_grace_seconds {grace_s}: a save that takes longer is cut short", file=sys.stderr, flush=True)
+    launcher_args = parser.parse_args([
+        *rendezvous, f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}", *shutdown,
         f"--signals_to_handle=SIGINT,SIGHUP,SIGQUIT,{','.join(sig.name for sig in STOP_SIGNALS)}",
         "--no-python", sys.executable, "-m", "tessera.trainer.main", *argv,
     ])

@@ -190,9 +190,9 @@ def _compile_plan(config: JobConfig) -> CompilePlan:
     if config.compile.enable:
         from torch._dynamo.backends.registry import list_backends
 
-        if config.compile.backend not in list_backends(exclude_tags=()):  # debug ones too; entry points included
-            raise ConfigError(f"compile.backend {config.compile.backend!r} is not a torch.compile backend; "
-                              f"these are: {list_backends()}")
+        backends = list_backends(exclude_tags=())  # debug ones too (eager, aot_eager); entry points included
+        if config.compile.backend not in backends:
+            raise ConfigError(f"compile.backend {config.compile.backend!r} is not a torch.compile backend; these are: {backends}")
     return CompilePlan(_compiles(config, "model"), config.compile.backend)
 
 

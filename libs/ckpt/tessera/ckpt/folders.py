@@ -7,6 +7,7 @@ holding a ``.metadata`` file is complete; everything starting with "." is ignore
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import re
@@ -129,26 +130,33 @@ def claim(folder: Path) -> IO | None:
     """Locks ``folder`` (made if need be) for this process until the returned file is closed or
     the process ends, by any death: an flock on ``<folder>/.lock``, which then names its holder.
     FolderInUse if another process (or another claim of this one) holds it; None where the
-    filesystem has no locks (some network mounts), so nothing is claimed."""
+    filesystem gives no locks, so nothing is claimed. (NFS's locks are the server's: a crashed
+    node's lasts until its lease ends, a minute or two. Lustre's ``localflock`` and similar keep
+    locks within one node.)"""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / LOCK_FILE
-    # held open read-only: a file open for writing would keep the filesystem from being remounted
-    # read-only (and a read-only folder is a failure the saves report, not one to cause)
-    lock = os.fdopen(os.open(path, os.O_RDONLY | os.O_CREAT, 0o644), "r")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = lock.read().strip() or "another process"
-        lock.close()
-        raise FolderInUse(folder, holder) from None
-    except OSError:  # ENOLCK, EOPNOTSUPP: no locks here
-        lock.close()
-        return None
-    try:
+    # Held open read-only where the filesystem allows: one open for writing keeps it from being
+    # remounted read-only. NFS takes an exclusive flock only on a file open for writing (EBADF).
+    for mode in (os.O_RDONLY, os.O_RDWR):
+        try:
+            lock = os.fdopen(os.open(path, mode | os.O_CREAT, 0o644), "r" if mode == os.O_RDONLY else "r+")
+        except PermissionError:  # another user's lock file, not writable by this one
+            return None
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            holder = lock.read().strip() or "another process"
+            lock.close()
+            raise FolderInUse(folder, holder) from None
+        except OSError as e:
+            lock.close()
+            if e.errno != errno.EBADF or mode == os.O_RDWR:  # ENOLCK, EOPNOTSUPP: no locks here
+                return None
+    try:  # who holds it, for the next one's message; the lock stands without it (another user's file)
         path.write_text(f"process {os.getpid()} on {socket.gethostname()}\n")
     except OSError:
-        lock.close()
-        raise
+        pass
     return lock
 
 

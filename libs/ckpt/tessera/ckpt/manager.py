@@ -171,7 +171,11 @@ class CheckpointManager:
         if self._rank == 0 and self._claim is None:
             try:
                 self._claim = claim(self.folder)
-                remove_stale_tmp(self.folder)
+                if self._claim is None:
+                    logger.warning("checkpoint folder %s could not be locked (this filesystem gives no locks): "
+                                   "nothing keeps a second run from writing it too", self.folder)
+                else:  # only the one writer may: another's save in progress looks the same
+                    remove_stale_tmp(self.folder)
             except FolderInUse as e:
                 error[0] = (f"checkpoint folder {self.folder} is in use by {e.holder}: two runs writing one folder "
                             "would mix their checkpoints; wait for it to end or use another folder")
@@ -322,17 +326,20 @@ class CheckpointManager:
             self._barrier()
 
     def close(self) -> None:
-        """Waits for the last save and gives up the folder (claim()); call it before the process exits."""
-        self.wait()
-        if self._claim is not None:
-            self._claim.close()
-            self._claim = None
-        if self._stager is not None:
-            self._stager.close()
-            self._stager = None
-        if self._committer is not None:
-            self._committer.shutdown()
-            self._committer = None
+        """Waits for the last save and gives up the folder (claim()), even when that save failed;
+        call it before the process exits."""
+        try:
+            self.wait()
+        finally:
+            if self._claim is not None:
+                self._claim.close()
+                self._claim = None
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
+            if self._committer is not None:
+                self._committer.shutdown()
+                self._committer = None
 
     def _barrier(self) -> None:
         if self._distributed:

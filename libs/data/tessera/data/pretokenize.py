@@ -72,13 +72,23 @@ def _inputs(sources: list, text_field: str, tokenizer: Tokenizer, shard_tokens: 
 
 def _remove_killed_runs(out: Path) -> None:
     """Deletes the partial outputs of runs into `out` on this host whose process is gone (killed
-    before they could clean up): each is as large as the shards it had written. Another host's,
-    or a live process's, are left alone."""
-    prefix = f".{out.name}.tmp-{socket.gethostname()}-"
+    before they could clean up): each is as large as the shards it had written. Another host's
+    (or container's), or a live process's, are left alone."""
+    prefix = f".{out.name}.tmp-{_this_host()}-"
     for tmp in out.parent.glob(f"{glob.escape(prefix)}*") if out.parent.is_dir() else ():
         pid = tmp.name[len(prefix):]
         if pid.isdigit() and not _alive(int(pid)):
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _this_host() -> str:
+    """The host name and the PID namespace: containers sharing a host name (host networking) see
+    neither each other's processes nor their pids' liveness."""
+    try:
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:  # not Linux
+        namespace = 0
+    return f"{socket.gethostname()}-{namespace}"
 
 
 def _alive(pid: int) -> bool:
@@ -120,7 +130,7 @@ def pretokenize(
             return open_shards(out).index
         raise ValueError(f"{out} exists and does not hold shards of these inputs; remove it or choose another folder")
 
-    tmp = out.parent / f".{out.name}.tmp-{socket.gethostname()}-{os.getpid()}"
+    tmp = out.parent / f".{out.name}.tmp-{_this_host()}-{os.getpid()}"
     tmp.mkdir(parents=True)
     try:
         writer = ShardWriter(tmp, token_dtype(tokenizer.vocab_size), shard_tokens)
