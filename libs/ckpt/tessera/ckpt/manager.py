@@ -172,8 +172,9 @@ class CheckpointManager:
             try:
                 self._claim = claim(self.folder)
                 if self._claim is None:
-                    logger.warning("checkpoint folder %s could not be locked (this filesystem gives no locks): "
-                                   "nothing keeps a second run from writing it too", self.folder)
+                    logger.warning("checkpoint folder %s could not be locked (no locks on this filesystem, or its "
+                                   "lock file is another user's): nothing keeps a second run from writing it too",
+                                   self.folder)
                 else:  # only the one writer may: another's save in progress looks the same
                     remove_stale_tmp(self.folder)
             except FolderInUse as e:
