@@ -135,13 +135,14 @@ class Checkpointer:
         """Loads checkpoint.load_step (-1: the newest) from the run's folder or, when that has
         none, checkpoint.initial_load_path (for initial_load_in_hf without one: model.hf_assets_path).
         Returns the number of steps already trained."""
-        if self.config.enable and self.config.load_step == -1:
-            full, passed = self.manager.resume_step()
-            if passed:
-                self._say(f"{self.folder / f'step-{passed[-1]}'} holds only the model; resuming from the newest "
-                          f"full checkpoint, step-{full}")
         if self.config.enable:
-            self._refuse_torchtitan_resume()
+            step = self.config.load_step
+            if step == -1:
+                step, passed = self.manager.resume_step()
+                if passed:
+                    self._say(f"{self.folder / f'step-{passed[-1]}'} holds only the model; resuming from the newest "
+                              f"full checkpoint, step-{step}")
+            self._refuse_torchtitan_resume(step)
         loaded = self.manager.load(self.config.load_step) if self.config.enable else None
         if loaded is not None:
             self._resumed(loaded)
@@ -193,10 +194,9 @@ class Checkpointer:
         return f" (weights of a {theirs} model; this run builds {self.train_state.model})" \
             if theirs != self.train_state.model else ""
 
-    def _refuse_torchtitan_resume(self) -> None:
+    def _refuse_torchtitan_resume(self, step: int | None) -> None:
         """A torchtitan run's checkpoint folder holds step-<N> folders too, but its optimizer, data
         and schedule states are not Tessera's: its weights load as initial weights instead."""
-        step = self.manager.resume_step()[0] if self.config.load_step == -1 else self.config.load_step
         path = self.folder / f"step-{step}"
         if step is not None and path.is_dir() and _torchtitan_layout(path, self.states["model"].state_dict()):
             raise ConfigError(f"{path} is a torchtitan checkpoint (the model's weights at its top level), which this "

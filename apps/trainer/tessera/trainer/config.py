@@ -711,7 +711,7 @@ def load_config(argv: list[str], accepted: frozenset[str] = frozenset()) -> JobC
     except ValueError as e:
         raise ConfigError(f"config key training.dataset_mixture: {e}") from None
     config.training.dataset_mixture = [  # "path=weight": the paths resolve like dataset_path
-        f"{base / os.path.expanduser(path.strip())}={weight}" if path.strip() else entry
+        f"{base / os.path.expanduser(path.strip())}={weight}"  # parse_mixture refused an entry without a path
         for entry in config.training.dataset_mixture
         for path, _, weight in [entry.rpartition("=")]
     ]

@@ -199,9 +199,8 @@ class StopSignals:
 
     def _expire(self) -> None:
         """Under --nproc the launcher reads this as the job's end (not a stop that saved)."""
-        exit_with_error(f"error: not stopped within {self.grace_s}s of {self.received} (job.stop_grace_seconds); "
-                        "exiting without a checkpoint of this step", 1)
-        os._exit(1)  # run alone: exit_with_error printed and returned
+        os._exit(exit_with_error(f"error: not stopped within {self.grace_s}s of {self.received} "
+                                 "(job.stop_grace_seconds); exiting without a checkpoint of this step", 1))
 
     def close(self) -> None:
         for sig, handler in self._previous.items():

@@ -129,7 +129,7 @@ def _launch_local(nproc: int, argv: list[str], grace_s: int, rendezvous: tuple[s
 
 
 def _reports(errors: Path) -> list[Path]:
-    """The ranks' error reports in `errors` (rank-<R>, as _error writes them), by rank."""
+    """The ranks' error reports in `errors` (rank-<R>, as faults.exit_with_error writes them), by rank."""
     return sorted(errors.glob("rank-*"), key=lambda path: int(path.name.removeprefix("rank-")))
 
 

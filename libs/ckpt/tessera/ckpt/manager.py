@@ -157,8 +157,11 @@ class CheckpointManager:
             try:
                 check_writable(self.folder, size=4096)
             except OSError as e:
-                error[0] = f"checkpoint folder {self.folder} is not writable: {e.strerror or e}"
+                error[0] = self._unwritable(e)
         self._raise_rank0_error(error)
+
+    def _unwritable(self, e: OSError) -> str:
+        return f"checkpoint folder {self.folder} is not writable: {e.strerror or e}"
 
     def claim(self) -> None:
         """Collective: makes this manager the folder's one writer until close() or the process
@@ -181,7 +184,7 @@ class CheckpointManager:
                 error[0] = (f"checkpoint folder {self.folder} is in use by {e.holder}: two runs writing one folder "
                             "would mix their checkpoints; wait for it to end or use another folder")
             except OSError as e:
-                error[0] = f"checkpoint folder {self.folder} is not writable: {e.strerror or e}"
+                error[0] = self._unwritable(e)
         self._raise_rank0_error(error)
 
     def _raise_rank0_error(self, error: list) -> None:
