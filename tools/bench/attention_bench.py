@@ -22,7 +22,7 @@ from fresh_process import run_in_fresh_process
 
 def _dense_document_attention(q, k, v, batch=None):
     """The old path: one [batch, 1, seq, seq] boolean mask, block-causal, handed to SDPA."""
-    from tessera.models.attention import repeat_kv_heads
+    from tessera.mesh import repeat_kv_heads
 
     documents, seq = batch.documents, q.shape[2]
     causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()

@@ -6,7 +6,7 @@ PIN=1 pins the rank to the CPU of its local rank (2 single-thread ranks on 2 cor
 rank's work lands on the other's core). SPLIT_REGIONS=1 opens profiler regions around the
 model's RoPE, attention, feed-forward and block functions, the MoE layer, its router and its
 routed experts, the loss and the clipping, so `profile_split` can tell their element-wise ops
-apart; MODEL (llama3, deepseek_v3 or qwen3) says which model's functions. Every log step
+apart; MODEL (a registered model: llama3, qwen3, ...) says which model's functions. Every log step
 also prints the process's CPU seconds so far (``cpu_s <step> <seconds>``): tokens per CPU-second
 hold up better than tokens per second while other jobs share the machine. torchtitan runs through
 $PEER_ROOT/cpu_launch.py (its CPU patches), in its own venv: this file needs only torch.
@@ -21,6 +21,9 @@ import sys
 
 from profile_split import annotate
 
+# what the families' attention calls its rotary embedding (Llama's own, or tessera.models.rotary's)
+ROPE_FUNCTIONS = ("apply_rotary_emb", "apply_rope_interleaved", "apply_rope_half")
+
 
 def _tessera_regions(model: str) -> dict:
     import importlib
@@ -33,9 +36,11 @@ def _tessera_regions(model: str) -> dict:
     import tessera.models.moe.router as router
     import tessera.models.rms_norm as rms_norm
     import tessera.trainer.step as step
+    from tessera.models import get_model_spec
 
-    family = importlib.import_module(f"tessera.models.{'llama' if model == 'llama3' else model}.model")
-    rope = {"llama3": "apply_rotary_emb", "deepseek_v3": "apply_rope_interleaved", "qwen3": "apply_rope_half"}[model]
+    # the family's model module (where its Attention and the RoPE function it calls live)
+    family = importlib.import_module(get_model_spec(model).build.__module__)
+    rope = next(name for name in ROPE_FUNCTIONS if hasattr(family, name))
     return {"norms": (rms_norm.RMSNorm, "forward"), "rope": (family, rope), "swiglu": (feed_forward.FeedForward, "forward"),
             "residual": (decoder.TransformerBlock, "forward"), "attention": (family.Attention, "forward"),
             "routing": (router.TopKRouter, "forward"), "permutation": (layer.MoE, "forward"),

@@ -85,3 +85,15 @@ def test_an_inclusive_region_takes_its_matmuls(tmp_path):
     parts = split(path)
     assert parts["experts"] > 0 and parts["matmul"] > 0, parts  # a named op, only a region can claim it
     assert parts["routing"] == parts["permutation"] == 0, parts
+
+
+def test_every_registered_model_has_its_regions():
+    """SPLIT_REGIONS' targets are found for every family from its spec, none named in run_one."""
+    import run_one
+    from tessera.models import list_model_specs
+
+    for model in list_model_specs():
+        regions = run_one._tessera_regions(model)
+        for owner, attribute in regions.values():
+            assert callable(getattr(owner, attribute)), (model, owner, attribute)
+        assert regions["attention"][0].__module__.startswith("tessera.models."), model

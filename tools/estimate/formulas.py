@@ -136,7 +136,6 @@ class FormulaEstimate:
     buffers: int
     activations: int  # at the end of forward, all micro-batches in flight
     peak: int
-    flops_per_step: float  # this rank's, model FLOPs (spec formula), recompute excluded
     comm: dict[tuple[str, str], int]
     host: int = 0  # host memory the blocks' activations are offloaded to (activation_checkpoint.mode offload)
 
@@ -180,7 +179,7 @@ def estimate_rank(plan: JobPlan, pp_rank: int = 0) -> FormulaEstimate:
         last_block -= _head_activations(plan)
     temporaries = (params if plan.optimizer.implementation == "foreach" else 0) + muon_temporaries
     peak = params + optimizer + buffers + max(act + held + max(_logits_grad(plan, modules, fp8), last_block), grads + temporaries)
-    return FormulaEstimate(params, grads, optimizer, buffers, act, peak, rank_flops(plan, pp_rank),
+    return FormulaEstimate(params, grads, optimizer, buffers, act, peak,
                            comm_bytes(plan, elements, _kept_gathered(plan, modules, frozenset()) if fsdp > 1 else 0, blocks, modules, pp_rank),
                            _offloaded(plan, pp_rank))
 
@@ -295,7 +294,7 @@ def block_activations(plan: JobPlan, mode: str) -> float:
     """Bytes one block keeps per micro-batch for backward under AC `mode` (README: the derivation)."""
     a, t, cp = plan.model_args, plan.dims.tp, plan.dims.cp
     tokens = _microbatch_tokens(plan)
-    h, q, kv, f, e = a.dim, a.n_heads * a.head_dim, a.kv_heads * a.head_dim, a.ffn_hidden_dim, _compute_bytes(plan)
+    h, q, e = a.dim, a.n_heads * a.head_dim, _compute_bytes(plan)
     small = tokens * F32 * 2 / t + tokens * a.n_heads // t * F32  # RMSNorm rstd x2, attention logsumexp
     norms = tokens * 2 * norm_kept(plan) * h / t
     gathered_inputs = 2 * h * (t - 1) / t  # under sequence parallel the linears keep the gathered norm outputs

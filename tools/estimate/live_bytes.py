@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_leaves
 
 
 class LiveBytes(TorchDispatchMode):
-    """`current` and `peak` bytes of the storages created while active (plus `adopt`ed ones);
+    """`current` and `peak` bytes of the storages created while active;
     `peak_sizes` holds the storages live at the peak, so the peak can be split by owner."""
 
     def __init__(self) -> None:
@@ -55,11 +55,6 @@ class LiveBytes(TorchDispatchMode):
     def key(self, storage: torch.UntypedStorage) -> int | None:
         """A live storage's key: unique over the run, unlike its address."""
         return self._keys.get(storage._cdata)
-
-    def adopt(self, tensors) -> None:
-        """Counts tensors that existed before the counter started (a model built earlier)."""
-        for t in tensors:
-            self._track(t)
 
     @contextlib.contextmanager
     def uncounted(self):

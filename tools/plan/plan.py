@@ -21,6 +21,7 @@ import sys
 import torch
 
 from tessera import pp as tessera_pp
+from tessera.ep import find_experts
 from tessera.models import get_model_spec, list_model_specs
 from tessera.trainer.config import ConfigError, load_config
 from tessera.trainer.gpus import GIB, GPU, PLANNED as GPUS
@@ -393,8 +394,7 @@ def _meta_model(model: str, flavor: str) -> torch.nn.Module:
 def _moe_layers(model: str, flavor: str) -> int:
     """The flavor's blocks that hold routed experts (the MoE seam's `experts` module): all but
     DeepSeek's leading dense ones, every second of Llama 4 Maverick's."""
-    return sum(any(name.rpartition(".")[2] == "experts" for name, _ in block.named_modules())
-               for block in _meta_model(model, flavor).layers.values())
+    return sum(bool(find_experts(block, required=False)) for block in _meta_model(model, flavor).layers.values())
 
 
 def _parameter_counts(args) -> tuple[int, int]:

@@ -106,7 +106,7 @@ def test_fsdp4_checkpoint_resumes_under_fsdp2_tp2_and_one_process(runs):
     step_dir = tmp / "fsdp4" / "checkpoint" / "step-2"
     saved = read_dcp(step_dir)
     assert saved["train_state"] == {"step": 2, "model": "llama3/debugmodel", "optimizer": [["default", "adamw", 0.1, 1.0, "all", ""]],
-                                    "batch": [8, 32]}  # sequences per step, seq_len
+                                    "batch": [8, 32], "routed": 64}  # sequences per step, seq_len; a rank's 2 x 32 tokens
     # One process takes the whole state from initial_load_path into an empty checkpoint folder.
     single = _train_and_capture(0, 1, [[*BASE, "--training.steps", "4", "--training.local_batch_size", "8",
                                         "--job.dump_folder", str(tmp / "single"),

@@ -277,6 +277,18 @@ def test_a_resume_with_another_batch_says_so(run4, tmp_path, capsys):
     assert "sequences x" not in capsys.readouterr().out
 
 
+def test_the_keys_said_for_another_batch_give_a_valid_layout():
+    """The global batch the checkpoint took, with a local batch this layout can split it into."""
+    from tessera.trainer.checkpointing import _batch_keys
+    from tessera.trainer.sub_plans import BatchPlan
+
+    two_ranks = BatchPlan(local=2, dp=2, accumulation=1, seq_len=64, devices_per_batch=1)
+    assert _batch_keys([2, 64], two_ranks) == "--training.global_batch_size 2 --training.local_batch_size 1"
+    assert _batch_keys([8, 64], two_ranks) == "--training.global_batch_size 8"  # 2 micro-batches of 2 a rank
+    assert _batch_keys([4, 32], two_ranks) == "--training.seq_len 32"
+    assert _batch_keys([3, 64], two_ranks) == "--training.global_batch_size 3 on a data-parallel degree that divides it"
+
+
 def test_a_second_run_on_one_checkpoint_folder_is_refused(tmp_path, capsys):
     """Two runs writing one folder mixed their saves into a step folder marked complete (a double
     submit, a requeue while the old job lives): the later one is refused before it trains."""

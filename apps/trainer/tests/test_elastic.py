@@ -139,3 +139,24 @@ def test_a_stop_ends_the_job_with_0_only_when_its_ranks_stopped(monkeypatch, cap
         monkeypatch.setenv(name, os.environ.get(name, "1"))
     assert main._launch_local(2, [], grace_s=5) == code
     assert capsys.readouterr().err.strip() == said
+
+
+def test_ranks_that_never_met_are_one_line_and_a_bug_keeps_its_traceback(monkeypatch, capsys):
+    """A rendezvous that fails (a host or port out of reach) is said in one line, exit 1; any
+    other exception from the launcher is a bug in its wiring and propagates."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+
+    failure = RendezvousTimeoutError("the node could not join the rendezvous\n(and a second line)")
+
+    def launch(args):
+        raise failure
+    monkeypatch.setattr(torch.distributed.run, "run", launch)
+    monkeypatch.setattr(master_port, "hold_master_ports", lambda: None)
+    for name in ("TESSERA_LAUNCHER_PID", "OMP_NUM_THREADS"):
+        monkeypatch.setenv(name, os.environ.get(name, "1"))
+    assert main._launch_local(2, [], grace_s=5) == 1
+    assert capsys.readouterr().err.strip() == \
+        "error: 2-process run could not start: the node could not join the rendezvous"
+    failure = TypeError("a launcher argument torch no longer takes")
+    with pytest.raises(TypeError, match="no longer takes"):
+        main._launch_local(2, [], grace_s=5)

@@ -101,3 +101,30 @@ def test_a_resumed_schedule_applies_the_lr_it_logs(new_lr):
     sched.load_state_dict(sched.state_dict())
     factor = lr_factor(1, total_steps=4, **schedule)
     assert [group["lr"] for group in opt.param_groups] == pytest.approx([new_lr * factor, new_lr / 4 * factor])
+
+
+def test_every_optimizer_resumes_at_the_saved_position():
+    """AdamW and Muon (or a pipeline's stages) each have a scheduler, one position saved: a
+    resume puts all of them there, and they go on stepping together."""
+    schedule = dict(warmup_steps=1, decay_ratio=None, decay_type="linear", min_lr_factor=0.0)
+
+    def run():
+        optimizers = [torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=lr) for lr in (1.0, 0.5)]
+        return optimizers, LockstepSchedulers([build_lr_scheduler(opt, 6, **schedule) for opt in optimizers], 1.0)
+
+    optimizers, sched = run()
+    for _ in range(3):
+        for opt in optimizers:
+            opt.step()
+        sched.step()
+    saved = [opt.state_dict() for opt in optimizers], sched.state_dict()
+    optimizers, sched = run()
+    for opt, state in zip(optimizers, saved[0]):
+        opt.load_state_dict(state)
+    sched.load_state_dict(saved[1])
+    for step in (4, 5, 6):
+        factor = lr_factor(step, total_steps=6, **schedule)
+        assert [opt.param_groups[0]["lr"] for opt in optimizers] == pytest.approx([factor, 0.5 * factor]), step
+        for opt in optimizers:
+            opt.step()
+        sched.step()

@@ -107,3 +107,38 @@ def test_forced_load_balance_gives_every_expert_the_same_load(tmp_path):
                                     "--debug.moe_force_load_balance", "true", "--training.steps", "1"])
     loads = {key: value for key, value in history[-1].items() if key.startswith("moe/")}
     assert loads and all(value == 1.0 for key, value in loads.items() if key.endswith("/imbalance"))
+
+
+def test_sequence_balance_loss_under_accumulation_equals_one_big_batch(tmp_path, monkeypatch, single_process):
+    """DeepSeek-V3's sequence-wise balance loss (aux_loss_alpha) is scaled with the micro-batch
+    loss (the family's set_loss_scale): 2 accumulated micro-batches equal one of twice the size."""
+    import dataclasses
+
+    from tessera.models import get_model_spec
+
+    without, _ = single_process("deepseek_v3", 4)
+    flavors = get_model_spec("deepseek_v3").flavors
+    tiny = flavors["tiny"]
+    monkeypatch.setitem(flavors, "tiny", dataclasses.replace(tiny, moe=dataclasses.replace(tiny.moe, aux_loss_alpha=0.5)))
+    argv = [*BASE, *FAMILIES["deepseek_v3"]]
+    big = train(load_config([*argv, "--job.dump_folder", str(tmp_path / "big"), "--training.local_batch_size", "4"]))
+    accumulated = train(load_config([*argv, "--job.dump_folder", str(tmp_path / "acc"), "--training.local_batch_size", "2",
+                                     "--training.global_batch_size", "4"]))
+    assert big[0]["grad_norm"] != pytest.approx(without[0]["grad_norm"], rel=1e-3)  # the balance loss acts
+    for x, y in zip(big, accumulated):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-5)
+        assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-5)
+
+
+def test_a_resume_routing_other_micro_batches_under_a_capacity_says_so(tmp_path, capsys):
+    """With a capacity, which slots an expert drops depends on the tokens a rank routes at once:
+    a resume with the same global batch in other micro-batches differs from the run it continues,
+    and says so."""
+    argv = [*BASE, *FAMILIES["qwen3_moe"], "--parallelism.expert_capacity_factor", "1.0", "--checkpoint.enable", "true",
+            "--checkpoint.interval", "1", "--job.dump_folder", str(tmp_path), "--lr_scheduler.total_steps", "2"]
+    train(load_config([*argv, "--training.steps", "1", "--training.local_batch_size", "2"]))
+    capsys.readouterr()
+    train(load_config([*argv, "--training.steps", "2", "--training.local_batch_size", "1", "--training.global_batch_size", "2"]))
+    out = capsys.readouterr().out
+    assert "step-1's ranks routed 64 tokens at once, this run's 32, so other slots are dropped" in out
+    assert "sequences x" not in out  # the same global batch

@@ -2,9 +2,13 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
+import tessera.trainer.train as train_module
 from tessera.trainer.config import load_config
+from tessera.trainer.lr_schedule import lr_factor
 from tessera.trainer.main import main
+from tessera.trainer.step import document_masking
 from tessera.trainer.train import train
 
 # A few-second CPU run of the debug model: short windows, small batches, fp32 for exactness.
@@ -59,13 +63,61 @@ def test_validation_tensorboard_and_profiler_outputs(tmp_path, capsys):
         tmp_path, "--training.steps", "4",
         "--validation.enable", "true", "--validation.freq", "2", "--validation.steps", "2",
         "--metrics.enable_tensorboard", "true", "--profiling.enable_profiling", "true", "--profiling.profile_freq", "2",
-        "--profiling.profiler_warmup", "1",
+        "--profiling.profiler_warmup", "1", "--job.description", "ablation 7",
     )
     assert [h["step"] for h in history if "validation_loss" in h] == [1, 2, 4]  # step 1 too, as torchtitan
     assert list((tmp_path / "tb").glob("*/events.out.tfevents.*"))  # one folder per run
     assert list((tmp_path / "profile_traces").glob("iteration_*/rank0_trace.json"))
     out = capsys.readouterr().out
     assert "step 4/4" in out and "mfu" in out and "validate step 2" in out
+    assert "tessera: ablation 7 | llama3/debugmodel |" in out  # the banner names the job
+
+
+def test_the_logged_lr_and_grad_norm_are_those_of_the_step(tmp_path):
+    """Each step logs the lr its update applied (not the next step's) and the gradient norm
+    before clipping (a max_norm far below it clips every step)."""
+    args = ["--training.steps", "4", "--training.max_norm", "1e-3", "--optimizer.lr", "3e-3"]
+    history = run(tmp_path, *args)
+    config = load_config([*SMALL, *args])
+    schedule = config.lr_scheduler
+    want = [3e-3 * lr_factor(step, warmup_steps=schedule.warmup_steps, total_steps=4, decay_ratio=schedule.decay_ratio,
+                             decay_type=schedule.decay_type, min_lr_factor=schedule.min_lr_factor) for step in range(1, 5)]
+    assert [h["lr"] for h in history] == pytest.approx(want, rel=1e-6)
+    assert want[0] < want[1]  # warm-up: an lr read a step late would differ
+    assert all(h["grad_norm"] > 100 * 1e-3 for h in history), [h["grad_norm"] for h in history]
+
+
+def test_validation_loss_is_the_mean_of_its_batches_in_eval_mode(tmp_path, monkeypatch):
+    seen = []
+    real = train_module.validation_runner
+
+    def recording(model, loss, *args, **kwargs):
+        def recorded(inputs, labels):
+            value = loss(inputs, labels)
+            seen.append((value.item(), {part.training for part in model.parts}))
+            return value
+        return real(model, recorded, *args, **kwargs)
+
+    monkeypatch.setattr(train_module, "validation_runner", recording)
+    history = run(tmp_path, "--training.steps", "2", "--validation.enable", "true", "--validation.freq", "2",
+                  "--validation.steps", "3")
+    assert [modes for _, modes in seen] == [{False}] * 6  # steps 1 and 2, three batches each
+    got = [h["validation_loss"] for h in history if "validation_loss" in h]
+    want = [sum(value for value, _ in seen[i:i + 3]) / 3 for i in (0, 3)]
+    assert got == pytest.approx(want, rel=1e-6) and want[0] != want[1]
+
+
+def test_document_ids_count_the_bos_tokens_of_the_inputs():
+    """Block-causal masking: a token's document is the number of BOS tokens up to it in the
+    inputs (the labels, shifted by one, would open each document a token early)."""
+    seen = {}
+
+    def run_step(inputs, labels, **model_kwargs):
+        seen.update(model_kwargs)
+
+    inputs = torch.tensor([[1, 5, 6, 1, 7], [9, 1, 2, 3, 1]])
+    document_masking(run_step, bos_id=1)(inputs, torch.roll(inputs, -1, dims=1))
+    assert seen["document_ids"].tolist() == [[1, 1, 1, 2, 2], [0, 1, 1, 1, 2]]
 
 
 def test_own_text_dataset_and_tokenizer_errors(tmp_path):

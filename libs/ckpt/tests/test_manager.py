@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
 from torch import nn
 
 from tessera.ckpt import manager as manager_module
@@ -349,6 +350,22 @@ def test_corrupt_shard_bytes_are_named_in_one_line(saved, damage):
     with pytest.raises(ValueError, match=re.escape(f"checkpoint data file {data} is corrupt")) as error:
         _manager(folder, model, optimizer).load(1)
     assert "\n" not in str(error.value) and "weights_only` set to `False`" not in str(error.value)  # not torch's advice
+
+
+@pytest.mark.parametrize("failure", [TypeError("a bug"), torch.OutOfMemoryError("no memory")])
+def test_read_failures_that_are_not_damage_keep_their_type(saved, monkeypatch, failure):
+    """Only what damaged bytes raise is reported as a corrupt file (a ValueError: bad input): a
+    bug or a lack of memory stays a RuntimeError, with the rank's own exception as its cause."""
+    folder, _ = saved
+
+    def fail(*args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr(FileSystemReader, "read_data", fail)
+    model, optimizer = _trained(seed=1)
+    with pytest.raises(RuntimeError, match=f"failed on rank 0: {type(failure).__name__}") as error:
+        _manager(folder, model, optimizer).load(1)
+    assert error.value.__cause__ is failure and "corrupt" not in str(error.value)
 
 
 def test_missing_and_garbage_metadata(saved):

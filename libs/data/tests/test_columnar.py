@@ -165,6 +165,9 @@ def test_shuffled_epochs_read_each_group_once_and_resume_exactly(folder, reads):
     assert sorted(order) == list(range(len(DOCS))) and list(order) != list(range(len(DOCS)))
     group = [row // GROUP for row in order]  # each row's group
     assert sum(a != b for a, b in zip(group, group[1:])) == len(DOCS) // GROUP - 1  # the groups one after another
+    # every epoch its own order of the groups (not only of the rows within each)
+    group_orders = {tuple(dict.fromkeys(row // GROUP for row in dataset.epoch_order(3, epoch))) for epoch in range(4)}
+    assert len(group_orders) > 1
 
     def loader():
         return build_dataloader(load_dataset(folder), tokenizer, 16, 2, shuffle=True, seed=3)

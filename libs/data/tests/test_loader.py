@@ -298,3 +298,14 @@ def test_bad_peers_and_block():
         build_dataloader(DOCS, CharTokenizer(), 4, 2, block_documents=0)
     with pytest.raises(ValueError, match="distributed_peers needs an initialised"):
         distributed_peers()
+
+
+def test_text_epochs_are_shuffled_each_in_its_own_order():
+    """A text dataset's shuffled document order: a permutation per epoch, each epoch's its own,
+    seeded (the same on every rank and after a restart)."""
+    from tessera.data.text_stream import epoch_order
+
+    orders = [epoch_order(3, epoch, 20).tolist() for epoch in range(3)]
+    assert all(sorted(order) == list(range(20)) for order in orders)
+    assert len({tuple(order) for order in orders}) == 3
+    assert epoch_order(3, 1, 20).tolist() == orders[1] and epoch_order(4, 1, 20).tolist() != orders[1]

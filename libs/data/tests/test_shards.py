@@ -151,6 +151,10 @@ def test_mixture_proportions_deterministic_and_resumable(corpus):
     assert np.array_equal(m.counts_before(12345), np.bincount(picks[:12345], minlength=3))
     assert np.array_equal(picks, [Mixture(weights, seed=5).dataset_of(i) for i in range(20000)])
     assert not np.array_equal(picks[:4096], [Mixture(weights, seed=6).dataset_of(i) for i in range(4096)])
+    # each round of 4096 windows mixed its own way, also where every round holds the same counts
+    even = Mixture([0.5, 0.25, 0.25], seed=5)
+    rounds = [[even.dataset_of(i) for i in range(start, start + 4096)] for start in (0, 4096)]
+    assert sorted(rounds[0]) == sorted(rounds[1]) and rounds[0] != rounds[1]
 
     datasets = [load_dataset(folder), load_dataset(text)]  # shards and text mix
     make = lambda rank, world: build_dataloader(datasets, TOK, 7, 8 // world, rank, world, weights=[3, 1], seed=1)

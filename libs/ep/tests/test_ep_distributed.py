@@ -264,3 +264,4 @@ def test_find_experts_by_name():
     assert find_experts(layer) == [layer.experts]
     with pytest.raises(ValueError, match="no submodule called 'routed'"):
         find_experts(layer, "routed")
+    assert find_experts(layer, "routed", required=False) == []  # a pipeline stage of dense blocks

@@ -130,6 +130,17 @@ def test_plain_grads_match_torch():
             torch.testing.assert_close(p.grad, want)
 
 
+def test_a_norm_below_max_norm_leaves_the_grads_as_they_are():
+    """Clipping only scales down: torch's coefficient is capped at 1, so exactly 1.0 here."""
+    for norm_type in NORM_TYPES:
+        params = [_param(g) for g in _full_grads()]
+        ref_norm, _ = _torch_clip(_full_grads(), norm_type)
+        norm = clip_grad_norm_(params, 10 * ref_norm, norm_type)
+        assert norm.item() == pytest.approx(ref_norm, rel=1e-6)
+        for p, want in zip(params, _full_grads()):
+            torch.testing.assert_close(p.grad, want, rtol=0, atol=0)
+
+
 def test_non_finite_norm_raises_and_leaves_grads():
     grads = _full_grads()
     grads[1][0, 0] = float("nan")

@@ -31,13 +31,19 @@ def test_meta_init_is_finite_and_seeded():
 
 
 def test_init_stds():
-    args = replace(TINY, dim=256, n_heads=4, n_kv_heads=None)
+    args = replace(TINY, dim=256, n_heads=4, n_kv_heads=None, n_layers=4)
     model = meta_then_init(args, 0)
     assert torch.all(model.norm.weight == 1) and torch.all(model.layers["1"].ffn_norm.weight == 1)
     assert abs(model.tok_embeddings.weight.std().item() - 1.0) < 0.05
     assert abs(model.layers["0"].attention.wq.weight.std().item() - 0.02) < 0.002
-    # depth_init: layer 1 uses 0.02 / sqrt(2 * 2).
-    assert abs(model.layers["1"].feed_forward.w2.weight.std().item() - 0.01) < 0.001
+    # what writes into the residual stream: depth_init, 0.02 / sqrt(2 (layer + 1)); without it,
+    # 0.02 / sqrt(2 n_layers) in every layer (4 layers: the two differ in layers 0 and 3)
+    flat = meta_then_init(replace(args, depth_init=False), 0)
+    for layer in (0, 3):
+        for weights, std in ((model, 0.02 / (2 * (layer + 1)) ** 0.5), (flat, 0.02 / 8**0.5)):
+            block = weights.layers[str(layer)]
+            for linear in (block.feed_forward.w2, block.attention.wo):
+                assert abs(linear.weight.std().item() - std) < 0.1 * std, (layer, std)
     out_std = args.dim**-0.5
     assert model.output.weight.abs().max().item() <= 3 * out_std
     assert abs(model.output.weight.std().item() - out_std * 0.986) < 0.1 * out_std  # std of a 3-sigma cut normal

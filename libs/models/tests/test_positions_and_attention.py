@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.models import InnerAttention
-from tessera.models.attention import repeat_kv_heads
+from tessera.mesh import repeat_kv_heads
 from tessera.models.llama import ModelArgs, RopeScaling, Transformer, apply_rotary_emb, precompute_freqs_cis
 
 SCALING = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8)

@@ -81,8 +81,8 @@ def test_deepseek_applies_yarn_beyond_the_original_context_or_always_from_a_hf_c
     short, long = dataclasses.replace(tiny, max_seq_len=4096), dataclasses.replace(tiny, max_seq_len=8192)
     always = dataclasses.replace(short, yarn_always=True)
     assert [a.yarn_active for a in (short, long, always)] == [False, True, True]
-    assert short.softmax_scale == short.qk_head_dim**-0.5
-    assert always.softmax_scale == long.softmax_scale == short.softmax_scale * yarn.attention_factor()
+    assert short.softmax_scale_factor == 1.0
+    assert always.softmax_scale_factor == long.softmax_scale_factor == yarn.attention_factor() > 1
     plain = inverse_frequencies(short.qk_rope_head_dim, short.rope_theta)
     torch.testing.assert_close(_frequencies(DeepSeekV3(short)), plain)
     torch.testing.assert_close(_frequencies(DeepSeekV3(always)), yarn_frequencies(short.qk_rope_head_dim,

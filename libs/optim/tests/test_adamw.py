@@ -25,6 +25,26 @@ def test_float32_state_equals_torch_adamw():
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
+def test_param_groups_keep_their_own_lr_weight_decay_and_betas():
+    """The trainer's groups (no decay on norms and embeddings, a scaled lr): each group's own
+    hyperparameters, as torch's AdamW applies them."""
+    def run(optimizer_cls, **kwargs):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(16, 8) * 0.1), torch.nn.Parameter(torch.randn(8))]
+        groups = [{"params": [params[0]], "weight_decay": 0.1},
+                  {"params": [params[1]], "weight_decay": 0.0, "lr": 0.03, "betas": (0.8, 0.9)}]
+        optimizer = optimizer_cls(groups, lr=0.01, betas=(0.9, 0.95), weight_decay=0.5, **kwargs)
+        grads = torch.Generator().manual_seed(1)
+        for _ in range(5):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=grads)
+            optimizer.step()
+        return params
+
+    for a, b in zip(run(AdamW, state_dtype=torch.float32), run(torch.optim.AdamW, foreach=False)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
 def test_bfloat16_state_halves_the_moments_and_stays_close():
     ours, optimizer = _run(AdamW, state_dtype=torch.bfloat16)
     theirs, _ = _run(torch.optim.AdamW, foreach=False)

@@ -1,7 +1,8 @@
 """Every schedule, and PP x FSDP, against the same model trained in one process (same seed, same
 global batch): losses, gradient norms, final parameters and buffers agree to fp32 rounding (1e-5).
 Each also with a model whose last stage applies the embedding again (shared_with_last_stage): its
-copies' gradients sum, the norm counts the weight once, and the copies stay one weight."""
+copies' gradients sum (over accumulated passes too), the norm counts the weight once, and the
+copies stay one weight."""
 
 import csv
 
@@ -83,18 +84,22 @@ def batches():
     return [torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g) for _ in range(STEPS)]
 
 
-def reference(model_cls):
+def reference(model_cls, passes=1):
+    """``passes``: each step's batch in that many parts, their gradients accumulated."""
     torch.manual_seed(0)
     model = model_cls()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     losses, norms = [], []
     for batch in batches():
-        loss = loss_fn(model(batch[:, :-1]), batch[:, 1:])
-        loss.backward()
+        total = 0.0
+        for part in batch.chunk(passes):
+            loss = loss_fn(model(part[:, :-1]), part[:, 1:])
+            loss.backward()
+            total += loss.item()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9).item())
         opt.step()
         opt.zero_grad()
-        losses.append(loss.item())
+        losses.append(total / passes)
     return losses, norms, {k: v.detach() for k, v in model.state_dict().items()}
 
 
@@ -102,7 +107,7 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _train(mesh, model_cls, schedule, dp_rank=0, dp=1, fsdp_mesh=None, reshard=False, csv_file=None):
+def _train(mesh, model_cls, schedule, dp_rank=0, dp=1, fsdp_mesh=None, reshard=False, csv_file=None, passes=1):
     torch.manual_seed(0)
     model = model_cls()
     inputs, n_layers, outputs = model_parts_names(model)
@@ -123,11 +128,13 @@ def _train(mesh, model_cls, schedule, dp_rank=0, dp=1, fsdp_mesh=None, reshard=F
     losses, norms = [], []
     for batch in batches():
         local = batch.chunk(dp)[dp_rank]
-        loss = pipe.run(local[:, :-1], local[:, 1:])
-        # the loss lives on the last stage's rank; every rank reports the global mean
-        total = torch.zeros(()) if loss is None else loss.detach().clone()
+        total = torch.zeros(())
+        for part in local.chunk(passes):  # gradients accumulate over the passes, a shared module's too
+            loss = pipe.run(part[:, :-1], part[:, 1:])
+            # the loss lives on the last stage's rank; every rank reports the global mean
+            total += 0 if loss is None else loss.detach()
         dist.all_reduce(total)
-        losses.append(total.item() / dp)
+        losses.append(total.item() / dp / passes)
         squares = sum((_full(p.grad) ** 2).sum() for p in params if p.grad is not None and id(p) not in copies)
         squares = torch.as_tensor(squares, dtype=torch.float32)
         dist.all_reduce(squares, group=mesh.get_group())  # full grads: each stage's own, once per pp rank
@@ -150,6 +157,7 @@ def _every_schedule(rank, world_size, csv_file):
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("pp",))
     results = {(model, name): _train(mesh, cls, name) for model, cls in MODELS.items() for name in SCHEDULES}
     results["untied", "csv"] = _train(mesh, TinyLM, "1F1B", csv_file=csv_file)
+    results["shared", "1F1B", 2] = _train(mesh, SharedLM, "1F1B", passes=2)
     return results
 
 
@@ -161,9 +169,12 @@ def _with_fsdp(rank, world_size, reshard):
 
 
 def _check(results_by_rank):
-    expected = {model: reference(cls) for model, cls in MODELS.items()}
+    expected = {}
     for name in results_by_rank[0]:
-        ref_losses, ref_norms, ref_state = expected[name[0]]
+        model, passes = name[0], name[2] if len(name) > 2 else 1
+        if (model, passes) not in expected:
+            expected[model, passes] = reference(MODELS[model], passes)
+        ref_losses, ref_norms, ref_state = expected[model, passes]
         state = {}
         for rank_results in results_by_rank:
             losses, norms, part_state = rank_results[name]

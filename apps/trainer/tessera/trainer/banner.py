@@ -19,7 +19,7 @@ def banner(plan: JobPlan, model: ParallelModel, peak: float, tokenizer, data_sou
     ac = plan.checkpointing
     decay = "every step after warm-up" if opt.decay_ratio is None else f"the last {opt.decay_ratio:.0%} of the steps"
     return "\n".join([
-        f"tessera: {plan.spec.name}/{config.model.flavor} | {local_params:,} parameters on this rank | "
+        f"tessera: {config.job.description} | {plan.spec.name}/{config.model.flavor} | {local_params:,} parameters on this rank | "
         f"{plan.device} x{plan.world_size} {layout} | {config.training.steps} steps",
         f"  data: {data_source} | tokenizer {tokenizer.name} ({tokenizer.vocab_size:,} ids) | global batch "
         f"{batch.global_size} x {batch.seq_len} tokens ({batch.accumulation} micro-batches)",

@@ -22,7 +22,7 @@ from tessera.trainer.errors import ConfigError
 from tessera.trainer.faults import TrainingError, weights_finite
 from tessera.trainer.hf_assets import export_files, initial_load_folder
 from tessera.trainer.param_groups import signature
-from tessera.trainer.plan import tokenizer_source
+from tessera.trainer.plan import JobPlan, tokenizer_source
 
 
 class TrainState:
@@ -30,20 +30,26 @@ class TrainState:
     run is refused even where the shapes agree (llama2 and llama3 debug models), and so is a
     resume with other groups, whose state and settings would load into the wrong places. The
     batch (sequences, tokens each) its steps took: a resume with another is told
-    (`batch_before`), as another layout changes it where global_batch_size is left at -1."""
+    (`batch_before`), as another layout changes it where global_batch_size is left at -1. The
+    tokens a rank routes at once (a micro-batch's, over context parallel): where experts have a
+    capacity, which slots they drop depends on it (`routed_before`)."""
 
-    # checkpoints before tessera-trainer 0.12 lack the optimizer groups (one AdamW group), before 0.22 the batch
-    optional_keys = ("optimizer", "batch")
+    # checkpoints before tessera-trainer 0.12 lack the optimizer groups (one AdamW group), before 0.22
+    # the batch, before 0.23 the routed tokens
+    optional_keys = ("optimizer", "batch", "routed")
 
-    def __init__(self, model: str, optimizer: list[list], batch: list[int]) -> None:
+    def __init__(self, model: str, optimizer: list[list], batch: list[int], routed: int) -> None:
         self.step = 0
         self.model = model
         self.optimizer = optimizer  # param_groups.signature
         self.batch = batch  # [sequences per step, seq_len]
+        self.routed = routed
         self.batch_before: list[int] | None = None  # the checkpoint's, where it differs
+        self.routed_before: int | None = None  # likewise
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "model": self.model, "optimizer": self.optimizer, "batch": self.batch}
+        return {"step": self.step, "model": self.model, "optimizer": self.optimizer, "batch": self.batch,
+                "routed": self.routed}
 
     def load_state_dict(self, state: dict) -> None:
         if state["model"] != self.model:
@@ -56,6 +62,7 @@ class TrainState:
                              f"{_groups_text(self.optimizer)} (optimizer.name, param_groups, weight_decay, muon_exclude)")
         self.step = state["step"]
         self.batch_before = state["batch"] if state.get("batch", self.batch) != self.batch else None
+        self.routed_before = state["routed"] if state.get("routed", self.routed) != self.routed else None
 
 
 def _torchtitan_layout(path: Path, model_state: dict) -> bool:
@@ -64,6 +71,27 @@ def _torchtitan_layout(path: Path, model_state: dict) -> bool:
     "train_state"...), where Tessera's sit under "model"."""
     stored = stored_keys(path)
     return not any(key.startswith("model.") for key in stored) and not stored.isdisjoint(model_state)
+
+
+def _routed_at_once(plan: JobPlan) -> int:
+    """Tokens a rank's MoE layers route at once: a micro-batch's (a pipeline's own micro-batch
+    under pipeline parallel), its share under context parallel."""
+    sequences = plan.batch.local // (plan.pipeline.microbatches if plan.pipeline is not None else 1)
+    return sequences * plan.batch.seq_len // plan.dims.cp
+
+
+def _batch_keys(before: list[int], batch) -> str:
+    """The keys that give this layout the checkpoint's [sequences per step, seq_len]: its global
+    batch, with a local batch that divides it over this run's data-parallel ranks."""
+    global_size, seq_len = before
+    keys = [f"--training.seq_len {seq_len}"] if seq_len != batch.seq_len else []
+    if global_size != batch.global_size:
+        keys.insert(0, f"--training.global_batch_size {global_size}")
+        if global_size % (batch.local * batch.dp):
+            local = max((n for n in range(1, batch.local) if global_size % (n * batch.dp) == 0), default=None)
+            keys.insert(1, f"--training.local_batch_size {local}" if local else
+                        "on a data-parallel degree that divides it")
+    return " ".join(keys)
 
 
 def _groups_text(signature: list[list] | None) -> str:
@@ -99,7 +127,10 @@ class Checkpointer:
         self.folder = Path(config.job.dump_folder) / self.config.folder
         self.steps = config.training.steps
         self.train_state = TrainState(f"{config.model.name}/{config.model.flavor}", signature(plan.optimizer.groups),
-                                      [plan.batch.global_size, plan.batch.seq_len])
+                                      [plan.batch.global_size, plan.batch.seq_len],
+                                      _routed_at_once(plan))
+        self.batch = plan.batch
+        self.capacity_factor = plan.experts.capacity_factor
         # train_state first: loading applies states in this order, so a wrong model fails first
         self.states = {
             "train_state": self.train_state,
@@ -172,10 +203,12 @@ class Checkpointer:
         self._lr_from_here(excluded="lr_scheduler" in self.config.exclude_from_loading)
         if self.train_state.batch_before is not None:  # e.g. global_batch_size -1 under another data-parallel degree
             before, now = self.train_state.batch_before, self.train_state.batch
-            keys = " ".join(f"--training.{key} {was}" for key, was, is_ in zip(("global_batch_size", "seq_len"), before, now)
-                            if was != is_)
             self._say(f"step-{loaded} was trained on {before[0]} sequences x {before[1]} tokens per step, this run takes "
-                      f"{now[0]} x {now[1]}: to go on as that run would, set {keys}")
+                      f"{now[0]} x {now[1]}: to go on as that run would, set {_batch_keys(before, self.batch)}")
+        elif self.train_state.routed_before is not None and self.capacity_factor is not None:
+            self._say(f"experts keep a capacity per rank and micro-batch (parallelism.expert_capacity_factor): step-{loaded}'s "
+                      f"ranks routed {self.train_state.routed_before} tokens at once, this run's {self.train_state.routed}, so "
+                      "other slots are dropped and the losses differ from that run's")
         if self.train_state.step == self.steps and not self.config.load_only and self.writes():
             self._say(f"step {self.steps} is training.steps: nothing left to train; writing any final export "
                       "that is missing")

@@ -15,7 +15,7 @@ import tomllib
 from tessera.trainer.config import ConfigError, JobConfig, get_key
 from tessera.trainer.schema import NEWER_TORCHTITAN, OLDER_TORCHTITAN, TESSERA, declared
 
-TRAINER_VERSION = "0.22.0"
+TRAINER_VERSION = "0.23.0"
 LIBRARIES = ("mesh", "models", "data", "fsdp", "tp", "pp", "cp", "ep", "ckpt", "float8", "optim")
 
 USAGE = """usage: trainer [--nproc N [--hosts H0,H1,... --node_rank R --port P] [--max_restarts K]]
@@ -26,11 +26,6 @@ USAGE = """usage: trainer [--nproc N [--hosts H0,H1,... --node_rank R --port P] 
 
 # How the README's key table names a key's origin (none: torchtitan 0.2.2's name).
 _ORIGIN_NOTES = {TESSERA: "Tessera", OLDER_TORCHTITAN: "torchtitan 0.1 name", NEWER_TORCHTITAN: "torchtitan main's name"}
-
-
-def config_keys() -> list[str]:
-    """Every "section.key" (nested tables dotted), in declaration order."""
-    return list(declared(JobConfig))
 
 
 def _default(key: str) -> str:
@@ -52,7 +47,8 @@ def help_text(section: str | None = None) -> str:
         for key, facts in keys.items():
             if key.split(".")[0] == name:
                 refused = f" [only the default: {facts.refused}]" if facts.refused else ""
-                lines.append(f"  --{key} (default {_default(key)}): {facts.help}{refused}")
+                inert = f" [no effect: {facts.inert}]" if facts.inert else ""
+                lines.append(f"  --{key} (default {_default(key)}): {facts.help}{refused}{inert}")
         lines.append("")
     return "\n".join(lines).rstrip()
 
@@ -61,7 +57,8 @@ def key_table() -> str:
     """The README's table of every key: where its name comes from and what Tessera does with it."""
     rows = ["| key | default | status |", "| --- | --- | --- |"]
     for key, facts in declared(JobConfig).items():
-        status = f"refused unless default: {facts.refused}" if facts.refused else "works"
+        status = f"refused unless default: {facts.refused}" if facts.refused else \
+            f"accepted, no effect: {facts.inert}" if facts.inert else "works"
         if facts.origin in _ORIGIN_NOTES:
             status = f"{status} ({_ORIGIN_NOTES[facts.origin]})"
         rows.append(f"| `{key}` | `{_default(key)}` | {status.replace('|', '/')} |")

@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import functools
 import importlib
+import json
 import math
 import os
 import sys
@@ -143,7 +144,8 @@ class DataLoader:
     num_workers: int = key(1, "> 0: a background thread prepares batches ahead", bound=">= 0")
     prefetch_factor: int | None = key(None, "batches ahead per worker (default 2)", bound=">= 1")
     pin_memory: bool = key(False, "on CUDA, batches in pinned host memory for asynchronous copies")
-    persistent_workers: bool = key(False, "keep workers between epochs (Tessera's thread lives for the run either way)")
+    persistent_workers: bool = key(False, "keep workers between epochs",
+                                   inert="Tessera's one prefetch thread lives for the whole run")
 
 
 @dataclasses.dataclass
@@ -228,10 +230,9 @@ class Parallelism:
     pipeline_parallel_first_stage_less_layers: int = key(1, "the embedding weighs as this many blocks")
     pipeline_parallel_last_stage_less_layers: int = key(1, "the final norm and output weigh as this many blocks")
     module_fqns_per_model_part: list[list[str]] | None = key(None, "explicit stages: the module names of each")
-    # torchtitan overlaps them under DualPipeV only; false asks for what Tessera always does
     pipeline_parallel_expert_parallel_overlap: bool = key(
-        True, "torchtitan's DualPipeV overlap of expert-parallel all-to-all with compute; Tessera runs them in line "
-        "either way, with the same numbers")
+        True, "under DualPipeV, overlap the expert-parallel all-to-all with compute",
+        inert="Tessera runs the all-to-all in line either way, with the same numbers")
     expert_parallel_degree: int = key(1, "ranks sharing the experts of each MoE layer")
     expert_tensor_parallel_degree: int = key(
         1, "tensor_parallel_degree: experts split over tp and ep; 1: the tp ranks join ep; no effect without ep")
@@ -406,8 +407,8 @@ class ValidationDataLoader:
     num_workers: int = key(0, "> 0: a background thread prepares validation batches ahead", bound=">= 0")
     prefetch_factor: int | None = key(None, "batches ahead per worker (default 2)", bound=">= 1")
     pin_memory: bool = key(False, "on CUDA, batches in pinned host memory")
-    persistent_workers: bool = key(
-        False, "keep workers between validations (no effect: one thread per validation)")
+    persistent_workers: bool = key(False, "keep workers between validations",
+                                   inert="one prefetch thread per validation, started and stopped with it")
 
 
 @dataclasses.dataclass
@@ -832,3 +833,17 @@ def validate(config: JobConfig, accepted: frozenset[str] = frozenset()) -> None:
 
 def to_dict(config: JobConfig) -> dict:
     return dataclasses.asdict(config)
+
+
+def show_config(config: JobConfig) -> None:
+    """job.print_config prints the resolved config; job.save_config_file writes it into the dump
+    folder, whole or not at all (written beside, then renamed)."""
+    if config.job.print_config or config.job.print_args:
+        print(json.dumps(to_dict(config), indent=2), flush=True)
+    if config.job.save_config_file:
+        saved = Path(config.job.dump_folder) / config.job.save_config_file
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        # one per process: fault tolerance's replica groups (a rank 0 each) write it at once
+        partial = saved.with_name(f".{saved.name}.{os.getpid()}.partial")
+        partial.write_text(json.dumps(to_dict(config), indent=2))
+        os.replace(partial, saved)

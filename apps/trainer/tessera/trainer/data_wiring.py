@@ -78,6 +78,16 @@ def user_batches(loader):
         yield batch
 
 
+def finish_loader(loader, training, say: bool) -> None:
+    """At the run's end: the mixture's realised shares said, and the prefetch thread stopped
+    before the process group goes (collective-safe, see tessera.data.prefetch)."""
+    if training.dataset_mixture and say:
+        shares = ", ".join(f"{name} {share:.3f}" for name, share in loader.realised_proportions().items())
+        print(f"data: realised mixture {shares} (weights {training.dataset_mixture})", flush=True)
+    if isinstance(loader, Prefetcher):
+        loader.close()
+
+
 def data_source(plan: JobPlan) -> str:
     training = plan.config.training
     if training.dataset_mixture:

@@ -75,6 +75,8 @@ def _launch_local(nproc: int, argv: list[str], grace_s: int, rendezvous: tuple[s
 
     import torch
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import get_args_parser, run
 
     from tessera.trainer.master_port import hold_master_ports
@@ -109,7 +111,11 @@ def _launch_local(nproc: int, argv: list[str], grace_s: int, rendezvous: tuple[s
         agent_log.addHandler(restarts)
         try:
             run(launcher_args)
-        except Exception as e:
+        except (RendezvousError, torch.distributed.DistError) as e:  # the ranks never met: hosts, ports, firewalls
+            print(f"error: {nproc}-process run could not start: {(str(e).strip().splitlines() or [type(e).__name__])[0]}",
+                  file=sys.stderr)
+            return 1
+        except (ChildFailedError, SignalException) as e:  # anything else is a bug in this wiring: its traceback
             reports = _reports(Path(errors))
             if isinstance(e, SignalException) and e.sigval in STOP_SIGNALS and not reports:  # the ranks said what they saved
                 print(f"{nproc}-process run stopped by {e.sigval.name}", file=sys.stderr)

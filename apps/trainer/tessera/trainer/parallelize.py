@@ -67,7 +67,8 @@ def parallelize(model: nn.Module, plan: JobPlan, meshes: Meshes | None) -> nn.Mo
     if dims.cp_enabled and len(model.layers):  # each attention: this rank's queries, every rank's keys
         cp.apply_cp(model, meshes.cp.get_group(), load_balance=plan.attention.cp_load_balance,
                     rotate_method=plan.attention.cp_rotate_method, gathered_kernel=plan.attention.cp_exchange == "gather")
-    experts = ep.find_experts(model) if dims.ep_enabled and _has_experts(model) else []
+    # a pipeline stage may hold only dense blocks (DeepSeek-V3's first ones) or none
+    experts = ep.find_experts(model, required=False) if dims.ep_enabled else []
     # each rank its share of every layer's experts; FSDP then shards them over the ranks beside ep
     # (expert_tensor_parallel_degree 1: the ep group holds the tp ranks, each sending its share of the tokens)
     ep.apply_ep(experts, meshes.ep if experts else None, divide_grads_by_ep=True,
@@ -100,11 +101,6 @@ def parallelize(model: nn.Module, plan: JobPlan, meshes: Meshes | None) -> nn.Mo
     elif dims.dp_replicate > 1:
         fsdp.apply_ddp(model, meshes.dp_replicate)
     return model
-
-
-def _has_experts(model: nn.Module) -> bool:
-    """A pipeline stage may hold only dense blocks (DeepSeek-V3's first ones) or none."""
-    return any(name.rpartition(".")[2] == "experts" for name, _ in model.named_modules())
 
 
 def _expert_placement(experts: nn.Module, meshes: Meshes):

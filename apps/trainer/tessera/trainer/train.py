@@ -5,7 +5,6 @@ this one wires them in the fixed order and runs the loop."""
 from __future__ import annotations
 
 import gc
-import json
 import os
 import sys
 import time
@@ -14,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tessera.data import Prefetcher, load_tokenizer
+from tessera.data import load_tokenizer
 from tessera.mesh import (
     Meshes,
     build_meshes,
@@ -26,8 +25,10 @@ from tessera.mesh import (
 from tessera.trainer import profiling
 from tessera.trainer.banner import banner
 from tessera.trainer.checkpointing import Checkpointer
-from tessera.trainer.config import JobConfig, to_dict, user_input
-from tessera.trainer.data_wiring import data_source, datasets, tokenising_peers, training_loader, user_batches
+from tessera.trainer.config import JobConfig, show_config, user_input
+from tessera.trainer.data_wiring import (
+    data_source, datasets, finish_loader, tokenising_peers, training_loader, user_batches,
+)
 from tessera.trainer.family_hooks import FamilyHooks
 from tessera.trainer.fault_tolerance import replica_group
 from tessera.trainer.ft_plan import replica_subfolder
@@ -111,15 +112,7 @@ def _train(plan: JobPlan, info) -> list[dict]:
     dump = Path(config.job.dump_folder)
     if info.rank == 0:
         dump.mkdir(parents=True, exist_ok=True)
-        if config.job.print_config or config.job.print_args:
-            print(json.dumps(to_dict(config), indent=2), flush=True)
-        if config.job.save_config_file:  # whole or not at all: written beside, then renamed
-            saved = dump / config.job.save_config_file
-            saved.parent.mkdir(parents=True, exist_ok=True)
-            # one per process: fault tolerance's replica groups (a rank 0 each) write it at once
-            partial = saved.with_name(f".{saved.name}.{os.getpid()}.partial")
-            partial.write_text(json.dumps(to_dict(config), indent=2))
-            os.replace(partial, saved)
+        show_config(config)
 
     _seed_everything(plan.seed, config.debug.deterministic, config.debug.deterministic_warn_only)
     tokenizer = load_tokenizer(tokenizer_source(config))
@@ -231,11 +224,7 @@ def _train(plan: JobPlan, info) -> list[dict]:
                     break
                 if step == start_step + 1 and dist.is_initialized():
                     tighten_timeouts(config.comm.train_timeout_seconds, meshes)
-            if training.dataset_mixture and is_logging_rank:
-                shares = ", ".join(f"{name} {share:.3f}" for name, share in loader.realised_proportions().items())
-                print(f"data: realised mixture {shares} (weights {training.dataset_mixture})", flush=True)
-            if isinstance(loader, Prefetcher):
-                loader.close()  # before the process group goes; collective-safe, see tessera.data.prefetch
+            finish_loader(loader, training, say=is_logging_rank)
         ended = True
     except RuntimeError as e:
         stall = stalled_collective(e, info.rank, step, config.comm.train_timeout_seconds) if step > start_step + 1 else None

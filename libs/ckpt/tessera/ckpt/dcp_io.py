@@ -55,6 +55,12 @@ _METADATA_GLOBALS = {
 }
 
 
+# what damaged bytes raise while they are unpickled or unzipped (measured with random byte flips:
+# torch's zip reader's RuntimeErrors, UnicodeDecodeError, UnpicklingError); anything else, a bug
+# included, keeps its own type and traceback
+_DAMAGE = (pickle.UnpicklingError, RuntimeError, ValueError, EOFError)
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _METADATA_GLOBALS:
@@ -72,7 +78,7 @@ def read_metadata(checkpoint: str | os.PathLike) -> Metadata:
     try:
         with open(path, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001  pickle's opcodes on damaged bytes raise any type (KeyError, IndexError, ...)
         raise ValueError(f"checkpoint metadata {path} is unreadable: {e}") from None
     if not isinstance(metadata, Metadata):
         raise ValueError(f"checkpoint metadata {path} holds a {type(metadata).__name__}, not DCP Metadata")
@@ -143,7 +149,9 @@ class _SafeReader(FileSystemReader):
         for relative_path, items in per_file.items():
             try:
                 super().read_data(dataclasses.replace(plan, items=items), planner).wait()
-            except Exception as e:
+            except _DAMAGE as e:
+                if isinstance(e, torch.OutOfMemoryError):
+                    raise
                 raise ValueError(f"checkpoint data file {Path(self.path) / relative_path} is corrupt: {_reason(e)}") from None
         done: Future = Future()
         done.set_result(None)
@@ -192,14 +200,15 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
 def raise_first_failure(e: CheckpointException) -> None:
     """DCP gathers each rank's exception into one CheckpointException (a BaseException);
     re-raise the lowest rank's own exception so callers see a plain, one-line error. An
-    OSError stays one (a full disk, a read-only folder: the caller names the folder)."""
+    OSError stays one (a full disk, a read-only folder: the caller names the folder); anything
+    else is a RuntimeError caused by the rank's own exception, whose traceback it keeps."""
     rank = min(e.failures)
     error, _ = e.failures[rank]
     if isinstance(error, (ValueError, FileNotFoundError)):
         raise type(error)(str(error)) from None
     if isinstance(error, OSError):
         raise (OSError(error.errno, error.strerror, error.filename) if error.errno else OSError(str(error))) from None
-    raise RuntimeError(f"checkpoint operation failed on rank {rank}: {error!r}") from None
+    raise RuntimeError(f"checkpoint operation failed on rank {rank}: {error!r}") from error  # a bug: its traceback
 
 
 def _no_dist() -> bool:

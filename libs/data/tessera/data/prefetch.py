@@ -30,7 +30,6 @@ class Prefetcher:
         if not isinstance(depth, int) or depth < 1:
             raise ValueError(f"prefetch depth must be a positive int, got {depth!r}")
         self.loader = loader
-        self._depth = depth
         self._pin = pin_memory
         self._state = loader.state_dict()
         self._queue: queue.Queue = queue.Queue(depth)

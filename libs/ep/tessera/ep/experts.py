@@ -172,10 +172,11 @@ def _distribute(param: nn.Parameter, ep_mesh: DeviceMesh, joined: dict[DeviceMes
                               shape=param.shape, stride=param.stride())
 
 
-def find_experts(model: nn.Module, name: str = "experts") -> list[nn.Module]:
+def find_experts(model: nn.Module, name: str = "experts", required: bool = True) -> list[nn.Module]:
     """Every submodule of ``model`` held under the attribute ``name`` (tessera.models' MoE
-    layers call theirs ``experts``), for ``apply_ep``; ValueError if there is none."""
+    layers call theirs ``experts``), for ``apply_ep``; ValueError if there is none, unless not
+    ``required`` (a pipeline stage of only dense blocks)."""
     found = [module for path, module in model.named_modules() if path.rsplit(".", 1)[-1] == name]
-    if not found:
+    if not found and required:
         raise ValueError(f"expert parallel: no submodule called {name!r} in {type(model).__name__}")
     return found

@@ -35,7 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.models.blocked_attention import blocked_attention, repeat_kv_heads, sink_share
+from tessera.mesh import repeat_kv_heads
+from tessera.models.blocked_attention import blocked_attention, sink_share
 from tessera.models.masks import CAUSAL, AttentionMask, mask_function
 
 KERNELS = ("sdpa", "flex", "blocked")

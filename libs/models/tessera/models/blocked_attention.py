@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from tessera.mesh import fold_kv_heads, repeat_kv_heads
 from tessera.models.masks import AttentionMask, key_range, mask_function
 
 # Elements per block of scores (batch x heads x rows x keys): bounds the memory a block holds.
@@ -84,18 +85,6 @@ def _block_mask(mask_mod, batch: int, q_start: int, n: int, lo: int, hi: int, dt
     kv_idx = torch.arange(lo, hi, device=device).view(1, 1, -1)
     visible = mask_mod(b, 0, q_idx, kv_idx)[:, None]
     return torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
-
-
-def repeat_kv_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """[batch, kv_heads, seq, head_dim] -> [batch, heads, seq, head_dim]: each K/V head serves the
-    heads // kv_heads consecutive query heads of its group."""
-    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
-
-
-def _fold(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """Gradient of repeat_kv_heads: each K/V head's group of query heads summed."""
-    batch, heads, seq, dim = grad.shape
-    return grad if heads == kv_heads else grad.view(batch, kv_heads, heads // kv_heads, seq, dim).sum(2)
 
 
 def _forward_block(q, k, v, bias, scale):
@@ -163,8 +152,8 @@ class _BlockedAttention(torch.autograd.Function):
             dq_block, dk_block, dv_block = _backward_block(
                 grad_out[:, :, r0:r1], q[:, :, r0:r1], k_block, v_block, out[:, :, r0:r1], lse[:, :, r0:r1], bias, scale)
             dq[:, :, r0:r1] = dq_block
-            dk[:, :, lo:hi] += _fold(dk_block.float(), kv_heads)
-            dv[:, :, lo:hi] += _fold(dv_block.float(), kv_heads)
+            dk[:, :, lo:hi] += fold_kv_heads(dk_block.float(), kv_heads)
+            dv[:, :, lo:hi] += fold_kv_heads(dv_block.float(), kv_heads)
         return dq, dk.to(k.dtype), dv.to(v.dtype), grad_sinks, None, None, None, None
 
 

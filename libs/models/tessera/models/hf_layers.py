@@ -1,5 +1,5 @@
-"""Renaming decoder state dicts to and from Hugging Face names, shared by the DeepSeek-V3 and Qwen3
-adapters: top-level names, a family's per-layer name map, and routed experts, which Tessera
+"""Renaming decoder state dicts to and from Hugging Face names, shared by the families' adapters:
+top-level names, a family's per-layer name map, and routed experts, which Tessera
 stacks ([E, ...] per weight, ``layers.N.moe.experts.w1``) and HF stores one tensor per expert
 (``model.layers.N.mlp.experts.E.gate_proj.weight``).
 
@@ -18,6 +18,8 @@ TOP_LEVEL = {
     "norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+# Grouped-query attention's projections (HF's Llama/Qwen3/Llama 4 layout; not DeepSeek's MLA).
+ATTENTION = {f"attention.w{p}.weight": f"self_attn.{p}_proj.weight" for p in "qkvo"}
 # Per-layer names outside attention, common to the families (HF's Llama/Qwen/DeepSeek layout).
 NORMS_AND_FFN = {
     "attention_norm.weight": "input_layernorm.weight",
@@ -30,6 +32,7 @@ NORMS_AND_FFN = {
     "moe.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
     "moe.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
 }
+DENSE_NORMS_AND_FFN = {name: hf for name, hf in NORMS_AND_FFN.items() if not name.startswith("moe.")}
 ROUTER_BIAS = "moe.expert_bias"
 HF_ROUTER_BIAS = "mlp.gate.e_score_correction_bias"  # DeepSeek-V3's name for it
 EXPERTS = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}

@@ -73,6 +73,7 @@ class DeepSeekV3Args:
         return replace(self, yarn=self.yarn if active else None, yarn_always=active, max_seq_len=max_seq_len)
 
     @property
-    def softmax_scale(self) -> float:
-        """qk_head_dim ** -0.5, times YaRN's attention factor when YaRN applies."""
-        return self.qk_head_dim**-0.5 * (self.yarn.attention_factor() if self.yarn_active else 1.0)
+    def softmax_scale_factor(self) -> float:
+        """YaRN's factor on the attention scores when YaRN applies (else 1), folded into q: the
+        softmax scale is qk_head_dim ** -0.5 times it."""
+        return self.yarn.attention_factor() if self.yarn_active else 1.0

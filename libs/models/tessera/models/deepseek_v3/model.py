@@ -52,7 +52,7 @@ class Attention(nn.Module):
         self.kv_norm = nn.RMSNorm(self.kv_lora_rank, eps=LATENT_NORM_EPS)
         self.wkv_b = nn.Linear(self.kv_lora_rank, args.n_heads * (self.nope_dim + self.v_dim), bias=False)
         self.wo = nn.Linear(args.n_heads * self.v_dim, args.dim, bias=False)
-        self.q_scale = args.yarn.attention_factor() if args.yarn_active else 1.0  # softmax_scale * sqrt(qk_head_dim)
+        self.q_scale = args.softmax_scale_factor
         self.inner_attention = InnerAttention()
 
     def init_weights(self, init_std: float) -> None:

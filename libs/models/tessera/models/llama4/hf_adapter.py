@@ -21,10 +21,7 @@ from tessera.models import hf_layers
 from tessera.models.llama4.args import Llama4Args
 
 _PER_LAYER = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
+    **hf_layers.ATTENTION,
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "feed_forward.w1.weight": "feed_forward.gate_proj.weight",

@@ -12,10 +12,7 @@ from tessera.models import hf_layers
 from tessera.models.qwen3.args import Qwen3Args
 
 _PER_LAYER = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
+    **hf_layers.ATTENTION,
     "attention.q_norm.weight": "self_attn.q_norm.weight",
     "attention.k_norm.weight": "self_attn.k_norm.weight",
     **hf_layers.NORMS_AND_FFN,
