@@ -119,20 +119,26 @@ def test_the_master_port_stays_held_until_rank_0_binds_it(monkeypatch):
         sock.close()
 
 
-@pytest.mark.parametrize("report, code, said", [
-    (None, 0, "2-process run stopped by SIGTERM"),
-    ("error: not stopped within 5s of SIGTERM (job.stop_grace_seconds); exiting without a checkpoint of this step", 1,
-     "error: not stopped within 5s of SIGTERM (job.stop_grace_seconds); exiting without a checkpoint of this step"),
+INTERRUPTED = "interrupted: stopped without a checkpoint of this step (SIGTERM or SIGUSR1 saves one first)"
+GRACE_OUT = "error: not stopped within 5s of SIGTERM (job.stop_grace_seconds); exiting without a checkpoint of this step"
+
+
+@pytest.mark.parametrize("sig, report, code, said", [
+    (signal.SIGTERM, None, 0, "2-process run stopped by SIGTERM"),
+    (signal.SIGTERM, (1, GRACE_OUT), 1, GRACE_OUT),
+    (signal.SIGINT, (130, INTERRUPTED), 130, INTERRUPTED),
+    (signal.SIGINT, None, 130, "2-process run stopped by SIGINT"),  # before the ranks began
 ])
-def test_a_stop_ends_the_job_with_0_only_when_its_ranks_stopped(monkeypatch, capsys, report, code, said):
+def test_a_stop_ends_the_job_with_0_only_when_its_ranks_stopped(monkeypatch, capsys, sig, report, code, said):
     """Ranks that saved and stopped leave no report: exit 0 (a scheduler requeues the job). A rank
-    whose grace ran out reports it: the job's end is a failure, not a stop."""
+    whose grace ran out reports it: the job's end is a failure, not a stop. Ctrl-C ends it with 130,
+    in the ranks' one line."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     def stopped(args):
         if report is not None:
-            Path(os.environ[faults.ERRORS_ENV], "rank-1").write_text(f"1\n{report}")
-        raise SignalException("stopped", signal.SIGTERM)
+            Path(os.environ[faults.ERRORS_ENV], "rank-1").write_text(f"{report[0]}\n{report[1]}")
+        raise SignalException("stopped", sig)
     monkeypatch.setattr(torch.distributed.run, "run", stopped)
     monkeypatch.setattr(master_port, "hold_master_ports", lambda: None)  # torch's port picker stays its own
     for name in ("TESSERA_LAUNCHER_PID", "OMP_NUM_THREADS"):  # what the launcher sets, restored after

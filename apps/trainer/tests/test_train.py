@@ -155,6 +155,24 @@ def test_command_line_error_has_no_traceback():
     assert proc.stderr.strip() == "error: unknown config key training.stepz; did you mean 'steps'?"
 
 
+def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
+    """Ctrl-C is the user's stop, not a bug: no traceback; it says that nothing was saved and which
+    signals save first."""
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-m", "tessera.trainer.main", *SMALL, "--training.steps", "10000",
+                             "--job.dump_folder", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            # a runner that ignores SIGINT would pass that on, and Python then never raises KeyboardInterrupt
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    for line in proc.stdout:
+        if line.startswith("step "):  # training
+            break
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130
+    assert err.strip() == "interrupted: stopped without a checkpoint of this step (SIGTERM or SIGUSR1 saves one first)"
+
+
 def test_deterministic_turns_tf32_off():
     """debug.deterministic: fp32 matmuls stay fp32 (TF32 off); otherwise TF32 is on."""
     import torch

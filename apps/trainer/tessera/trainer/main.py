@@ -117,9 +117,9 @@ def _launch_local(nproc: int, argv: list[str], grace_s: int, rendezvous: tuple[s
             return 1
         except (ChildFailedError, SignalException) as e:  # anything else is a bug in this wiring: its traceback
             reports = _reports(Path(errors))
-            if isinstance(e, SignalException) and e.sigval in STOP_SIGNALS and not reports:  # the ranks said what they saved
+            if isinstance(e, SignalException) and not reports:  # the ranks saved and said so, or never began
                 print(f"{nproc}-process run stopped by {e.sigval.name}", file=sys.stderr)
-                return 0
+                return 0 if e.sigval in STOP_SIGNALS else 128 + e.sigval
             if reports:
                 code, message = _read_report(reports[0])
                 print(message, file=sys.stderr)
@@ -270,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
         return exit_with_error(f"error: {e}", 2)
     except TrainingError as e:  # diverged: the numbers, not the input, are at fault
         return exit_with_error(f"error: {e}", 1)
+    except KeyboardInterrupt:  # Ctrl-C, or under --nproc the launcher's: the user's stop, not a bug
+        return exit_with_error(f"interrupted: stopped without a checkpoint of this step ({' or '.join(sig.name for sig in STOP_SIGNALS)} "
+                               "saves one first)", 130)
     return 0
 
 
