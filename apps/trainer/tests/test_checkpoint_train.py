@@ -283,10 +283,12 @@ def test_the_keys_said_for_another_batch_give_a_valid_layout():
     from tessera.trainer.sub_plans import BatchPlan
 
     two_ranks = BatchPlan(local=2, dp=2, accumulation=1, seq_len=64, devices_per_batch=1)
-    assert _batch_keys([2, 64], two_ranks) == "--training.global_batch_size 2 --training.local_batch_size 1"
-    assert _batch_keys([8, 64], two_ranks) == "--training.global_batch_size 8"  # 2 micro-batches of 2 a rank
-    assert _batch_keys([4, 32], two_ranks) == "--training.seq_len 32"
-    assert _batch_keys([3, 64], two_ranks) == "--training.global_batch_size 3 on a data-parallel degree that divides it"
+    assert _batch_keys([2, 64], two_ranks, False) == "--training.global_batch_size 2 --training.local_batch_size 1"
+    assert _batch_keys([8, 64], two_ranks, False) == "--training.global_batch_size 8"  # 2 micro-batches of 2 a rank
+    assert _batch_keys([4, 32], two_ranks, False) == "--training.seq_len 32"
+    assert _batch_keys([3, 64], two_ranks, False) == "--training.global_batch_size 3 on a data-parallel degree that divides it"
+    assert _batch_keys([2, 64], two_ranks, True) == ("--training.global_batch_size 2 with a local_batch_size its "
+                                                     "data-parallel ranks and pipeline micro-batches split it into")
 
 
 def test_a_second_run_on_one_checkpoint_folder_is_refused(tmp_path, capsys):

@@ -1,11 +1,14 @@
+import os
 import subprocess
 import sys
 
 import pytest
 import torch
 
+import tessera.trainer.main as main_module
 import tessera.trainer.train as train_module
 from tessera.trainer.config import load_config
+from tessera.trainer.errors import ERRORS_ENV
 from tessera.trainer.lr_schedule import lr_factor
 from tessera.trainer.main import main
 from tessera.trainer.step import document_masking
@@ -159,18 +162,33 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
     """Ctrl-C is the user's stop, not a bug: no traceback; it says that nothing was saved and which
     signals save first."""
     import signal
+    import time
 
-    proc = subprocess.Popen([sys.executable, "-m", "tessera.trainer.main", *SMALL, "--training.steps", "10000",
-                             "--job.dump_folder", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            # a runner that ignores SIGINT would pass that on, and Python then never raises KeyboardInterrupt
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    for line in proc.stdout:
-        if line.startswith("step "):  # training
-            break
+    out = tmp_path / "out"
+    with open(out, "w") as stdout:
+        proc = subprocess.Popen([sys.executable, "-m", "tessera.trainer.main", *SMALL, "--training.steps", "10000",
+                                 "--job.dump_folder", str(tmp_path)], stdout=stdout, stderr=subprocess.PIPE, text=True,
+                                # a runner that ignores SIGINT would pass that on: Python then never raises KeyboardInterrupt
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.monotonic() + 120
+    while "\nstep " not in out.read_text() and proc.poll() is None and time.monotonic() < deadline:  # training
+        time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130
-    assert err.strip() == "interrupted: stopped without a checkpoint of this step (SIGTERM or SIGUSR1 saves one first)"
+    assert err.strip().splitlines()[-1] == main_module.INTERRUPTED and "Traceback" not in err
+
+
+@pytest.mark.parametrize("rank_of_nproc", [False, True])
+def test_ctrl_c_while_torch_loads_exits_130_said_once(tmp_path, rank_of_nproc):
+    """Before the imports end, Ctrl-C exits at once: said by a lone run, left to the launcher by
+    a rank of --nproc."""
+    env = {**os.environ, ERRORS_ENV: str(tmp_path)} if rank_of_nproc else \
+        {k: v for k, v in os.environ.items() if k != ERRORS_ENV}
+    proc = subprocess.run([sys.executable, "-c", "from tessera.trainer import main; main._interrupted_while_loading(2, None)"],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 130
+    assert proc.stderr == ("" if rank_of_nproc else main_module.INTERRUPTED + "\n")
 
 
 def test_deterministic_turns_tf32_off():

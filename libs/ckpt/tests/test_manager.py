@@ -352,6 +352,20 @@ def test_corrupt_shard_bytes_are_named_in_one_line(saved, damage):
     assert "\n" not in str(error.value) and "weights_only` set to `False`" not in str(error.value)  # not torch's advice
 
 
+@pytest.mark.parametrize("failure", [IndexError("pop from empty list"), KeyError(7), EOFError()])
+def test_what_a_damaged_pickle_raises_is_a_corrupt_file(saved, monkeypatch, failure):
+    """The unpickler's own errors on flipped bytes (its stack, its memo; measured) name the file."""
+    folder, step_dir = saved
+
+    def fail(*args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr(FileSystemReader, "read_data", fail)
+    model, optimizer = _trained(seed=1)
+    with pytest.raises(ValueError, match=re.escape(f"checkpoint data file {_data_file(step_dir)} is corrupt")):
+        _manager(folder, model, optimizer).load(1)
+
+
 @pytest.mark.parametrize("failure", [TypeError("a bug"), torch.OutOfMemoryError("no memory")])
 def test_read_failures_that_are_not_damage_keep_their_type(saved, monkeypatch, failure):
     """Only what damaged bytes raise is reported as a corrupt file (a ValueError: bad input): a

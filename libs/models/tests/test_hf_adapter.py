@@ -37,6 +37,9 @@ def test_unknown_keys_are_named():
         adapter.to_hf({"layers.0.attention.bogus": torch.zeros(1)}, TINY)
     with pytest.raises(ValueError, match="model.bogus"):
         adapter.from_hf({"model.bogus": torch.zeros(1)}, TINY)
+    expert = "model.layers.0.mlp.experts.0.gate_proj.weight"  # an MoE model's, in a dense family's load
+    with pytest.raises(ValueError, match=f"unknown Hugging Face Llama key '{expert}'"):
+        adapter.from_hf({expert: torch.zeros(1)}, TINY)
 
 
 def rotate_half_rope(x, theta):

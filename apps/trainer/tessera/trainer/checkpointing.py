@@ -80,16 +80,18 @@ def _routed_at_once(plan: JobPlan) -> int:
     return sequences * plan.batch.seq_len // plan.dims.cp
 
 
-def _batch_keys(before: list[int], batch) -> str:
+def _batch_keys(before: list[int], batch, pipelined: bool) -> str:
     """The keys that give this layout the checkpoint's [sequences per step, seq_len]: its global
-    batch, with a local batch that divides it over this run's data-parallel ranks."""
+    batch, with a local batch that divides it over this run's data-parallel ranks (under pipeline
+    parallel, whose schedule has rules of its own for the micro-batches, in words)."""
     global_size, seq_len = before
     keys = [f"--training.seq_len {seq_len}"] if seq_len != batch.seq_len else []
     if global_size != batch.global_size:
         keys.insert(0, f"--training.global_batch_size {global_size}")
         if global_size % (batch.local * batch.dp):
             local = max((n for n in range(1, batch.local) if global_size % (n * batch.dp) == 0), default=None)
-            keys.insert(1, f"--training.local_batch_size {local}" if local else
+            keys.insert(1, "with a local_batch_size its data-parallel ranks and pipeline micro-batches split it into"
+                        if pipelined else f"--training.local_batch_size {local}" if local else
                         "on a data-parallel degree that divides it")
     return " ".join(keys)
 
@@ -129,7 +131,7 @@ class Checkpointer:
         self.train_state = TrainState(f"{config.model.name}/{config.model.flavor}", signature(plan.optimizer.groups),
                                       [plan.batch.global_size, plan.batch.seq_len],
                                       _routed_at_once(plan))
-        self.batch = plan.batch
+        self.batch, self.pipelined = plan.batch, plan.pipeline is not None
         self.capacity_factor = plan.experts.capacity_factor
         # train_state first: loading applies states in this order, so a wrong model fails first
         self.states = {
@@ -204,7 +206,7 @@ class Checkpointer:
         if self.train_state.batch_before is not None:  # e.g. global_batch_size -1 under another data-parallel degree
             before, now = self.train_state.batch_before, self.train_state.batch
             self._say(f"step-{loaded} was trained on {before[0]} sequences x {before[1]} tokens per step, this run takes "
-                      f"{now[0]} x {now[1]}: to go on as that run would, set {_batch_keys(before, self.batch)}")
+                      f"{now[0]} x {now[1]}: to go on as that run would, set {_batch_keys(before, self.batch, self.pipelined)}")
         elif self.train_state.routed_before is not None and self.capacity_factor is not None:
             self._say(f"experts keep a capacity per rank and micro-batch (parallelism.expert_capacity_factor): step-{loaded}'s "
                       f"ranks routed {self.train_state.routed_before} tokens at once, this run's {self.train_state.routed}, so "

@@ -1,10 +1,13 @@
 """The trainer's one error for bad user input, apart from the config so that modules the config
-imports (the converters declaring their sections) can raise it."""
+imports (the converters declaring their sections) can raise it; and where the ranks of --nproc
+leave their error line, which the command line reads before torch loads."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+
+ERRORS_ENV = "TESSERA_ERRORS_DIR"  # where the ranks of --nproc leave their error line for the launcher
 
 
 class ConfigError(ValueError):

@@ -20,6 +20,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from tessera.trainer.errors import ERRORS_ENV
+
 
 class TrainingError(RuntimeError):
     """The run cannot go on for a reason in its numbers or its peers (diverged, non-finite
@@ -145,7 +147,6 @@ def any_rank(group: dist.ProcessGroup | None, *flags: bool) -> list[bool]:
     return [bool(flag) for flag in raised.tolist()]
 
 
-ERRORS_ENV = "TESSERA_ERRORS_DIR"  # where the ranks of --nproc leave their error line for the launcher
 
 
 def exit_with_error(message: str, code: int) -> int:

@@ -21,19 +21,34 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
+from tessera.trainer.errors import ERRORS_ENV, LayoutError
+
+INTERRUPTED = "interrupted: stopped without a checkpoint of this step (SIGTERM or SIGUSR1 saves one first)"
+
+
+def _interrupted_while_loading(signum, frame) -> None:
+    """Ctrl-C while torch and the libraries load: no traceback from deep inside an import; said
+    once (a rank of --nproc leaves the saying to its launcher)."""
+    if ERRORS_ENV not in os.environ:
+        os.write(2, (INTERRUPTED + "\n").encode())
+    os._exit(130)
+
+
 # Run as a program (a rank, a launcher), not imported: no garbage collection while torch and the
 # libraries load (passes over their million objects, ~1 s of CPU per process); _loaded() freezes them
-# and turns it back on.
+# and turns it back on, and gives Ctrl-C back to Python (a KeyboardInterrupt, reported by main).
 _LOADING = __name__ == "__main__"
 if _LOADING:
     gc.disable()
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where a shell ignores it
+        signal.signal(signal.SIGINT, _interrupted_while_loading)
 
 from tessera.trainer.config import ConfigError, load_config
-from tessera.trainer.errors import LayoutError
-from tessera.trainer.faults import (ERRORS_ENV, STOP_SIGNALS, TrainingError, die_with_launcher, elastic_store_note,
+from tessera.trainer.faults import (STOP_SIGNALS, TrainingError, die_with_launcher, elastic_store_note,
                                     exit_with_error)
 
 
@@ -103,13 +118,13 @@ def _launch_local(nproc: int, argv: list[str], grace_s: int, rendezvous: tuple[s
     # the launcher's own log lines (ranks signalled, exit codes) would follow every rank's error
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     with tempfile.TemporaryDirectory(prefix="tessera-errors-") as errors:
-        os.environ[ERRORS_ENV] = errors
         restarts = _RestartNotice(Path(errors))
         agent_log = logging.getLogger("torch.distributed.elastic.agent.server.api")
-        agent_log.setLevel(logging.INFO)  # its other lines stay unsaid: this handler alone hears it
-        agent_log.propagate = False
-        agent_log.addHandler(restarts)
-        try:
+        try:  # from here the finally unsets ERRORS_ENV: this process's own error is printed, not filed
+            os.environ[ERRORS_ENV] = errors
+            agent_log.setLevel(logging.INFO)  # its other lines stay unsaid: this handler alone hears it
+            agent_log.propagate = False
+            agent_log.addHandler(restarts)
             run(launcher_args)
         except (RendezvousError, torch.distributed.DistError) as e:  # the ranks never met: hosts, ports, firewalls
             print(f"error: {nproc}-process run could not start: {(str(e).strip().splitlines() or [type(e).__name__])[0]}",
@@ -129,7 +144,7 @@ def _launch_local(nproc: int, argv: list[str], grace_s: int, rendezvous: tuple[s
             print(f"error: {nproc}-process run failed: {exits or type(e).__name__}", file=sys.stderr)
             return 1
         finally:
-            del os.environ[ERRORS_ENV]
+            os.environ.pop(ERRORS_ENV, None)
             agent_log.removeHandler(restarts)
     return 0
 
@@ -180,6 +195,8 @@ def _loaded() -> None:
     if _LOADING:
         gc.freeze()
         gc.enable()
+        if signal.getsignal(signal.SIGINT) is _interrupted_while_loading:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         _LOADING = False
 
 
@@ -271,8 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingError as e:  # diverged: the numbers, not the input, are at fault
         return exit_with_error(f"error: {e}", 1)
     except KeyboardInterrupt:  # Ctrl-C, or under --nproc the launcher's: the user's stop, not a bug
-        return exit_with_error(f"interrupted: stopped without a checkpoint of this step ({' or '.join(sig.name for sig in STOP_SIGNALS)} "
-                               "saves one first)", 130)
+        return exit_with_error(INTERRUPTED, 130)
     return 0
 
 

@@ -55,10 +55,11 @@ _METADATA_GLOBALS = {
 }
 
 
-# what damaged bytes raise while they are unpickled or unzipped (measured with random byte flips:
-# torch's zip reader's RuntimeErrors, UnicodeDecodeError, UnpicklingError); anything else, a bug
-# included, keeps its own type and traceback
-_DAMAGE = (pickle.UnpicklingError, RuntimeError, ValueError, EOFError)
+# what damaged bytes raise while they are unzipped or unpickled (measured with random byte flips,
+# in the pickles too: torch's zip reader's RuntimeErrors, UnicodeDecodeError, UnpicklingError, the
+# unpickler's IndexError on its stack, KeyError on its memo); anything else, a bug included, keeps
+# its own type and traceback
+_DAMAGE = (pickle.UnpicklingError, RuntimeError, ValueError, EOFError, IndexError, KeyError)
 
 
 class _MetadataUnpickler(pickle.Unpickler):

@@ -1,8 +1,8 @@
-"""Helpers the parallelism libraries share to act on modules and tensors (their one home; only
-tessera.models, which depends on torch alone, keeps its own K/V repeat for its kernels):
-a class swap that keeps a module's state-dict keys, hooks and FSDP wrapping; a module's DTensor
-parameters seen as local tensors while its own forward runs; K/V heads repeated to the query
-heads of grouped-query attention and their gradients folded back."""
+"""Helpers the parallelism libraries share to act on modules and tensors (their one home;
+tessera.models' attention kernels use the K/V repeat too): a class swap that keeps a module's
+state-dict keys, hooks and FSDP wrapping; a module's DTensor parameters seen as local tensors
+while its own forward runs; K/V heads repeated to the query heads of grouped-query attention
+and their gradients folded back."""
 
 from __future__ import annotations
 

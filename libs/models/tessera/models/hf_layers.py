@@ -91,7 +91,7 @@ def from_hf(state_dict: dict[str, torch.Tensor], per_layer: dict[str, str], fami
             continue
         match = _HF_LAYER.fullmatch(key)
         layer, name = match.groups() if match else (None, None)
-        expert = expert_slice(key)
+        expert = expert_slice(key) if n_experts else None  # a dense model's: an unknown key
         if expert:
             experts.setdefault(expert[0], {})[expert[1]] = value
         elif name in layer_names:
