@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 
 from tessera.ckpt import manager as manager_module
@@ -350,6 +351,19 @@ def test_corrupt_shard_bytes_are_named_in_one_line(saved, damage):
     with pytest.raises(ValueError, match=re.escape(f"checkpoint data file {data} is corrupt")) as error:
         _manager(folder, model, optimizer).load(1)
     assert "\n" not in str(error.value) and "weights_only` set to `False`" not in str(error.value)  # not torch's advice
+
+
+def test_another_ranks_bug_shows_its_traceback():
+    """DCP gathers another rank's exception without its traceback, as text frames: they come
+    with the error, so a bug on rank 3 is found from rank 0's output."""
+    import traceback
+
+    from tessera.ckpt.dcp_io import raise_first_failure
+
+    frames = traceback.StackSummary.from_list([("planner.py", 42, "resolve", "shard = shards[index]")])
+    with pytest.raises(RuntimeError, match=r"failed on rank 3: TypeError\('a bug'\)") as error:
+        raise_first_failure(CheckpointException("read", {3: (TypeError("a bug"), frames)}))
+    assert "rank 3's traceback" in "".join(error.value.__notes__) and "planner.py" in "".join(error.value.__notes__)
 
 
 @pytest.mark.parametrize("failure", [IndexError("pop from empty list"), KeyError(7), EOFError()])

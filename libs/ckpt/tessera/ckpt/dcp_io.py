@@ -202,14 +202,18 @@ def raise_first_failure(e: CheckpointException) -> None:
     """DCP gathers each rank's exception into one CheckpointException (a BaseException);
     re-raise the lowest rank's own exception so callers see a plain, one-line error. An
     OSError stays one (a full disk, a read-only folder: the caller names the folder); anything
-    else is a RuntimeError caused by the rank's own exception, whose traceback it keeps."""
+    else is a RuntimeError caused by the rank's own exception, whose traceback it keeps (another
+    rank's, which arrives without one, as a note)."""
     rank = min(e.failures)
-    error, _ = e.failures[rank]
+    error, stack = e.failures[rank]
     if isinstance(error, (ValueError, FileNotFoundError)):
         raise type(error)(str(error)) from None
     if isinstance(error, OSError):
         raise (OSError(error.errno, error.strerror, error.filename) if error.errno else OSError(str(error))) from None
-    raise RuntimeError(f"checkpoint operation failed on rank {rank}: {error!r}") from error  # a bug: its traceback
+    failure = RuntimeError(f"checkpoint operation failed on rank {rank}: {error!r}")
+    if error.__traceback__ is None and stack and hasattr(failure, "add_note"):  # another rank's: its frames came as text
+        failure.add_note(f"rank {rank}'s traceback (most recent call last):\n" + "".join(stack.format()).rstrip())
+    raise failure from error  # a bug: its traceback
 
 
 def _no_dist() -> bool:
