@@ -838,12 +838,16 @@ def to_dict(config: JobConfig) -> dict:
 def show_config(config: JobConfig) -> None:
     """job.print_config prints the resolved config; job.save_config_file writes it into the dump
     folder, whole or not at all (written beside, then renamed)."""
-    if config.job.print_config or config.job.print_args:
-        print(json.dumps(to_dict(config), indent=2), flush=True)
+    shown = config.job.print_config or config.job.print_args
+    if not (shown or config.job.save_config_file):
+        return
+    text = json.dumps(to_dict(config), indent=2)
+    if shown:
+        print(text, flush=True)
     if config.job.save_config_file:
         saved = Path(config.job.dump_folder) / config.job.save_config_file
         saved.parent.mkdir(parents=True, exist_ok=True)
         # one per process: fault tolerance's replica groups (a rank 0 each) write it at once
         partial = saved.with_name(f".{saved.name}.{os.getpid()}.partial")
-        partial.write_text(json.dumps(to_dict(config), indent=2))
+        partial.write_text(text)
         os.replace(partial, saved)

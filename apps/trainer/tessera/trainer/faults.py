@@ -147,8 +147,6 @@ def any_rank(group: dist.ProcessGroup | None, *flags: bool) -> list[bool]:
     return [bool(flag) for flag in raised.tolist()]
 
 
-
-
 def exit_with_error(message: str, code: int) -> int:
     """Prints `message` (one line) and returns the exit status, or under --nproc hands it to the
     launcher, which prints the first rank's once, and exits."""

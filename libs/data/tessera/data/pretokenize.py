@@ -96,8 +96,8 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # another user's
-        return True
+    except PermissionError:  # another user's: alive all the same
+        pass
     return True
 
 
