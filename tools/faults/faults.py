@@ -234,6 +234,12 @@ def _faulty_then_restart(fault: Fault, dump: Path, layout: list[str], steps: int
     final = folder / f"step-{steps}"
     survived = code == 0 and not orphans and (final / ".metadata").is_file()
     expected, resumed = reference.losses(), second.losses()
+    if not survived:  # why, for a fault that fails only on some machine: the restart's last lines
+        tail = second.log.read_text().splitlines()[-15:]
+        ended = "with orphaned ranks" if code == -1 else f"exit {code}"
+        missing = "" if (final / ".metadata").is_file() else f" without {final.name}"
+        row["why"] = [f"{fault.name} failed: the restart ended {ended}{missing}; its last {len(tail)} lines:",
+                      *(f"  {line}" for line in tail)]
     return {
         **row, "survived": survived, "steps lost": len(trained_again),
         "data lost": sum(_lost(step) for step in before),
@@ -369,6 +375,8 @@ def _inject_and_measure(parser: argparse.ArgumentParser, args: argparse.Namespac
                   f"{_cell(row['loss diff']):>9} {_cell(row['weight diff']):>11}  {row['ended'][:90]}")
         print(f"{len(rows)} faults injected, {sum(row['survived'] for row in rows)} survived, "
               f"{sum(row['data lost'] for row in rows)} checkpoints lost")
+        for line in (line for row in rows for line in row.get("why", [])):
+            print(line.replace(str(work), "<work>"))
         if no_tmpfs is not None:
             print(f"disk faults on a real tmpfs skipped ({no_tmpfs}): a file-size limit stands in for a full disk")
     recovered = [recovery.measure(r, work) for r in recoveries]  # a killed rank: torchft against a restart

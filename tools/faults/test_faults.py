@@ -5,6 +5,8 @@ exact resumes, a diverged run stopped; and a killed rank recovered by torchft's 
 beside a checkpoint restart."""
 
 import re
+import types
+from pathlib import Path
 
 import pytest
 
@@ -113,3 +115,33 @@ def test_a_failed_recovery_says_why_with_its_log():
         "kill-rank-torchft-per-step failed: rank 1 never reached step 7 on its first attempt; final weights: only "
         "group(s) 0 ended; the faulty run's last 2 lines:",
         "  [replica 1] error: checkpoint folder is not writable", "  [replica 0] run done: 8 steps"]
+
+
+def test_a_restart_that_failed_says_why_with_its_log(monkeypatch, capsys):
+    """A SIGTERM fault that failed once in CI printed only its row (survived False, no loss): the
+    restart's ending and last lines now follow the table. Runs stand in for the trainer here: the
+    reference and the faulty run each save step-2; the restart fails to start."""
+    class Scripted(faults.Run):
+        def __init__(self, dump, steps, extra, preexec_fn=None, tag="run"):
+            self.dump, self.log, self.tag = dump, Path(f"{dump}.{tag}.log"), tag
+            self.proc = types.SimpleNamespace(send_signal=lambda sig: None)
+            lines = ["error: 2-process run could not start: address in use"] if tag == "restart" else [
+                f"step {step}/{steps}  loss   8.0000" for step in (1, 2, 3)]
+            self.log.write_text("\n".join(lines) + "\n")
+            if tag != "restart":
+                (dump / "checkpoint" / "step-2").mkdir(parents=True)
+                (dump / "checkpoint" / "step-2" / ".metadata").write_bytes(b"")
+
+        def wait_until(self, condition, timeout=600):
+            return condition()
+
+        def finish(self, timeout=600):
+            return 1 if self.tag == "restart" else 0
+
+    monkeypatch.setattr(faults, "_tmpfs_unavailable", lambda work: "not mounted in this test")
+    monkeypatch.setattr(faults, "_lost", lambda step: False)
+    monkeypatch.setattr(faults, "Run", Scripted)
+    assert faults.main(["--only", "sigterm-single", "--steps", "6"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[-3:-1] == ["sigterm-single failed: the restart ended exit 1 without step-6; its last 1 lines:",
+                          "  error: 2-process run could not start: address in use"], out

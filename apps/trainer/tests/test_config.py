@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from tessera.trainer.cli_info import help_text
 from tessera.trainer.config import ConfigError, JobConfig, load_config, parse_overrides
-from tessera.trainer.schema import check_declared, declared, key, table
+from tessera.trainer.schema import check_declared, declared, get_key, key, table
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -186,6 +187,37 @@ def test_every_declared_bound_is_enforced(name):
 def test_every_declared_choice_rejects_a_typo(name):
     with pytest.raises(ConfigError, match=f"^config key {name}"):
         load_config([f"--{name}", "typo"])
+
+
+def _typed(value) -> str:
+    """A value as the command line writes it."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list):
+        return ",".join(value)
+    return "none" if value is None else str(value)
+
+
+_SWITCHED = {name: facts.needs for name, facts in declared(JobConfig).items() if facts.needs and facts.needs != name}
+
+
+@pytest.mark.parametrize("name", sorted(_SWITCHED))
+def test_an_option_for_a_feature_that_is_off_is_noted(name, capsys):
+    value = _typed(get_key(JobConfig(), name))
+    load_config([f"--{name}", value])
+    assert capsys.readouterr().err == f"note: --{name} has no effect: {_SWITCHED[name]} is false\n"
+    load_config([f"--{name}", value, f"--{_SWITCHED[name]}", "true"])
+    assert capsys.readouterr().err == ""
+    line = next(line for line in help_text(name.split(".")[0]).splitlines() if line.startswith(f"  --{name} "))
+    assert line.endswith(f" [only with {_SWITCHED[name]}]")
+
+
+def test_a_config_file_sets_keys_of_a_feature_that_is_off_unnoted(tmp_path, capsys):
+    """torchtitan's configs carry [checkpoint] and [validation] keys with the feature off."""
+    path = tmp_path / "job.toml"
+    path.write_text("[checkpoint]\nenable = false\ninterval = 5\n[validation]\nfreq = 3\n")
+    load_config(["--job.config_file", str(path)])
+    assert capsys.readouterr().err == ""
 
 
 def test_the_float8_converters_do_not_import_the_config():

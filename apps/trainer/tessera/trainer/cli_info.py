@@ -15,7 +15,7 @@ import tomllib
 from tessera.trainer.config import ConfigError, JobConfig, get_key
 from tessera.trainer.schema import NEWER_TORCHTITAN, OLDER_TORCHTITAN, TESSERA, declared
 
-TRAINER_VERSION = "0.23.0"
+TRAINER_VERSION = "0.24.0"
 LIBRARIES = ("mesh", "models", "data", "fsdp", "tp", "pp", "cp", "ep", "ckpt", "float8", "optim")
 
 USAGE = """usage: trainer [--nproc N [--hosts H0,H1,... --node_rank R --port P] [--max_restarts K]]
@@ -48,7 +48,8 @@ def help_text(section: str | None = None) -> str:
             if key.split(".")[0] == name:
                 refused = f" [only the default: {facts.refused}]" if facts.refused else ""
                 inert = f" [no effect: {facts.inert}]" if facts.inert else ""
-                lines.append(f"  --{key} (default {_default(key)}): {facts.help}{refused}{inert}")
+                needs = f" [only with {facts.needs}]" if facts.needs not in (None, key) else ""
+                lines.append(f"  --{key} (default {_default(key)}): {facts.help}{refused}{inert}{needs}")
         lines.append("")
     return "\n".join(lines).rstrip()
 

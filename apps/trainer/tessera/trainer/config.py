@@ -252,19 +252,21 @@ class Parallelism:
 @dataclasses.dataclass
 class Checkpoint:
     enable: bool = key(False, "save and resume checkpoints")
-    folder: str = key("checkpoint", "under job.dump_folder")
-    interval: int = key(500, "save every this many steps", bound=">= 1")
+    folder: str = key("checkpoint", "under job.dump_folder")  # a seed checkpoint's too
+    interval: int = key(500, "save every this many steps", bound=">= 1", needs="checkpoint.enable")
     async_mode: str = key(
         "disabled", "disabled, async or async_with_pinned_mem: write in the background", choices=ASYNC_MODES)
-    keep_latest_k: int = key(10, "keep this many newest checkpoints; 0: all", bound=">= 0")
+    keep_latest_k: int = key(10, "keep this many newest checkpoints; 0: all", bound=">= 0", needs="checkpoint.enable")
     load_step: int = key(-1, "resume from this step; -1: the newest")
     exclude_from_loading: list[str] = key(
         [], "state left out when resuming: model, optimizer, lr_scheduler, dataloader, train_state, rng (per-rank "
         "random state), replicas (fault tolerance's semi-sync state)",
         choices=("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng", "replicas"))
-    last_save_model_only: bool = key(True, "beside the final full checkpoint, also export the model alone")
+    last_save_model_only: bool = key(True, "beside the final full checkpoint, also export the model alone",
+                                     needs="checkpoint.enable")
     export_dtype: str = key(
-        "float32", "dtype of model-only and HF exports: float32, bfloat16 or float16", choices=tuple(EXPORT_DTYPES))
+        "float32", "dtype of model-only and HF exports: float32, bfloat16 or float16", choices=tuple(EXPORT_DTYPES),
+        needs="checkpoint.enable")
     initial_load_path: str = key("", "a checkpoint to start from when the run has none of its own", path=True)
     initial_load_model_only: bool = key(True, "the initial checkpoint holds the model only")
     initial_load_in_hf: bool = key(
@@ -308,8 +310,9 @@ class ActivationCheckpoint:
 @dataclasses.dataclass
 class Compile:
     enable: bool = key(False, "torch.compile each block and the loss")
-    components: list[str] = key(["model", "loss"], "what to compile: model, loss", choices=("model", "loss"))
-    backend: str = key("inductor", "torch.compile backend")
+    components: list[str] = key(["model", "loss"], "what to compile: model, loss", choices=("model", "loss"),
+                                needs="compile.enable")
+    backend: str = key("inductor", "torch.compile backend", needs="compile.enable")
 
 
 @dataclasses.dataclass
@@ -335,15 +338,18 @@ class Metrics:
 @dataclasses.dataclass
 class Profiling:
     enable_profiling: bool = key(False, "trace steps with torch.profiler")
-    save_traces_folder: str = key("profile_traces", "under job.dump_folder: iteration_<step>/rank<r>_trace.json")
+    save_traces_folder: str = key("profile_traces", "under job.dump_folder: iteration_<step>/rank<r>_trace.json",
+                                  needs="profiling.enable_profiling")
     profile_freq: int = key(10, "one trace every this many steps", bound=">= 1")
     enable_memory_snapshot: bool = key(
         False, "CUDA: record allocations and dump a snapshot every profile_freq steps and when a step runs out "
         "of memory")
     save_memory_snapshot_folder: str = key(
-        "memory_snapshot", "under job.dump_folder: iteration_<step>[_exit]/rank<r>_memory_snapshot.pickle")
-    profiler_active: int = key(1, "steps recorded in each trace", bound=">= 1")
-    profiler_warmup: int = key(3, "steps run under the profiler, unrecorded, before each trace", bound=">= 0")
+        "memory_snapshot", "under job.dump_folder: iteration_<step>[_exit]/rank<r>_memory_snapshot.pickle",
+        needs="profiling.enable_memory_snapshot")
+    profiler_active: int = key(1, "steps recorded in each trace", bound=">= 1", needs="profiling.enable_profiling")
+    profiler_warmup: int = key(3, "steps run under the profiler, unrecorded, before each trace", bound=">= 0",
+                               needs="profiling.enable_profiling")
 
 
 @dataclasses.dataclass
@@ -485,7 +491,7 @@ class JobConfig:
     comm: Comm = table(Comm)
     memory_estimation: MemoryEstimation = table(MemoryEstimation)
     fault_tolerance: FaultTolerance = table(FaultTolerance)
-    validation: Validation = table(Validation)
+    validation: Validation = table(Validation, needs="validation.enable")
     experimental: Experimental = table(Experimental)
     debug: Debug = table(Debug)
 
@@ -722,7 +728,18 @@ def load_config(argv: list[str], accepted: frozenset[str] = frozenset()) -> JobC
     config.model.name = _TORCHTITAN_MODELS.get(config.model.name, config.model.name)
     _custom_import(config.experimental.custom_import)
     validate(config, accepted)
+    _note_switched_off(config, overrides)
     return config
+
+
+def _note_switched_off(config: JobConfig, overrides: list[tuple[str, str, str]]) -> None:
+    """An option typed on the command line for a feature that is off would change nothing, silently
+    (the same key in a config file is let be: torchtitan's configs set them with the feature off)."""
+    facts = declared(JobConfig)
+    for dotted in dict.fromkeys(f"{section}.{name}" for section, name, _ in overrides):
+        switch = facts[dotted].needs
+        if switch not in (None, dotted) and not get_key(config, switch):
+            note(f"--{dotted} has no effect: {switch} is false")
 
 
 # torchtitan 0.2.2's model names that are a Tessera family under another name: its llama3_ft is

@@ -1,7 +1,7 @@
 """One declaration per config key, beside its field: `key()` gives a section dataclass's field its
 default and the facts the trainer acts on (help line, allowed values, bound, whether it is a path,
 where its name comes from, why a value other than the default is refused, why a key accepted
-for torchtitan's configs has no effect). Validation, `--help`
+for torchtitan's configs has no effect, which switch it needs). Validation, `--help`
 and the README's key table read them through `declared`, so nothing restates a key."""
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ class Key:
     origin: str = TORCHTITAN
     refused: str | None = None  # why a value other than the default is refused
     inert: str | None = None  # why any value has no effect here (kept for torchtitan's configs)
+    needs: str | None = None  # the switch (a bool key) without which this key has no effect
 
 
 def key(default: typing.Any, help: str, **facts: typing.Any) -> typing.Any:
