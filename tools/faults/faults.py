@@ -105,7 +105,8 @@ class Run:
         return True
 
     def finish(self, timeout: float = 600) -> int:
-        """The exit status; ranks left behind (orphans) are killed and make it -1."""
+        """The exit status; ranks left behind (orphans), or a run past `timeout`, are killed and
+        make it -1 (`ending` says which)."""
         try:
             code = self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -120,6 +121,7 @@ class Run:
         if code is None:
             self.proc.kill()
             self.proc.wait()
+        self.ending = f"past its {timeout:g} s" if code is None else "orphaned ranks" if left else f"exit {code}"
         return -1 if left or code is None else code
 
     def steps_trained(self) -> list[int]:
@@ -219,7 +221,7 @@ def _faulty_then_restart(fault: Fault, dump: Path, layout: list[str], steps: int
     code = first.finish()
     orphans = code == -1
     row = {"fault": fault.name, "resumes": fault.resumes,
-           "ended": "orphaned ranks" if orphans else f"exit {code}" + (f": {first.first_error()}" if first.first_error() else "")}
+           "ended": first.ending if orphans else f"exit {code}" + (f": {first.first_error()}" if first.first_error() else "")}
     row["ended"] = row["ended"].replace(str(dump), "<dump>")
     before, trained = _complete(folder), max(first.steps_trained(), default=0)
     if not fault.resumes:
@@ -236,10 +238,10 @@ def _faulty_then_restart(fault: Fault, dump: Path, layout: list[str], steps: int
     expected, resumed = reference.losses(), second.losses()
     if not survived:  # why, for a fault that fails only on some machine: the restart's last lines
         tail = second.log.read_text().splitlines()[-15:]
-        ended = "with orphaned ranks" if code == -1 else f"exit {code}"
-        missing = "" if (final / ".metadata").is_file() else f" without {final.name}"
-        row["why"] = [f"{fault.name} failed: the restart ended {ended}{missing}; its last {len(tail)} lines:",
-                      *(f"  {line}" for line in tail)]
+        missing = "" if (final / ".metadata").is_file() else f", no {final.name}"
+        faulty = f"the faulty run's ending: {first.ending}; " if orphans else ""
+        row["why"] = [f"{fault.name} failed: {faulty}the restart's ending: {second.ending}{missing}; its last "
+                      f"{len(tail)} lines:", *(f"  {line}" for line in tail)]
     return {
         **row, "survived": survived, "steps lost": len(trained_again),
         "data lost": sum(_lost(step) for step in before),

@@ -136,12 +136,14 @@ def test_a_restart_that_failed_says_why_with_its_log(monkeypatch, capsys):
             return condition()
 
         def finish(self, timeout=600):
-            return 1 if self.tag == "restart" else 0
+            code = 1 if self.tag == "restart" else 0
+            self.ending = f"exit {code}"
+            return code
 
     monkeypatch.setattr(faults, "_tmpfs_unavailable", lambda work: "not mounted in this test")
     monkeypatch.setattr(faults, "_lost", lambda step: False)
     monkeypatch.setattr(faults, "Run", Scripted)
     assert faults.main(["--only", "sigterm-single", "--steps", "6"]) == 1
     out = capsys.readouterr().out.splitlines()
-    assert out[-3:-1] == ["sigterm-single failed: the restart ended exit 1 without step-6; its last 1 lines:",
+    assert out[-3:-1] == ["sigterm-single failed: the restart's ending: exit 1, no step-6; its last 1 lines:",
                           "  error: 2-process run could not start: address in use"], out

@@ -48,7 +48,7 @@ def help_text(section: str | None = None) -> str:
             if key.split(".")[0] == name:
                 refused = f" [only the default: {facts.refused}]" if facts.refused else ""
                 inert = f" [no effect: {facts.inert}]" if facts.inert else ""
-                needs = f" [only with {facts.needs}]" if facts.needs not in (None, key) else ""
+                needs = f" [only with {facts.needs}]" if facts.needs else ""
                 lines.append(f"  --{key} (default {_default(key)}): {facts.help}{refused}{inert}{needs}")
         lines.append("")
     return "\n".join(lines).rstrip()

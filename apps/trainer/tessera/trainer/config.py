@@ -252,11 +252,12 @@ class Parallelism:
 @dataclasses.dataclass
 class Checkpoint:
     enable: bool = key(False, "save and resume checkpoints")
-    folder: str = key("checkpoint", "under job.dump_folder")  # a seed checkpoint's too
+    # folder, keep_latest_k and export_dtype act on a seed checkpoint too: no `needs`
+    folder: str = key("checkpoint", "under job.dump_folder")
     interval: int = key(500, "save every this many steps", bound=">= 1", needs="checkpoint.enable")
     async_mode: str = key(
         "disabled", "disabled, async or async_with_pinned_mem: write in the background", choices=ASYNC_MODES)
-    keep_latest_k: int = key(10, "keep this many newest checkpoints; 0: all", bound=">= 0", needs="checkpoint.enable")
+    keep_latest_k: int = key(10, "keep this many newest checkpoints; 0: all", bound=">= 0")
     load_step: int = key(-1, "resume from this step; -1: the newest")
     exclude_from_loading: list[str] = key(
         [], "state left out when resuming: model, optimizer, lr_scheduler, dataloader, train_state, rng (per-rank "
@@ -265,8 +266,7 @@ class Checkpoint:
     last_save_model_only: bool = key(True, "beside the final full checkpoint, also export the model alone",
                                      needs="checkpoint.enable")
     export_dtype: str = key(
-        "float32", "dtype of model-only and HF exports: float32, bfloat16 or float16", choices=tuple(EXPORT_DTYPES),
-        needs="checkpoint.enable")
+        "float32", "dtype of model-only and HF exports: float32, bfloat16 or float16", choices=tuple(EXPORT_DTYPES))
     initial_load_path: str = key("", "a checkpoint to start from when the run has none of its own", path=True)
     initial_load_model_only: bool = key(True, "the initial checkpoint holds the model only")
     initial_load_in_hf: bool = key(
@@ -279,7 +279,8 @@ class Checkpoint:
         False, "the initial HF checkpoint holds quantized weights, dequantised on load (GPT-OSS's MXFP4 experts)")
     enable_ft_dataloader_checkpoints: bool = key(
         True, "with fault_tolerance.enable: each replica group records its data loader's position after every step "
-        "(under folder/ft-replica-<id>), so a restarted group neither repeats nor skips its data")
+        "(under folder/ft-replica-<id>), so a restarted group neither repeats nor skips its data",
+        needs="fault_tolerance.enable")
 
 
 @dataclasses.dataclass
@@ -456,7 +457,8 @@ class Debug:
     seed: int = key(0, "seed of weights, data order and dropout")
     deterministic: bool = key(False, "deterministic kernels only, TF32 off")
     deterministic_warn_only: bool = key(
-        False, "with deterministic: an op without a deterministic kernel warns instead of failing")
+        False, "with deterministic: an op without a deterministic kernel warns instead of failing",
+        needs="debug.deterministic")
     moe_force_load_balance: bool = key(False, "route MoE tokens round-robin, for load-balanced benchmarks")
     # The injected fault, to test recovery: rank fault_rank crashes (exits at once, as if killed)
     # or stalls (stops answering for twice comm.train_timeout_seconds); on a launcher's first
@@ -738,7 +740,7 @@ def _note_switched_off(config: JobConfig, overrides: list[tuple[str, str, str]])
     facts = declared(JobConfig)
     for dotted in dict.fromkeys(f"{section}.{name}" for section, name, _ in overrides):
         switch = facts[dotted].needs
-        if switch not in (None, dotted) and not get_key(config, switch):
+        if switch and not get_key(config, switch):
             note(f"--{dotted} has no effect: {switch} is false")
 
 

@@ -53,7 +53,8 @@ def key(default: typing.Any, help: str, **facts: typing.Any) -> typing.Any:
 
 def table(cls: type, **facts: typing.Any) -> typing.Any:
     """A field holding a section or nested table. `facts` replace those of each of its keys: the
-    same keys may appear under another (older) name."""
+    same keys may appear under another (older) name, or all need one switch (`needs`, which the
+    switch itself then does not)."""
     return dataclasses.field(default_factory=cls, metadata={"facts": facts})
 
 
@@ -72,7 +73,8 @@ def _walk(cls: type, prefix: str, facts: dict) -> Iterator[tuple[str, Key]]:
         elif "key" not in field.metadata:
             raise TypeError(f"config key {name} is not declared with tessera.trainer.schema.key")
         else:
-            yield name, dataclasses.replace(field.metadata["key"], **facts)
+            declared_key = dataclasses.replace(field.metadata["key"], **facts)
+            yield name, declared_key if declared_key.needs != name else dataclasses.replace(declared_key, needs=None)
 
 
 def get_key(config: typing.Any, dotted: str) -> typing.Any:
