@@ -730,18 +730,7 @@ def load_config(argv: list[str], accepted: frozenset[str] = frozenset()) -> JobC
     config.model.name = _TORCHTITAN_MODELS.get(config.model.name, config.model.name)
     _custom_import(config.experimental.custom_import)
     validate(config, accepted)
-    _note_switched_off(config, overrides)
     return config
-
-
-def _note_switched_off(config: JobConfig, overrides: list[tuple[str, str, str]]) -> None:
-    """An option typed on the command line for a feature that is off would change nothing, silently
-    (the same key in a config file is let be: torchtitan's configs set them with the feature off)."""
-    facts = declared(JobConfig)
-    for dotted in dict.fromkeys(f"{section}.{name}" for section, name, _ in overrides):
-        switch = facts[dotted].needs
-        if switch and not get_key(config, switch):
-            note(f"--{dotted} has no effect: {switch} is false")
 
 
 # torchtitan 0.2.2's model names that are a Tessera family under another name: its llama3_ft is
