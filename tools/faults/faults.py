@@ -221,7 +221,7 @@ def _faulty_then_restart(fault: Fault, dump: Path, layout: list[str], steps: int
     code = first.finish()
     orphans = code == -1
     row = {"fault": fault.name, "resumes": fault.resumes,
-           "ended": first.ending if orphans else f"exit {code}" + (f": {first.first_error()}" if first.first_error() else "")}
+           "ended": first.ending + (f": {first.first_error()}" if not orphans and first.first_error() else "")}
     row["ended"] = row["ended"].replace(str(dump), "<dump>")
     before, trained = _complete(folder), max(first.steps_trained(), default=0)
     if not fault.resumes:
@@ -234,11 +234,12 @@ def _faulty_then_restart(fault: Fault, dump: Path, layout: list[str], steps: int
     code = second.finish()
     trained_again = [s for s in second.steps_trained() if s <= trained]
     final = folder / f"step-{steps}"
-    survived = code == 0 and not orphans and (final / ".metadata").is_file()
+    finished = (final / ".metadata").is_file()
+    survived = code == 0 and not orphans and finished
     expected, resumed = reference.losses(), second.losses()
     if not survived:  # why, for a fault that fails only on some machine: the restart's last lines
         tail = second.log.read_text().splitlines()[-15:]
-        missing = "" if (final / ".metadata").is_file() else f", no {final.name}"
+        missing = "" if finished else f", no {final.name}"
         faulty = f"the faulty run's ending: {first.ending}; " if orphans else ""
         row["why"] = [f"{fault.name} failed: {faulty}the restart's ending: {second.ending}{missing}; its last "
                       f"{len(tail)} lines:", *(f"  {line}" for line in tail)]
