@@ -106,8 +106,9 @@ def test_without_torchft_fault_tolerance_says_what_to_install(monkeypatch, capsy
     assert f"fault_tolerance.enable needs torchft, which is not installed: pip install {ft_plan.TORCHFT_PIN}" in notes
 
 
-def test_the_trainer_never_imports_torchft_without_fault_tolerance(tmp_path):
+def test_a_plain_run_imports_neither_torchft_nor_torch_pipelining(tmp_path):
     code = ("import sys; sys.modules['torchft'] = None\n"  # any import of torchft now fails
+            "sys.modules['torch.distributed.pipelining'] = None\n"  # nor pipelining's, without pp (dynamo: ~1 s a process)
             "from tessera.trainer.config import load_config\nfrom tessera.trainer.train import train\n"
             f"train(load_config(['--training.steps', '1', '--training.seq_len', '32', '--training.local_batch_size', '2', "
             f"'--job.dump_folder', {str(tmp_path)!r}]))\nprint('trained')")

@@ -1,3 +1,7 @@
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -178,3 +182,15 @@ def test_schedule_csvs_torch_runs_pass_the_check(tmp_path, text):
     path = tmp_path / "s.csv"
     path.write_text(text)
     check_schedule_csv(str(path), "1F1B", 2, 2, 4)
+
+
+def test_torch_pipelining_loads_at_the_first_use_of_a_schedule():
+    """Importing tessera.pp and splitting by numbers leave torch's pipelining (and the dynamo it
+    loads, about a second per process) unloaded, for the launchers and planners of jobs without
+    pipeline parallelism; a schedule's first use and Pipeline load it."""
+    code = ("import sys\nimport tessera.pp as pp\npp.even_split(2, 4)\n"
+            "print('torch.distributed.pipelining' in sys.modules, pp.is_single_stage('1F1B'),"
+            " 'torch.distributed.pipelining' in sys.modules, pp.Pipeline.__name__)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            env={"PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"})
+    assert result.stdout.split() == ["False", "True", "True", "Pipeline"], result.stderr[-2000:]

@@ -1,7 +1,6 @@
 """tessera.pp: pipeline parallelism — cut a model into stages by module names, place them on
 the pp ranks (looped or V-shaped), and run torch.distributed.pipelining's schedules."""
 
-from tessera.pp.pipeline import Pipeline, build_pipeline
 from tessera.pp.split import keep_only, model_parts_names
 from tessera.pp.stages import (
     SCHEDULES,
@@ -20,6 +19,18 @@ from tessera.pp.stages import (
     stage_count,
     stage_ids,
 )
+
+
+def __getattr__(name: str):
+    """Pipeline and build_pipeline come from their module at first use: it loads torch's
+    pipelining, and dynamo with it, which the planning helpers above and a job without pipeline
+    parallelism do without."""
+    if name in ("Pipeline", "build_pipeline"):
+        from tessera.pp import pipeline
+
+        return getattr(pipeline, name)
+    raise AttributeError(f"module 'tessera.pp' has no attribute {name!r}")
+
 
 __all__ = [
     "SCHEDULES",

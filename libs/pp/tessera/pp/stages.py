@@ -12,20 +12,21 @@ from __future__ import annotations
 import csv
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
-from torch.distributed.pipelining.schedules import (
-    BACKWARD_INPUT,
-    BACKWARD_WEIGHT,
-    PipelineScheduleSingle,
-    ScheduleDualPipeV,
-    ScheduleZBVZeroBubble,
-    _Action,
-    _add_send_recv,
-    _simulate_comms_compute,
-    _validate_schedule,
-    get_schedule_class,
-)
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining.schedules import _Action
+
+
+def _torch_schedules():
+    """torch's schedules module, loaded at first use: it loads dynamo with it (about a second at
+    each process start, measured), which a job without pipeline parallelism never needs."""
+    from torch.distributed.pipelining import schedules
+
+    return schedules
+
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
@@ -45,17 +46,18 @@ def canonical_schedule(name: str) -> str:
 
 
 def schedule_class(name: str) -> type:
-    return get_schedule_class(canonical_schedule(name))
+    return _torch_schedules().get_schedule_class(canonical_schedule(name))
 
 
 def is_single_stage(name: str) -> bool:
     """One stage per rank (GPipe, 1F1B) rather than several looped or V-placed ones."""
-    return issubclass(schedule_class(name), PipelineScheduleSingle)
+    return issubclass(schedule_class(name), _torch_schedules().PipelineScheduleSingle)
 
 
 def is_v_shaped(name: str) -> bool:
     """Two stages per rank placed in V order: rank r holds stages r and 2*pp-1-r."""
-    return schedule_class(name) in (ScheduleZBVZeroBubble, ScheduleDualPipeV)
+    torch_schedules = _torch_schedules()
+    return schedule_class(name) in (torch_schedules.ScheduleZBVZeroBubble, torch_schedules.ScheduleDualPipeV)
 
 
 def check_backend(name: str, device_type: str) -> None:
@@ -76,7 +78,8 @@ def splits_backward(name: str, schedule_csv: str | None = None) -> bool:
     if not schedule_csv:
         return canonical_schedule(name) in SPLIT_BACKWARD_SCHEDULES
     actions = [a for row in _read_csv(schedule_csv) for a in row if a is not None]
-    return any(a.computation_type in (BACKWARD_INPUT, BACKWARD_WEIGHT) for a in actions)
+    torch_schedules = _torch_schedules()
+    return any(a.computation_type in (torch_schedules.BACKWARD_INPUT, torch_schedules.BACKWARD_WEIGHT) for a in actions)
 
 
 def _read_csv(path: str) -> list[list[_Action | None]]:
@@ -84,7 +87,7 @@ def _read_csv(path: str) -> list[list[_Action | None]]:
     with open(path, newline="") as f:
         rows = list(csv.reader(f))
     try:
-        return [[_Action.from_str(cell) for cell in row] for row in rows]
+        return [[_torch_schedules()._Action.from_str(cell) for cell in row] for row in rows]
     except (RuntimeError, ValueError) as e:
         raise ValueError(f"{path}: {e}") from None
 
@@ -115,8 +118,10 @@ def check_schedule_csv(path: str, schedule: str, pp: int, n_stages: int, n_micro
                     raise ValueError(f"{where}: {schedule} places stage {one.stage_index} on pp rank {owner[one.stage_index]}")
     actions = {rank: [a for a in row if a is not None] for rank, row in enumerate(rows)}
     try:  # torch's own checks, then its lowering to sends and receives, dry-run for deadlocks
-        _validate_schedule(actions, pp, n_stages, n_microbatches)
-        _simulate_comms_compute(_add_send_recv(actions, owner.__getitem__, n_stages), owner.__getitem__, n_stages)
+        torch_schedules = _torch_schedules()
+        torch_schedules._validate_schedule(actions, pp, n_stages, n_microbatches)
+        lowered = torch_schedules._add_send_recv(actions, owner.__getitem__, n_stages)
+        torch_schedules._simulate_comms_compute(lowered, owner.__getitem__, n_stages)
     except (AssertionError, ValueError, RuntimeError) as e:
         first = " ".join(str(e).strip().split("\n\n")[0].split())  # torch appends the whole schedule
         raise ValueError(f"{path}: torch cannot run this order: {first}") from None
