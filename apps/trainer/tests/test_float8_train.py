@@ -125,21 +125,27 @@ def test_torchtitan_auto_filter_flag_and_fsdp_only_switches():
     assert not single.enable_fsdp_float8_all_gather and not single.precompute_float8_dynamic_scale_for_fsdp
 
 
-def test_a_section_its_converter_does_not_read_gets_a_note(capsys):
+def test_a_section_its_converter_does_not_read_gets_a_warning(capsys):
     # torchtitan's configs carry [quantize.linear.float8] whether or not the converter runs
-    load_config(["--model.converters", "float8", "--float8.recipe_name", "tensorwise",
-                 "--quantize.linear.float8.recipe_name", "rowwise"])
-    assert ("note: config section [quantize.linear.float8] has no effect: model.converters does not list "
-            "'quantize.linear.float8'") in capsys.readouterr().err
+    config = load_config(["--model.converters", "float8", "--float8.recipe_name", "tensorwise",
+                          "--quantize.linear.float8.recipe_name", "rowwise"])
+    assert ("config section [quantize.linear.float8] has no effect: model.converters does not list "
+            "'quantize.linear.float8'") in make_plan(config, world_size=1, device="cpu").warnings
+    # said with the plan, not while the config loads: a later error stays one line
+    with pytest.raises(ConfigError, match="^tensor_parallel_degree 3 does not divide n_heads=16$"):
+        make_plan(load_config(["--quantize.linear.float8.recipe_name", "rowwise",
+                               "--parallelism.tensor_parallel_degree", "3"]), world_size=3, device="cpu")
+    assert capsys.readouterr().err == ""
 
 
-def test_float8_with_its_table_unset_reads_torchtitan_0_2_s(capsys):
+def test_float8_with_its_table_unset_reads_torchtitan_0_2_s():
     """torchtitan 0.2.2's llama3_405b.toml lists "float8" and sets [quantize.linear.float8]: the
     output stays in bf16 and FSDP gathers in float8, as it says."""
     config = load_config(["--model.converters", "float8", "--quantize.linear.float8.filter_fqns", "output", *[
         arg.replace("--float8.", "--quantize.linear.float8.") for arg in ALL_GATHER]])
-    assert "note: model.converters 'float8' reads [quantize.linear.float8]" in capsys.readouterr().err
-    options = float8_options(config, make_plan(config, world_size=2, device="cpu").dims, "cpu")
+    plan = make_plan(config, world_size=2, device="cpu")
+    assert any(w.startswith("model.converters 'float8' reads [quantize.linear.float8]") for w in plan.warnings)
+    options = float8_options(config, plan.dims, "cpu")
     assert options.filter_fqns == ("output",) and options.enable_fsdp_float8_all_gather
 
 

@@ -244,12 +244,15 @@ def test_schedule_csv_actions_decide_split_backward(tmp_path):
         make_plan(load_config([*BASE, *PP2, "--parallelism.pipeline_parallel_schedule_csv", str(bad)]), 2, "cpu")
 
 
-def test_experimental_keys_of_older_configs_still_work(tmp_path, capsys):
+def test_experimental_keys_of_older_configs_still_work(tmp_path):
     config = load_config(["--experimental.pipeline_parallel_degree", "2", "--experimental.pipeline_parallel_microbatches", "2",
                           "--experimental.pipeline_parallel_split_points", "layers.3", "--training.local_batch_size", "4"])
     assert config.parallelism.pipeline_parallel_degree == 2 and config.parallelism.pipeline_parallel_microbatch_size == 2
-    assert "deprecated" in capsys.readouterr().err
     plan = make_plan(config, 2, "cpu")
+    assert [w for w in plan.warnings if "deprecated" in w] == [
+        "config keys experimental.{pipeline_parallel_degree, pipeline_parallel_microbatches, pipeline_parallel_split_points} "
+        "are deprecated; read as their [parallelism] equivalents (microbatches -> pipeline_parallel_microbatch_size, "
+        "split_points -> module_fqns_per_model_part)"]
     assert [sum(n.startswith("layers.") for n in part) for part in plan.pipeline.parts] == [3, 3]
     assert plan.pipeline.microbatches == 2 and plan.pipeline.reshard_after_forward == "never"
 

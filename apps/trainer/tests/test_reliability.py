@@ -348,9 +348,9 @@ def test_an_option_that_would_do_nothing_is_refused(argv, message):
         make_plan(load_config(argv), 1, check_only=True)
 
 
-def test_profiling_that_writes_no_trace_is_a_note(capsys):
-    load_config(["--profiling.enable_profiling", "--training.steps", "5"])
-    assert "note: profiling.profile_freq 10 exceeds training.steps 5: no trace will be written" in capsys.readouterr().err
+def test_profiling_that_writes_no_trace_is_a_warning():
+    plan = make_plan(load_config(["--profiling.enable_profiling", "--training.steps", "5"]), 1, check_only=True)
+    assert "profiling.profile_freq 10 exceeds training.steps 5: no trace will be written" in plan.warnings
 
 
 def test_nan_in_a_config_file(tmp_path):

@@ -435,7 +435,7 @@ class Validation:
 @dataclasses.dataclass
 class Experimental:
     """Where configs before torchtitan 0.1 put pipeline parallelism; read as the [parallelism]
-    keys with a deprecation note."""
+    keys with a deprecation warning."""
 
     pipeline_parallel_degree: int = key(
         1, "pre-0.1 name of parallelism.pipeline_parallel_degree", origin=OLDER_TORCHTITAN)
@@ -768,10 +768,9 @@ def _read_experimental(config: JobConfig) -> None:
     """Older configs' [experimental] pipeline keys become today's [parallelism] ones (split
     points need the model's depth and become stages in the job plan)."""
     old, new, defaults = config.experimental, config.parallelism, Experimental()
-    moved = [name for name in ("pipeline_parallel_degree", "pipeline_parallel_schedule", "pipeline_parallel_schedule_csv")
-             if getattr(old, name) != getattr(defaults, name)]
-    for name in moved:
-        setattr(new, name, getattr(old, name))
+    for name in ("pipeline_parallel_degree", "pipeline_parallel_schedule", "pipeline_parallel_schedule_csv"):
+        if getattr(old, name) != getattr(defaults, name):
+            setattr(new, name, getattr(old, name))
     microbatches = old.pipeline_parallel_microbatches
     if microbatches is not None:
         local = config.training.local_batch_size
@@ -779,19 +778,6 @@ def _read_experimental(config: JobConfig) -> None:
             raise ConfigError(f"config key experimental.pipeline_parallel_microbatches: {microbatches} does not divide "
                               f"training.local_batch_size {local}")
         new.pipeline_parallel_microbatch_size = local // microbatches
-        moved.append("pipeline_parallel_microbatches")
-    if old.pipeline_parallel_split_points:
-        moved.append("pipeline_parallel_split_points")
-    if moved:
-        note(f"config keys experimental.{{{', '.join(moved)}}} are deprecated; read as their [parallelism] "
-             "equivalents (microbatches -> pipeline_parallel_microbatch_size, split_points -> module_fqns_per_model_part)")
-
-
-def note(message: str) -> None:
-    """A remark on the config, once per job: by the process that reads it first — `--nproc`'s
-    launcher (its ranks then stay quiet), else rank 0."""
-    if os.environ.get("RANK", "0") == "0" and "TESSERA_LAUNCHER_PID" not in os.environ:
-        print(f"note: {message}", file=sys.stderr, flush=True)
 
 
 def validate(config: JobConfig, accepted: frozenset[str] = frozenset()) -> None:
@@ -818,9 +804,6 @@ def validate(config: JobConfig, accepted: frozenset[str] = frozenset()) -> None:
     if prof.enable_profiling and prof.profiler_warmup + prof.profiler_active > prof.profile_freq:
         raise ConfigError(f"config keys profiling.profiler_warmup {prof.profiler_warmup} + profiler_active "
                           f"{prof.profiler_active} exceed profile_freq {prof.profile_freq}: each trace's steps must fit in one period")
-    if prof.enable_profiling and prof.profile_freq > config.training.steps:  # a shipped config run short: a note
-        note(f"profiling.profile_freq {prof.profile_freq} exceeds training.steps {config.training.steps}: "
-             "no trace will be written")
     if config.compile.enable and not config.compile.components:
         raise ConfigError("config key compile.components is empty: compile.enable would compile nothing")
     if config.validation.steps < 1 and config.validation.steps != -1:
@@ -828,15 +811,33 @@ def validate(config: JobConfig, accepted: frozenset[str] = frozenset()) -> None:
     unknown = [name for name in config.model.converters if name not in registered_converters()]
     if unknown:
         raise ConfigError(f"config key model.converters: {unknown} not registered; available: {registered_converters()}")
+
+
+def remarks(config: JobConfig) -> list[str]:
+    """What a valid config spells the old way or sets to no effect, for the plan's warnings: said once
+    the whole plan stands, so that a later error stays the one line a user reads."""
+    said = []
+    old, defaults = config.experimental, Experimental()
+    moved = [f.name for f in dataclasses.fields(old)
+             if f.name.startswith("pipeline_parallel_") and getattr(old, f.name) != getattr(defaults, f.name)]
+    if moved:
+        said.append(f"config keys experimental.{{{', '.join(moved)}}} are deprecated; read as their "
+                    "[parallelism] equivalents (microbatches -> pipeline_parallel_microbatch_size, split_points -> "
+                    "module_fqns_per_model_part)")
+    prof = config.profiling
+    if prof.enable_profiling and prof.profile_freq > config.training.steps:  # a shipped config run short
+        said.append(f"profiling.profile_freq {prof.profile_freq} exceeds training.steps {config.training.steps}: "
+                    "no trace will be written")
     borrowed = "float8" in config.model.converters and float8_reads_linear_table(config)
     if borrowed:
-        note(f"model.converters 'float8' reads [{LINEAR_FLOAT8}]: [float8] is unset (torchtitan 0.2's converter is "
-             f"{LINEAR_FLOAT8!r})")
+        said.append(f"model.converters 'float8' reads [{LINEAR_FLOAT8}]: [float8] is unset (torchtitan 0.2's converter "
+                    f"is {LINEAR_FLOAT8!r})")
     for name, section in converter_sections().items():
         entries = get_key(config, section)
         if entries != type(entries)() and name not in config.model.converters and not (borrowed and name == LINEAR_FLOAT8):
             # torchtitan's configs carry the section whether or not the converter runs
-            note(f"config section [{section}] has no effect: model.converters does not list {name!r}")
+            said.append(f"config section [{section}] has no effect: model.converters does not list {name!r}")
+    return said
 
 
 def to_dict(config: JobConfig) -> dict:

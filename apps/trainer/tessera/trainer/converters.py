@@ -2,7 +2,7 @@
 and FSDP wrap it (float8 linears now, other quantisations later), as `model.converters` lists them.
 
 A converter is registered under its config name with a factory and, declared by the converter's
-module, the config table it reads (e.g. "quantize.linear.float8"): the config notes such a table
+module, the config table it reads (e.g. "quantize.linear.float8"): the plan warns of such a table
 set while its converter is not listed, and the factory finds its table through the registry
 (`converter_sections`). The job plan calls the factory with the config, the parallel degrees and
 the device the job runs on (a plan checked for a cluster's GPUs may be made on a CPU host), so a

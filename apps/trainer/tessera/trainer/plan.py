@@ -23,8 +23,8 @@ from tessera.fsdp import MIXED_PRECISION_DTYPES
 from tessera.mesh import MeshLayout, ParallelDims, device_type, mesh_layout, resolve_parallel_dims
 from tessera.models import ModelSpec, RunLayout, choose_kernel, force_recompute_shapes, get_model_spec, plain_causal
 from tessera.trainer.chunked_loss import hidden_output_style
-from tessera.trainer.config import (ActivationCheckpoint, ConfigError, JobConfig, Loss, Optimizer, user_directory,
-                                    user_input)
+from tessera.trainer.config import (ActivationCheckpoint, ConfigError, JobConfig, Loss, Optimizer, remarks,
+                                    user_directory, user_input)
 from tessera.trainer.converters import ModelConverter, build_converters
 from tessera.trainer.errors import LayoutError
 from tessera.trainer.ft_plan import FaultTolerancePlan, fault_tolerance_plan
@@ -160,7 +160,7 @@ def make_plan(config: JobConfig, world_size: int, device: str | None = None, *, 
     mtp_scale = _multi_token_prediction(config, spec, args)
     loss_parallel = dims.tp_enabled and not par.disable_loss_parallel
     optimizer, warnings = _optimizer(config, spec, meta_model)
-    warnings += _check_converters(config, spec, converters, meta_model) + hf_warnings
+    warnings += _check_converters(config, spec, converters, meta_model) + hf_warnings + remarks(config)
     _check_chunked_loss(config, converters, meta_model)
     if config.activation_checkpoint.mode == "offload" and device == "cpu":
         warnings.append("activation_checkpoint.mode offload on a CPU copies the activations within host memory: "
