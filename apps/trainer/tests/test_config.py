@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from tessera.trainer.cli_info import help_text
-from tessera.trainer.config import ConfigError, JobConfig, load_config, parse_overrides
+from tessera.trainer.config import ConfigError, JobConfig, idle_options, load_config, parse_overrides
+from tessera.trainer.main import main
 from tessera.trainer.schema import check_declared, declared, get_key, key, table
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -198,6 +199,33 @@ def test_help_marks_a_key_that_acts_only_with_its_switch(name):
     assert isinstance(get_key(JobConfig(), _SWITCHED[name]), bool) and _SWITCHED[name] not in _SWITCHED
     line = next(line for line in help_text(name.split(".")[0]).splitlines() if line.startswith(f"  --{name} "))
     assert line.endswith(f" [only with {_SWITCHED[name]}]")
+
+
+def _typed(value) -> str:
+    """A value as the command line spells it."""
+    return ",".join(map(str, value)) if isinstance(value, list) else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+@pytest.mark.parametrize("name", sorted(_SWITCHED))
+def test_a_typed_key_its_switch_leaves_idle_is_a_warning(name):
+    """Typed with its switch off (even at its default), a key is named; with the switch on, or set
+    only in a config file (torchtitan's carry such keys), it is not."""
+    argv = [f"--{name}", _typed(get_key(JobConfig(), name))]
+    config = load_config(argv)
+    assert idle_options(config, argv) == [f"--{name} has no effect: {_SWITCHED[name]} is false"]
+    assert idle_options(config, []) == []
+    section, _, switch = _SWITCHED[name].rpartition(".")
+    setattr(get_key(config, section), switch, True)
+    assert idle_options(config, argv) == []
+
+
+def test_the_idle_option_warning_follows_the_plan(capsys):
+    """--check lists it with the plan's warnings; a later error is still the only line on stderr."""
+    assert main(["--check", "--checkpoint.interval", "5"]) == 0
+    assert "  warning     --checkpoint.interval has no effect: checkpoint.enable is false" in capsys.readouterr().out.splitlines()
+    assert main(["--checkpoint.interval", "5", "--parallelism.tensor_parallel_degree", "3"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: world size 1 is not divisible by dp_replicate*cp*tp*pp = 1*1*3*1 = 3, so dp_shard=-1 cannot fill the rest"]
 
 
 def test_the_float8_converters_do_not_import_the_config():

@@ -840,6 +840,19 @@ def remarks(config: JobConfig) -> list[str]:
     return said
 
 
+def idle_options(config: JobConfig, argv: list[str]) -> list[str]:
+    """The command line's options that do nothing as the config stands: keys whose switch (schema
+    `Key.needs`) is off. A config file may carry such keys (torchtitan's do); typed, a key is an
+    intent the run would drop in silence, so the plan warns of it."""
+    facts = declared(JobConfig)
+    said = {}
+    for section, name, _ in parse_overrides(argv):
+        switch = facts[f"{section}.{name}"].needs
+        if switch and not get_key(config, switch):
+            said[f"--{section}.{name} has no effect: {switch} is false"] = None
+    return list(said)
+
+
 def to_dict(config: JobConfig) -> dict:
     return dataclasses.asdict(config)
 

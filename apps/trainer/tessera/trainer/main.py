@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
                 int(os.environ.get("WORLD_SIZE", "1"))
             device = check_device or ("cuda" if check_world_size else None)
             try:
-                plan = make_plan(config, world_size, device, check_only=True)
+                plan = make_plan(config, world_size, device, check_only=True, command_line=argv)
             except ConfigError as e:
                 if check_world_size or nproc or "WORLD_SIZE" in os.environ or not isinstance(e, LayoutError):
                     raise
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         note = elastic_store_note()
         if note and os.environ.get("RANK", "0") == "0":
             print(note, file=sys.stderr, flush=True)
-        train(config)
+        train(config, command_line=argv)
     except (ConfigError, OSError) as e:  # OSError: unwritable dump folder, full disk, unreadable files
         return exit_with_error(f"error: {e}", 2)
     except TrainingError as e:  # diverged: the numbers, not the input, are at fault

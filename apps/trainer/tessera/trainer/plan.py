@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +23,8 @@ from tessera.fsdp import MIXED_PRECISION_DTYPES
 from tessera.mesh import MeshLayout, ParallelDims, device_type, mesh_layout, resolve_parallel_dims
 from tessera.models import ModelSpec, RunLayout, choose_kernel, force_recompute_shapes, get_model_spec, plain_causal
 from tessera.trainer.chunked_loss import hidden_output_style
-from tessera.trainer.config import (ActivationCheckpoint, ConfigError, JobConfig, Loss, Optimizer, remarks,
-                                    user_directory, user_input)
+from tessera.trainer.config import (ActivationCheckpoint, ConfigError, JobConfig, Loss, Optimizer, idle_options,
+                                    remarks, user_directory, user_input)
 from tessera.trainer.converters import ModelConverter, build_converters
 from tessera.trainer.errors import LayoutError
 from tessera.trainer.ft_plan import FaultTolerancePlan, fault_tolerance_plan
@@ -114,11 +114,13 @@ def tokenizer_source(config: JobConfig) -> str | None:
     return config.model.tokenizer_path or config.model.hf_assets_path or None
 
 
-def make_plan(config: JobConfig, world_size: int, device: str | None = None, *, check_only: bool = False) -> JobPlan:
+def make_plan(config: JobConfig, world_size: int, device: str | None = None, *, check_only: bool = False,
+              command_line: Sequence[str] = ()) -> JobPlan:
     """Resolves and checks `config` for `world_size` ranks on `device` (default: this host's).
 
     Raises ConfigError naming the culprit. With `check_only` (planning a run for another host),
     files the run would read are not required here: what cannot be verified becomes a note.
+    `command_line`: the options the config was loaded with; one its switch leaves idle is a warning.
     """
     device = device or device_type()
     config = _with_param_dtype(config, device)
@@ -161,6 +163,7 @@ def make_plan(config: JobConfig, world_size: int, device: str | None = None, *, 
     loss_parallel = dims.tp_enabled and not par.disable_loss_parallel
     optimizer, warnings = _optimizer(config, spec, meta_model)
     warnings += _check_converters(config, spec, converters, meta_model) + hf_warnings + remarks(config)
+    warnings += idle_options(config, list(command_line))
     _check_chunked_loss(config, converters, meta_model)
     if config.activation_checkpoint.mode == "offload" and device == "cpu":
         warnings.append("activation_checkpoint.mode offload on a CPU copies the activations within host memory: "

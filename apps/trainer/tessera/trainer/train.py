@@ -8,6 +8,7 @@ import gc
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -74,15 +75,16 @@ def _flight_recorder(config: JobConfig) -> None:
         os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(folder / comm.save_traces_file_prefix))
 
 
-def train(config: JobConfig) -> list[dict]:
-    """Runs the job; returns the metrics of every logged step (loss, grad_norm, lr, ...)."""
+def train(config: JobConfig, command_line: Sequence[str] = ()) -> list[dict]:
+    """Runs the job; returns the metrics of every logged step (loss, grad_norm, lr, ...).
+    `command_line`: the options `config` was loaded with, for the plan's warnings."""
     device = device_type()
     if device == "cuda":
         _flight_recorder(config)
     owns_process_group = not dist.is_initialized()  # a caller's group (tests, benchmarks) stays up
     info = init_distributed(device, timeout_s=config.comm.init_timeout_seconds)
     try:
-        history = _train(make_plan(config, info.world_size, device), info)
+        history = _train(make_plan(config, info.world_size, device, command_line=command_line), info)
     except BaseException:
         if owns_process_group and dist.is_initialized():
             dist.destroy_process_group()  # no barrier: a failed or stalled peer would turn it into a second error
