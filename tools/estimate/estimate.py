@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         if config.memory_estimation.disable_fake_mode:
             raise ConfigError("config key memory_estimation.disable_fake_mode: the estimator traces fake tensors only "
                               "(real ones would need the whole model's memory)")
-        plan = make_plan(config, int(world or 1), "cuda", check_only=True)
+        plan = make_plan(config, int(world or 1), "cuda", check_only=True, command_line=argv)
         if not formulas.covers(plan) and (formula_only is not None or plan.dims.pp > 1):
             raise ConfigError(f"model.name {plan.spec.name}: the closed form covers {', '.join(formulas.LLAMA_SHAPED)} only, "
                               "so this model is traced, without --formula and without pipeline parallel (its stages' "
@@ -132,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    for what in plan.warnings:  # what the trainer's banner would say of this config
+        print(f"warning: {what}", file=sys.stderr)
     report = estimate(plan, trace=formula_only is None)
     print(json.dumps(report, indent=1) if as_json is not None else table(report))
     return 0

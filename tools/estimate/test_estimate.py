@@ -431,8 +431,10 @@ def test_torchtitan_estimation_switches_are_this_tool(capsys):
 
 
 def test_cli_table_and_json(capsys):
-    assert estimate.main(["--training.seq_len", "32", "--world_size", "1"]) == 0
-    assert "traced" in capsys.readouterr().out
+    assert estimate.main(["--training.seq_len", "32", "--world_size", "1", "--checkpoint.interval", "5"]) == 0
+    out, err = capsys.readouterr()
+    assert "traced" in out  # and the plan's warnings, as the trainer's banner has them
+    assert err.splitlines() == ["warning: --checkpoint.interval has no effect: checkpoint.enable is false"]
     assert estimate.main(["--training.seq_len", "32", "--world_size", "8", "--parallelism.tensor_parallel_degree", "8",
                           "--formula", "--json"]) == 0
     assert '"all_gather/tp"' in capsys.readouterr().out

@@ -23,7 +23,7 @@ LAYOUTS = {
     1: {"single": []},
     2: {"ac_fsdp2": ["--parallelism.data_parallel_shard_degree", "2", "--activation_checkpoint.mode", "full"],
         "tp2": ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
-        # two micro-batches of the single run's shape: their blocks' code comes from inductor's cache (6.3 s -> 1.4 s)
+        # two micro-batches of the single run's shape
         "pp2": ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
                 "--training.local_batch_size", "4", "--parallelism.pipeline_parallel_microbatch_size", "2"]},
     4: {"fsdp2_tp2": ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"],

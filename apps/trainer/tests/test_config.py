@@ -1,4 +1,5 @@
 import dataclasses
+import json
 import os
 import re
 import subprocess
@@ -207,23 +208,28 @@ def _typed(value) -> str:
 
 
 @pytest.mark.parametrize("name", sorted(_SWITCHED))
-def test_a_typed_key_its_switch_leaves_idle_is_a_warning(name):
+def test_a_typed_key_its_switch_leaves_idle_is_a_warning(name, tmp_path):
     """Typed with its switch off (even at its default), a key is named; with the switch on, or set
     only in a config file (torchtitan's carry such keys), it is not."""
     argv = [f"--{name}", _typed(get_key(JobConfig(), name))]
     config = load_config(argv)
     assert idle_options(config, argv) == [f"--{name} has no effect: {_SWITCHED[name]} is false"]
-    assert idle_options(config, []) == []
-    section, _, switch = _SWITCHED[name].rpartition(".")
-    setattr(get_key(config, section), switch, True)
+    default, (section, _, key_name) = get_key(JobConfig(), name), name.partition(".")
+    if default is not None:  # (TOML has no None)
+        (tmp_path / "job.toml").write_text(f"[{section}]\n{key_name} = {json.dumps(default)}\n")
+        from_file = ["--job.config_file", str(tmp_path / "job.toml")]
+        assert idle_options(load_config(from_file), from_file) == []
+    owner, _, switch = _SWITCHED[name].rpartition(".")
+    setattr(get_key(config, owner), switch, True)
     assert idle_options(config, argv) == []
 
 
-def test_the_idle_option_warning_follows_the_plan(capsys):
+def test_the_idle_option_warning_follows_the_plan(capsys, tmp_path):
     """--check lists it with the plan's warnings; a later error is still the only line on stderr."""
     assert main(["--check", "--checkpoint.interval", "5"]) == 0
     assert "  warning     --checkpoint.interval has no effect: checkpoint.enable is false" in capsys.readouterr().out.splitlines()
-    assert main(["--checkpoint.interval", "5", "--parallelism.tensor_parallel_degree", "3"]) == 2
+    assert main(["--checkpoint.interval", "5", "--parallelism.tensor_parallel_degree", "3",
+                 "--job.dump_folder", str(tmp_path)]) == 2
     assert capsys.readouterr().err.splitlines() == [
         "error: world size 1 is not divisible by dp_replicate*cp*tp*pp = 1*1*3*1 = 3, so dp_shard=-1 cannot fill the rest"]
 

@@ -32,6 +32,10 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'tessera.pp' has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    return sorted({*globals(), "Pipeline", "build_pipeline"})
+
+
 __all__ = [
     "SCHEDULES",
     "SPLIT_BACKWARD_SCHEDULES",

@@ -86,8 +86,9 @@ def _read_csv(path: str) -> list[list[_Action | None]]:
     """The file's rows of actions, as torch's runtime reads them; ValueError naming a bad cell."""
     with open(path, newline="") as f:
         rows = list(csv.reader(f))
+    action = _torch_schedules()._Action
     try:
-        return [[_torch_schedules()._Action.from_str(cell) for cell in row] for row in rows]
+        return [[action.from_str(cell) for cell in row] for row in rows]
     except (RuntimeError, ValueError) as e:
         raise ValueError(f"{path}: {e}") from None
 
@@ -117,8 +118,8 @@ def check_schedule_csv(path: str, schedule: str, pp: int, n_stages: int, n_micro
                 if owner[one.stage_index] != rank:
                     raise ValueError(f"{where}: {schedule} places stage {one.stage_index} on pp rank {owner[one.stage_index]}")
     actions = {rank: [a for a in row if a is not None] for rank, row in enumerate(rows)}
+    torch_schedules = _torch_schedules()
     try:  # torch's own checks, then its lowering to sends and receives, dry-run for deadlocks
-        torch_schedules = _torch_schedules()
         torch_schedules._validate_schedule(actions, pp, n_stages, n_microbatches)
         lowered = torch_schedules._add_send_recv(actions, owner.__getitem__, n_stages)
         torch_schedules._simulate_comms_compute(lowered, owner.__getitem__, n_stages)
