@@ -219,13 +219,12 @@ def _faulty_then_restart(fault: Fault, dump: Path, layout: list[str], steps: int
     folder = dump / "checkpoint"
     fault.inject(first, folder)
     code = first.finish()
-    orphans = code == -1
-    row = {"fault": fault.name, "resumes": fault.resumes,
-           "ended": first.ending + (f": {first.first_error()}" if not orphans and first.first_error() else "")}
+    orphans, error = code == -1, first.first_error()
+    row = {"fault": fault.name, "resumes": fault.resumes, "ended": first.ending + (f": {error}" if not orphans and error else "")}
     row["ended"] = row["ended"].replace(str(dump), "<dump>")
     before, trained = _complete(folder), max(first.steps_trained(), default=0)
     if not fault.resumes:
-        stopped = code == 1 and "optimizer steps skipped, more than training.max_skipped_steps" in first.first_error()
+        stopped = code == 1 and "optimizer steps skipped, more than training.max_skipped_steps" in error
         return {**row, "survived": stopped and bool(before), "steps lost": math.nan,
                 "data lost": sum(_lost(step) for step in before), "loss diff": math.nan, "weight diff": math.nan}
     if fault.disk:
