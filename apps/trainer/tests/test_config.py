@@ -204,7 +204,11 @@ def test_help_marks_a_key_that_acts_only_with_its_switch(name):
 
 def _typed(value) -> str:
     """A value as the command line spells it."""
-    return ",".join(map(str, value)) if isinstance(value, list) else str(value).lower() if isinstance(value, bool) else str(value)
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list):
+        return ",".join(map(str, value))
+    return str(value)
 
 
 @pytest.mark.parametrize("name", sorted(_SWITCHED))
