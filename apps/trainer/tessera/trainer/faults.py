@@ -124,8 +124,8 @@ LAUNCHER_PID_ENV = "TESSERA_LAUNCHER_PID"
 def die_with_launcher() -> None:
     """A rank started by a launcher (torchrun, `--nproc`) is killed when that launcher dies:
     orphans would keep training and writing checkpoints into the folder a restarted job uses.
-    TESSERA_LAUNCHER_PID (set under `--nproc`: the parent a rank expects, its fork server) closes
-    the race of a parent that died before this call."""
+    TESSERA_LAUNCHER_PID (set by `--nproc`: the parent a rank expects) closes the race of a
+    launcher that died before this call."""
     if "LOCAL_RANK" in os.environ:
         launcher = os.environ.get(LAUNCHER_PID_ENV)
         die_with_parent(int(launcher) if launcher else None)
@@ -182,9 +182,11 @@ class StopSignals:
     exits 1 regardless: a stuck save must not outlive the scheduler's grace period. `active`: the
     run's instance, through which fault tolerance's replica groups stop at the same step too: they
     exchange the flag in each step's all-reduce and set `agreed`, which then decides (a signal
-    that arrives after that exchange counts at the next step, in every group alike)."""
+    that arrives after that exchange counts at the next step, in every group alike). `signalled`:
+    whether this process was ever sent one (its launcher is then shutting down, forked_rank)."""
 
     active: "StopSignals | None" = None
+    signalled = False
 
     def __init__(self, grace_s: int) -> None:
         self.grace_s = grace_s
@@ -200,6 +202,7 @@ class StopSignals:
         return self.agreed if self.agreed is not None else self.received is not None
 
     def _handle(self, signum: int, frame) -> None:
+        StopSignals.signalled = True
         if self.received is None:
             self.received = signal.Signals(signum).name
             timer = threading.Timer(self.grace_s, self._expire)

@@ -38,7 +38,7 @@ def _interrupted_while_loading(signum, frame) -> None:
     os._exit(130)
 
 
-# Run as a program (a launcher, a rank under torchrun), not imported: no garbage collection while torch and the
+# Run as a program (a rank, a launcher), not imported: no garbage collection while torch and the
 # libraries load (passes over their million objects, ~1 s of CPU per process); _loaded() freezes them
 # and turns it back on, and gives Ctrl-C back to Python (a KeyboardInterrupt, reported by main).
 _LOADING = __name__ == "__main__"
@@ -119,14 +119,10 @@ def _launch_local(nproc: int, argv: list[str], grace_s: int, rendezvous: list[st
         "--start-method=forkserver", "tessera.trainer.forked_rank",
     ])
     config, _, _ = config_from_args(launcher_args)  # its command is forked_rank.run instead
-    multiprocessing.set_forkserver_preload(["tessera.trainer.fork_server"])
-    # torch's parallel start would start the server from a pool thread, whose end would then
-    # kill it (a parent-death signal follows the thread that forked)
-    os.environ.pop("TORCH_MP_PARALLEL_START", None)
+    multiprocessing.set_forkserver_preload(["tessera.trainer.forked_rank"])
     from tessera.trainer import forked_rank
     # the launcher's own log lines (ranks signalled, exit codes) would follow every rank's error
-    for name in ("torch.distributed.elastic", "torch.multiprocessing.spawn"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     with tempfile.TemporaryDirectory(prefix="tessera-errors-") as errors:
         restarts = _RestartNotice(Path(errors))
         agent_log = logging.getLogger("torch.distributed.elastic.agent.server.api")
