@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed.launcher.api
+import torch.distributed.run
 
 from tessera.ckpt import read_dcp
-from tessera.trainer import faults, launch, main, master_port
+from tessera.trainer import faults, main, master_port
 from tessera.trainer.faults import elastic_store_note, inject_fault
 from tessera.trainer.config import load_config
 
@@ -119,7 +119,6 @@ def test_the_master_port_stays_held_until_rank_0_binds_it(monkeypatch):
         sock.close()
 
 
-ONE_NODE = launch.rendezvous(["localhost"], launch.DEFAULT_PORT, "job")
 INTERRUPTED = "interrupted: stopped without a checkpoint of this step (SIGTERM or SIGUSR1 saves one first)"
 GRACE_OUT = "error: not stopped within 5s of SIGTERM (job.stop_grace_seconds); exiting without a checkpoint of this step"
 
@@ -136,15 +135,15 @@ def test_a_stop_ends_the_job_with_0_only_when_its_ranks_stopped(monkeypatch, cap
     in the ranks' one line."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    def stopped(config, entrypoint):
+    def stopped(args):
         if report is not None:
             Path(os.environ[faults.ERRORS_ENV], "rank-1").write_text(f"{report[0]}\n{report[1]}")
         raise SignalException("stopped", sig)
-    monkeypatch.setattr(torch.distributed.launcher.api, "elastic_launch", stopped)
+    monkeypatch.setattr(torch.distributed.run, "run", stopped)
     monkeypatch.setattr(master_port, "hold_master_ports", lambda: None)  # torch's port picker stays its own
     for name in ("TESSERA_LAUNCHER_PID", "OMP_NUM_THREADS"):  # what the launcher sets, restored after
         monkeypatch.setenv(name, os.environ.get(name, "1"))
-    assert main._launch_local(2, [], 5, ONE_NODE) == code
+    assert main._launch_local(2, [], grace_s=5) == code
     assert capsys.readouterr().err.strip() == said
 
 
@@ -155,15 +154,15 @@ def test_ranks_that_never_met_are_one_line_and_a_bug_keeps_its_traceback(monkeyp
 
     failure = RendezvousTimeoutError("the node could not join the rendezvous\n(and a second line)")
 
-    def unreachable(config, entrypoint):
+    def launch(args):
         raise failure
-    monkeypatch.setattr(torch.distributed.launcher.api, "elastic_launch", unreachable)
+    monkeypatch.setattr(torch.distributed.run, "run", launch)
     monkeypatch.setattr(master_port, "hold_master_ports", lambda: None)
     for name in ("TESSERA_LAUNCHER_PID", "OMP_NUM_THREADS"):
         monkeypatch.setenv(name, os.environ.get(name, "1"))
-    assert main._launch_local(2, [], 5, ONE_NODE) == 1
+    assert main._launch_local(2, [], grace_s=5) == 1
     assert capsys.readouterr().err.strip() == \
         "error: 2-process run could not start: the node could not join the rendezvous"
     failure = TypeError("a launcher argument torch no longer takes")
     with pytest.raises(TypeError, match="no longer takes"):
-        main._launch_local(2, [], 5, ONE_NODE)
+        main._launch_local(2, [], grace_s=5)

@@ -118,28 +118,18 @@ def elastic_store_note() -> str | None:
 _PR_SET_PDEATHSIG = 1
 
 
-LAUNCHER_PID_ENV = "TESSERA_LAUNCHER_PID"
-
-
 def die_with_launcher() -> None:
-    """A rank started by a launcher (torchrun, `--nproc`) is killed when that launcher dies:
-    orphans would keep training and writing checkpoints into the folder a restarted job uses.
-    TESSERA_LAUNCHER_PID (set by `--nproc`: the parent a rank expects) closes the race of a
+    """A rank started by a launcher (torchrun, `--nproc`) is killed when that launcher dies
+    (Linux's parent-death signal): orphans would keep training and writing checkpoints into the
+    folder a restarted job uses. TESSERA_LAUNCHER_PID (set by `--nproc`) closes the race of a
     launcher that died before this call."""
-    if "LOCAL_RANK" in os.environ:
-        launcher = os.environ.get(LAUNCHER_PID_ENV)
-        die_with_parent(int(launcher) if launcher else None)
-
-
-def die_with_parent(parent: int | None) -> None:
-    """This process is killed when its parent dies (Linux's parent-death signal; elsewhere
-    nothing); it exits at once if its parent is no longer `parent`, one that died first."""
-    if not sys.platform.startswith("linux"):
+    if "LOCAL_RANK" not in os.environ or not sys.platform.startswith("linux"):
         return
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if parent is not None and os.getppid() != parent:
+    launcher = os.environ.get("TESSERA_LAUNCHER_PID")
+    if launcher and os.getppid() != int(launcher):
         os._exit(1)
 
 
@@ -182,11 +172,9 @@ class StopSignals:
     exits 1 regardless: a stuck save must not outlive the scheduler's grace period. `active`: the
     run's instance, through which fault tolerance's replica groups stop at the same step too: they
     exchange the flag in each step's all-reduce and set `agreed`, which then decides (a signal
-    that arrives after that exchange counts at the next step, in every group alike). `signalled`:
-    whether this process was ever sent one (its launcher is then shutting down, forked_rank)."""
+    that arrives after that exchange counts at the next step, in every group alike)."""
 
     active: "StopSignals | None" = None
-    signalled = False
 
     def __init__(self, grace_s: int) -> None:
         self.grace_s = grace_s
@@ -202,7 +190,6 @@ class StopSignals:
         return self.agreed if self.agreed is not None else self.received is not None
 
     def _handle(self, signum: int, frame) -> None:
-        StopSignals.signalled = True
         if self.received is None:
             self.received = signal.Signals(signum).name
             timer = threading.Timer(self.grace_s, self._expire)

@@ -22,12 +22,10 @@ import socket
 import subprocess
 import sys
 import threading
-import uuid
 from pathlib import Path
 
 from tessera.trainer.config import ConfigError, JobConfig
 from tessera.trainer.fault_tolerance import LIGHTHOUSE_ENV, START_TOGETHER_ENV
-from tessera.trainer.faults import LAUNCHER_PID_ENV
 from tessera.trainer.ft_plan import group_world_size
 from tessera.trainer.lighthouse import command as lighthouse_command
 
@@ -49,10 +47,9 @@ def node_layout(hosts: list[str], node_rank: int | None) -> tuple[list[str], int
 
 
 def rendezvous(hosts: list[str], port: int, job: str) -> list[str]:
-    """torchrun's rendezvous options for one agent per host in `hosts`; for one, what torchrun's
-    --standalone sets (a flag its launcher reads only through its command line)."""
+    """torchrun's rendezvous options for one agent per host in `hosts`."""
     if len(hosts) == 1:
-        return ["--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0", f"--rdzv_id={uuid.uuid4()}"]
+        return ["--standalone"]
     return [f"--nnodes={len(hosts)}", "--rdzv_backend=c10d", f"--rdzv_endpoint={hosts[0]}:{port}",
             f"--rdzv_id={os.environ.get('SLURM_JOB_ID', 'tessera')}-{job}"]
 
@@ -121,7 +118,7 @@ def launch_replica_groups(nproc: int, hosts: list[str], node_rank: int, port: in
     lighthouse = _lighthouse(config, lighthouse_port) if node_rank == 0 else None
     env = dict(os.environ, **{LIGHTHOUSE_ENV: f"http://{hosts[0]}:{lighthouse_port}", START_TOGETHER_ENV: "1",
                               GROUP_LAUNCHER_ENV: "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
-    env.pop(LAUNCHER_PID_ENV, None)
+    env.pop("TESSERA_LAUNCHER_PID", None)
     procs, relays, stopped = [], [], []
 
     def forward(signum, frame) -> None:

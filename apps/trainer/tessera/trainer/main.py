@@ -4,16 +4,16 @@
 
 Bad input ends with one line on stderr naming the culprit and exit status 2; a bug keeps its
 traceback. `--nproc N` starts N local worker processes through torch's own launcher (torchrun's
-engine, forking them from one that loaded the trainer) once the job plan has checked the config for
-N ranks; under `torchrun` or `srun torchrun` leave it out. On several nodes each runs `--nproc N
---hosts H0,H1,... --node_rank R` (R defaults to SLURM_NODEID; `--port P`, default 29500, on H0), and
-with fault tolerance `--nproc` starts the replica groups and torchft's Lighthouse
-(tessera.trainer.launch). `--max_restarts K`: torchrun's restarts of a replica group that dies
-(default 3), or without fault tolerance of the whole job (default 0). `--check` prints the job plan
-for `--check_world_size` (else `--nproc`, else torchrun's WORLD_SIZE, else 1) ranks on
-`--check_device` (cpu or cuda; cuda when `--check_world_size` is given, since that plans a cluster's
-job, else this host's device) and exits 0 without building the model. Output cut short by a closed
-pipe (`--check | head -1`) ends quietly.
+engine) once the job plan has checked the config for N ranks; under `torchrun` or `srun torchrun`
+leave it out. On several nodes each runs `--nproc N --hosts H0,H1,... --node_rank R` (R defaults to
+SLURM_NODEID; `--port P`, default 29500, on H0), and with fault tolerance `--nproc` starts the
+replica groups and torchft's Lighthouse (tessera.trainer.launch). `--max_restarts K`: torchrun's
+restarts of a replica group that dies (default 3), or without fault tolerance of the whole job
+(default 0). `--check` prints the job plan for `--check_world_size` (else `--nproc`, else
+torchrun's WORLD_SIZE, else 1) ranks on `--check_device` (cpu or cuda; cuda when
+`--check_world_size` is given, since that plans a cluster's job, else this host's device) and
+exits 0 without building the model. Output cut short by a closed pipe (`--check | head -1`) ends
+quietly.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ if _LOADING:
         signal.signal(signal.SIGINT, _interrupted_while_loading)
 
 from tessera.trainer.config import ConfigError, load_config
-from tessera.trainer.faults import (LAUNCHER_PID_ENV, STOP_SIGNALS, TrainingError, die_with_launcher,
-                                    elastic_store_note, exit_with_error)
+from tessera.trainer.faults import (STOP_SIGNALS, TrainingError, die_with_launcher, elastic_store_note,
+                                    exit_with_error)
 
 
 def _take_option(argv: list[str], name: str, takes_value: bool = True) -> tuple[str | None, list[str]]:
@@ -77,31 +77,28 @@ def _count(name: str, value: str | None) -> int | None:
     return None if value is None else int(value)
 
 
-def _launch_local(nproc: int, argv: list[str], grace_s: int, rendezvous: list[str],
+def _launch_local(nproc: int, argv: list[str], grace_s: int, rendezvous: tuple[str, ...] = ("--standalone",),
                   max_restarts: int = 0) -> int:
-    """Runs this same program on nproc local ranks (rendezvous on a free localhost port), forked
-    from a server that loaded it once (tessera.trainer.forked_rank). A stop
+    """Runs this same program on nproc local ranks (rendezvous on a free localhost port). A stop
     signal reaches every rank, which saves and exits 0 (faults.StopSignals); the launcher waits
     for that up to the ranks' own grace, plus a margin, before killing them. An error the ranks
     report (bad input every rank finds, a diverged run) is printed once, here, with its exit
     status; a rank that crashed printed its own traceback. `rendezvous`: torchrun's options for
     this node among several (tessera.trainer.launch); `max_restarts`: torchrun's restarts of the
     ranks after one failed (each attempt with a rendezvous store of its own, pytorch#135712)."""
-    import multiprocessing
     import tempfile
 
     import torch
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
-    from torch.distributed.launcher import api as launcher
-    from torch.distributed.run import config_from_args, get_args_parser
+    from torch.distributed.run import get_args_parser, run
 
     from tessera.trainer.master_port import hold_master_ports
 
     hold_master_ports()
 
-    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # the ranks die with this process (faults.py)
+    os.environ["TESSERA_LAUNCHER_PID"] = str(os.getpid())  # the ranks die with this process (faults.py)
     # torchrun's own default for several ranks per node, set here without its four-line banner
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if max_restarts:
@@ -116,11 +113,8 @@ def _launch_local(nproc: int, argv: list[str], grace_s: int, rendezvous: list[st
     launcher_args = parser.parse_args([
         *rendezvous, f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}", *shutdown,
         f"--signals_to_handle=SIGINT,SIGHUP,SIGQUIT,{','.join(sig.name for sig in STOP_SIGNALS)}",
-        "--start-method=forkserver", "tessera.trainer.forked_rank",
+        "--no-python", sys.executable, "-m", "tessera.trainer.main", *argv,
     ])
-    config, _, _ = config_from_args(launcher_args)  # its command is forked_rank.run instead
-    multiprocessing.set_forkserver_preload(["tessera.trainer.forked_rank"])
-    from tessera.trainer import forked_rank
     # the launcher's own log lines (ranks signalled, exit codes) would follow every rank's error
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     with tempfile.TemporaryDirectory(prefix="tessera-errors-") as errors:
@@ -131,7 +125,7 @@ def _launch_local(nproc: int, argv: list[str], grace_s: int, rendezvous: list[st
             agent_log.setLevel(logging.INFO)  # its other lines stay unsaid: this handler alone hears it
             agent_log.propagate = False
             agent_log.addHandler(restarts)
-            launcher.elastic_launch(config, forked_rank.run)(argv)
+            run(launcher_args)
         except (RendezvousError, torch.distributed.DistError) as e:  # the ranks never met: hosts, ports, firewalls
             print(f"error: {nproc}-process run could not start: {(str(e).strip().splitlines() or [type(e).__name__])[0]}",
                   file=sys.stderr)
