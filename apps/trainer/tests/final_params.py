@@ -5,6 +5,7 @@ tensors of the model state it holds; under pipeline parallel each rank holds oth
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 
 import torch
@@ -26,8 +27,13 @@ def final_params() -> Iterator[dict[str, torch.Tensor]]:
     params, close = {}, Checkpointer.close
 
     def gather_then_close(self, after_failure=False):
-        for key, value in self.states["model"].state_dict().items():
-            params[key] = (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
+        log = logging.getLogger("torch.distributed.tensor._redistribute")
+        log.disabled = True  # its notes on gathering FSDP x TP weights are about this gather, not the run
+        try:
+            for key, value in self.states["model"].state_dict().items():
+                params[key] = (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
+        finally:
+            log.disabled = False
         close(self, after_failure)
 
     Checkpointer.close = gather_then_close

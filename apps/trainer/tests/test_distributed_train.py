@@ -3,11 +3,14 @@ single-process run on the same global batch: fp32 losses and grad norms within 1
 every parameter after the last step within 2e-5 absolute (measured 2.1e-6 to 1.1e-5: the
 reduction order differs, tensor-parallel norms run F.rms_norm where one process runs Tessera's
 CPU RMSNorm — the same arithmetic in another order — and Adam magnifies it on near-zero
-gradients)."""
+gradients). No layout makes torch warn (a UserWarning, or torch.distributed's log)."""
 
+import contextlib
+import logging
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 from final_params import assert_params_close, final_params
@@ -21,16 +24,44 @@ BASE = ["--training.seq_len", "32", "--training.mixed_precision_param", "float32
         "--training.steps", str(STEPS), "--lr_scheduler.warmup_steps", "1", "--model.flavor", "debugmodel"]
 
 
+class _Said(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.said = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.said.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def _torch_warnings():
+    """What torch warns of meanwhile: its UserWarnings and torch.distributed's log lines (heard
+    where they stop: torch's loggers that print themselves do not propagate)."""
+    handler = _Said()
+    logs = [logging.getLogger(name) for name, log in list(logging.root.manager.loggerDict.items())
+            if name == "torch.distributed" or (name.startswith("torch.distributed.") and not getattr(log, "propagate", True))]
+    for log in logs:
+        log.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            yield handler.said
+        handler.said += [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    finally:
+        for log in logs:
+            log.removeHandler(handler)
+
+
 def _train_rank(rank, world_size, argv):
-    """Per logged step (loss, grad norm), and on rank 0 the full parameters after the last step."""
-    with final_params() as params:
+    """Per logged step (loss, grad norm); on rank 0 the full parameters after the last step; what
+    torch warned of."""
+    with final_params() as params, _torch_warnings() as said:
         history = [(h["loss"], h["grad_norm"]) for h in train(load_config(argv))]
-    return history, params if rank == 0 else None
+    return history, params if rank == 0 else None, said
 
 
 def _single(tmp_path, global_batch):
     argv = [*BASE, "--job.dump_folder", str(tmp_path / "single"), "--training.local_batch_size", str(global_batch)]
-    return _train_rank(0, 1, argv)
+    return _train_rank(0, 1, argv)[:2]
 
 
 LAYOUTS = {
@@ -55,10 +86,11 @@ def test_trainer_layout_matches_single_process(tmp_path, layout):
     reference, reference_params = _single(tmp_path, local_batch * dp)
     argv = [*BASE, *extra, "--job.dump_folder", str(tmp_path / layout), "--training.local_batch_size", str(local_batch)]
     per_rank = run_on_ranks(_train_rank, ranks, argv)
-    for rank_history, _ in per_rank:  # every rank logs the same dp-averaged loss and global norm
+    for rank_history, _, said in per_rank:  # every rank logs the same dp-averaged loss and global norm
         for (loss, norm), (ref_loss, ref_norm) in zip(rank_history, reference):
             assert loss == pytest.approx(ref_loss, rel=1e-5)
             assert norm == pytest.approx(ref_norm, rel=1e-5)
+        assert said == []
     assert_params_close(per_rank[0][1], reference_params, 2e-5, layout)
 
 

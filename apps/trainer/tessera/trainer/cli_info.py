@@ -15,7 +15,7 @@ import tomllib
 from tessera.trainer.config import ConfigError, JobConfig, get_key
 from tessera.trainer.schema import NEWER_TORCHTITAN, OLDER_TORCHTITAN, TESSERA, declared
 
-TRAINER_VERSION = "0.25.0"
+TRAINER_VERSION = "0.25.1"
 LIBRARIES = ("mesh", "models", "data", "fsdp", "tp", "pp", "cp", "ep", "ckpt", "float8", "optim")
 
 USAGE = """usage: trainer [--nproc N [--hosts H0,H1,... --node_rank R --port P] [--max_restarts K]]

@@ -26,36 +26,50 @@ def _grouped_by_mesh(params: list[torch.Tensor]) -> tuple[list[torch.Tensor], li
     return plain, list(by_mesh.values())
 
 
-def _total_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-    """Norm of all grads, accumulated in float64: CPU fp32 norm kernels drift by ~1e-4
-    relative on a 256k-element tensor, enough that the same gradients, sharded differently,
-    gave norms differing in the 4th digit. One foreach call for all of them: one launch on a GPU
-    instead of one per gradient (on CPU the float64 reads dominate: 4.4-4.6 against 5.0-5.7 ms
-    for the debug model's gradients)."""
-    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, norm_type, dtype=torch.float64)), norm_type)
+def _norms(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """Each grad's norm, accumulated in float64: CPU fp32 norm kernels drift by ~1e-4 relative on
+    a 256k-element tensor, enough that the same gradients, sharded differently, gave norms
+    differing in the 4th digit. One foreach call for all of them: one launch on a GPU instead of
+    one per gradient (on CPU the float64 reads dominate: 4.4-4.6 against 5.0-5.7 ms for the debug
+    model's gradients)."""
+    return torch.stack(torch._foreach_norm(grads, norm_type, dtype=torch.float64))
 
 
 def _mesh_norm(params: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-    """The norm of DTensor grads on one mesh, as a plain tensor, identical on all its ranks."""
-    norm = _total_norm([p.grad for p in params], norm_type)
-    mesh = norm.device_mesh
-    if norm.device.type != mesh.device_type:  # CPU-offloaded grads on an accelerator mesh
-        norm = norm.to(mesh.device_type)
-    return norm.full_tensor()
+    """The norm of DTensor grads on one mesh, as a plain tensor, identical on all its ranks: the
+    norm of each rank's part, reduced over the mesh dims the grads are split on. Reduced here, on
+    the mesh's own groups, rather than by DTensor, which on a 2-D mesh (FSDP x TP) does the same
+    two all-reduces but warns on every rank that one would do with a (dp_shard_cp, tp) group: a
+    process group (an NCCL communicator) more, to save one all-reduce of a scalar a step."""
+    norms = _norms([p.grad for p in params], norm_type)  # partial on the dims the grads are split on
+    mesh = norms.device_mesh
+    local = torch.linalg.vector_norm(norms.to_local(), norm_type)
+    if local.device.type != mesh.device_type:  # CPU-offloaded grads on an accelerator mesh
+        local = local.to(mesh.device_type)
+    return _reduce(local, norm_type, [mesh.get_group(dim) for dim, p in enumerate(norms.placements) if p.is_partial()])
+
+
+def _reduce(norm: torch.Tensor, norm_type: float, groups: list[dist.ProcessGroup]) -> torch.Tensor:
+    """The norm over `groups` of norms of disjoint parts: their max for inf, else the p-th root
+    of the sum of their p-th powers."""
+    if not groups:
+        return norm
+    if math.isinf(norm_type):
+        for group in groups:
+            dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=group)
+        return norm
+    total = norm**norm_type
+    for group in groups:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    return total ** (1.0 / norm_type)
 
 
 def _combine(norms: list[torch.Tensor], norm_type: float, pp_mesh: DeviceMesh | None) -> torch.Tensor:
+    """The norms of a stage's groups of gradients as one, then over the pipeline stages, which
+    each hold different parameters."""
     device = torch.device(pp_mesh.device_type) if pp_mesh is not None else norms[0].device
     total = torch.linalg.vector_norm(torch.stack([n.to(device, torch.float64) for n in norms]), norm_type)
-    if pp_mesh is None:
-        return total
-    # each pipeline stage holds different parameters: add p-th powers (or take the max)
-    if math.isinf(norm_type):
-        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=pp_mesh.get_group())
-        return total
-    total = total**norm_type
-    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_mesh.get_group())
-    return total ** (1.0 / norm_type)
+    return _reduce(total, norm_type, [] if pp_mesh is None else [pp_mesh.get_group()])
 
 
 @torch.no_grad()
@@ -91,7 +105,7 @@ def clip_grad_norm_(
     plain, mesh_groups = _grouped_by_mesh(params)
     norms = [_mesh_norm(group, norm_type) for group in mesh_groups]
     if plain:
-        norms.append(_total_norm([p.grad for p in plain], norm_type))
+        norms.append(torch.linalg.vector_norm(_norms([p.grad for p in plain], norm_type), norm_type))
     if not norms:
         norms.append(torch.zeros((), device=torch.device(pp_mesh.device_type) if pp_mesh is not None else "cpu"))
     total = _combine(norms, norm_type, pp_mesh).float()
