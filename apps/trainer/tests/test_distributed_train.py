@@ -95,11 +95,15 @@ def test_trainer_layout_matches_single_process(tmp_path, layout):
 
 
 def test_nproc_launch_runs_two_ranks(tmp_path):
+    """Two ranks train and leave nothing in the temporary folder but torch's shared cache folder
+    (torchrun's own launch leaves a folder there a run)."""
     argv = [sys.executable, "-m", "tessera.trainer.main", "--nproc", "2", *BASE, "--training.local_batch_size", "1",
-            "--job.dump_folder", str(tmp_path)]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+            "--job.dump_folder", str(tmp_path / "dump")]
+    (tmp_path / "tmp").mkdir()
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, env={**os.environ, "TMPDIR": str(tmp_path / "tmp")})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "cpu x2 {'dp_shard': 2}" in proc.stdout and f"step {STEPS}/{STEPS}" in proc.stdout
+    assert [path.name for path in (tmp_path / "tmp").iterdir() if not path.name.startswith("torchinductor_")] == []
 
 
 def test_nproc_with_bad_config_fails_once_before_spawning(tmp_path):

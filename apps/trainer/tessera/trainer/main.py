@@ -110,14 +110,17 @@ def _launch_local(nproc: int, argv: list[str], grace_s: int, rendezvous: tuple[s
     if not shutdown and grace_s > 30:
         print(f"note: torch {torch.__version__.split('+')[0]}'s torchrun stops the ranks 30 s after a stop signal, within "
               f"job.stop_grace_seconds {grace_s}: a save that takes longer is cut short", file=sys.stderr, flush=True)
-    launcher_args = parser.parse_args([
-        *rendezvous, f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}", *shutdown,
-        f"--signals_to_handle=SIGINT,SIGHUP,SIGQUIT,{','.join(sig.name for sig in STOP_SIGNALS)}",
-        "--no-python", sys.executable, "-m", "tessera.trainer.main", *argv,
-    ])
     # the launcher's own log lines (ranks signalled, exit codes) would follow every rank's error
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     with tempfile.TemporaryDirectory(prefix="tessera-errors-") as errors:
+        launcher_args = parser.parse_args([
+            *rendezvous, f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}", *shutdown,
+            f"--signals_to_handle=SIGINT,SIGHUP,SIGQUIT,{','.join(sig.name for sig in STOP_SIGNALS)}",
+            # torchrun's folders for the ranks' error files, removed with this one (its default,
+            # a new /tmp/torchelastic_* a run, stays behind)
+            f"--log-dir={errors}/torchelastic",
+            "--no-python", sys.executable, "-m", "tessera.trainer.main", *argv,
+        ])
         restarts = _RestartNotice(Path(errors))
         agent_log = logging.getLogger("torch.distributed.elastic.agent.server.api")
         try:  # from here the finally unsets ERRORS_ENV: this process's own error is printed, not filed
