@@ -11,6 +11,8 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,7 @@ import torch
 import torch.distributed.run
 
 from tessera.ckpt import read_dcp
-from tessera.trainer import faults, main, master_port
+from tessera.trainer import faults, launch, main, master_port
 from tessera.trainer.faults import elastic_store_note, inject_fault
 from tessera.trainer.config import load_config
 
@@ -145,6 +147,56 @@ def test_a_stop_ends_the_job_with_0_only_when_its_ranks_stopped(monkeypatch, cap
         monkeypatch.setenv(name, os.environ.get(name, "1"))
     assert main._launch_local(2, [], grace_s=5) == code
     assert capsys.readouterr().err.strip() == said
+
+
+# A replica group's launcher as launch_replica_groups sees it: says it trains, reports whether it
+# leads a session of its own, and on SIGINT says the Ctrl-C line and exits 130, as main does.
+_FAKE_GROUP = f"""
+import os, signal, sys, time
+from pathlib import Path
+def interrupted(signum, frame):
+    sys.stderr.write({INTERRUPTED!r} + "\\n")
+    sys.stderr.flush()
+    os._exit(130)
+signal.signal(signal.SIGINT, interrupted)
+print("training", flush=True)
+Path(sys.argv[1]).write_text(str(os.getsid(0) == os.getpid()))
+time.sleep(120)
+"""
+
+
+def test_ctrl_c_under_fault_tolerance_is_one_line_and_130(monkeypatch, capsys, tmp_path):
+    """Ctrl-C stops every replica group; the job says INTERRUPTED once (each group's own line is
+    left out) and exits 130, not an error line per group. Each group leads a session of its own,
+    so that a terminal's SIGINT reaches it once, forwarded (a second SIGINT during its torchrun
+    agent's shutdown made that agent send the ranks SIGTERM)."""
+    ready = [tmp_path / f"group-{g}" for g in range(2)]
+    popen = subprocess.Popen
+
+    def fake_group(command, **kwargs):
+        group = int(command[command.index("--fault_tolerance.replica_id") + 1])
+        return popen([sys.executable, "-c", _FAKE_GROUP, str(ready[group])], **kwargs)
+
+    class Lighthouse:
+        terminate = wait = staticmethod(lambda: None)
+
+    monkeypatch.setattr(launch, "groups_of_node", lambda *args: [(g, 2, ["localhost"], 0) for g in range(2)])
+    monkeypatch.setattr(launch, "_lighthouse", lambda config, port: Lighthouse())
+    monkeypatch.setattr(launch, "_check_started", lambda lighthouse: None)
+    monkeypatch.setattr(launch.subprocess, "Popen", fake_group)
+
+    def ctrl_c():
+        deadline = time.monotonic() + 60
+        while not all(path.exists() and path.read_text() for path in ready) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=ctrl_c, daemon=True).start()
+    assert launch.launch_replica_groups(4, ["localhost"], 0, 29500, 3, [], None) == 130
+    out, err = capsys.readouterr()
+    assert err == INTERRUPTED + "\n"
+    assert sorted(out.splitlines()) == ["[replica 0] training", "[replica 1] training"]
+    assert [path.read_text() for path in ready] == ["True", "True"]
 
 
 def test_ranks_that_never_met_are_one_line_and_a_bug_keeps_its_traceback(monkeypatch, capsys):

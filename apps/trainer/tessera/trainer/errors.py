@@ -8,6 +8,8 @@ import contextlib
 from collections.abc import Iterator
 
 ERRORS_ENV = "TESSERA_ERRORS_DIR"  # where the ranks of --nproc leave their error line for the launcher
+# Ctrl-C's one line, said by the process that prints the job's errors
+INTERRUPTED = "interrupted: stopped without a checkpoint of this step (SIGTERM or SIGUSR1 saves one first)"
 
 
 class ConfigError(ValueError):

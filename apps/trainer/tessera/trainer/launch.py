@@ -7,8 +7,9 @@ main._launch_local): standalone on one node, else a c10d rendezvous at H0:P.
 With fault tolerance the job is `fault_tolerance.group_size` replica groups of N x nodes / groups
 ranks each. Node 0 starts torchft's Lighthouse (lighthouse.py, at H0:P, or a free port on
 one node); every node starts its groups' launchers (this program again, one torchrun agent each,
-`--max_restarts` restarts of a group that dies, TORCHFT_LIGHTHOUSE set), prefixes their output
-with `[replica g]`, forwards stop signals to them and, when they are done, stops the Lighthouse.
+`--max_restarts` restarts of a group that dies, TORCHFT_LIGHTHOUSE set, each in a session of its
+own), prefixes their output with `[replica g]`, forwards stop signals to them and, when they are
+done, stops the Lighthouse. Ctrl-C is said once, here, with exit status 130.
 A group within one node rendezvouses standalone; a group over several nodes at its first node's
 host, port P + 1 + g.
 """
@@ -25,6 +26,7 @@ import threading
 from pathlib import Path
 
 from tessera.trainer.config import ConfigError, JobConfig
+from tessera.trainer.errors import INTERRUPTED
 from tessera.trainer.fault_tolerance import LIGHTHOUSE_ENV, START_TOGETHER_ENV
 from tessera.trainer.ft_plan import group_world_size
 from tessera.trainer.lighthouse import command as lighthouse_command
@@ -104,7 +106,10 @@ def _check_started(lighthouse: subprocess.Popen, seconds: float = 0.5) -> None:
 
 
 def _relay(stream, out, prefix: bytes) -> None:
+    """A group's output, each line prefixed, but for its Ctrl-C line: the launcher says it once."""
     for line in iter(stream.readline, b""):
+        if line.rstrip(b"\n") == INTERRUPTED.encode():
+            continue
         out.buffer.write(prefix + line)
         out.flush()
 
@@ -135,8 +140,11 @@ def launch_replica_groups(nproc: int, hosts: list[str], node_rank: int, port: in
                 where += ["--hosts", ",".join(group_hosts), "--port", str(port + 1 + g)]
             command = [sys.executable, "-m", "tessera.trainer.main", "--nproc", str(ranks), *where,
                        "--max_restarts", str(max_restarts), *argv, "--fault_tolerance.replica_id", str(g)]
+            # a session of its own: a terminal's Ctrl-C reaches it once, through forward(); a second
+            # SIGINT while its torchrun agent stops the ranks made that agent stop them again with
+            # SIGTERM, which asks for a checkpoint a group whose peers are gone cannot take
             proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+                                    stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent, start_new_session=True)
             procs.append((g, proc))
             for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
                 relay = threading.Thread(target=_relay, args=(stream, out, f"[replica {g}] ".encode()), daemon=True)
@@ -158,6 +166,9 @@ def launch_replica_groups(nproc: int, hosts: list[str], node_rank: int, port: in
             lighthouse.terminate()
             lighthouse.wait()
     failed = {g: code for g, code in codes.items() if code}
+    if failed and set(failed.values()) == {130}:  # Ctrl-C: each group that stopped said it (_relay left it out)
+        print(INTERRUPTED, file=sys.stderr, flush=True)
+        return 130
     if stopped and not failed:
         print(f"replica groups {sorted(codes)} stopped by {stopped[0]}", file=sys.stderr, flush=True)
     for g, code in failed.items():

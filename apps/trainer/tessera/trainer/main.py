@@ -25,9 +25,7 @@ import signal
 import sys
 from pathlib import Path
 
-from tessera.trainer.errors import ERRORS_ENV, LayoutError
-
-INTERRUPTED = "interrupted: stopped without a checkpoint of this step (SIGTERM or SIGUSR1 saves one first)"
+from tessera.trainer.errors import ERRORS_ENV, INTERRUPTED, LayoutError
 
 
 def _interrupted_while_loading(signum, frame) -> None:
