@@ -28,12 +28,12 @@ def final_params() -> Iterator[dict[str, torch.Tensor]]:
 
     def gather_then_close(self, after_failure=False):
         log = logging.getLogger("torch.distributed.tensor._redistribute")
-        log.disabled = True  # its notes on gathering FSDP x TP weights are about this gather, not the run
+        was, log.disabled = log.disabled, True  # its notes on gathering FSDP x TP weights are about this gather
         try:
             for key, value in self.states["model"].state_dict().items():
                 params[key] = (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
         finally:
-            log.disabled = False
+            log.disabled = was
         close(self, after_failure)
 
     Checkpointer.close = gather_then_close

@@ -3,7 +3,7 @@ single-process run on the same global batch: fp32 losses and grad norms within 1
 every parameter after the last step within 2e-5 absolute (measured 2.1e-6 to 1.1e-5: the
 reduction order differs, tensor-parallel norms run F.rms_norm where one process runs Tessera's
 CPU RMSNorm — the same arithmetic in another order — and Adam magnifies it on near-zero
-gradients). No layout makes torch warn (a UserWarning, or torch.distributed's log)."""
+gradients). No layout warns (a UserWarning, or torch.distributed's log)."""
 
 import contextlib
 import logging
@@ -35,8 +35,8 @@ class _Said(logging.Handler):
 
 @contextlib.contextmanager
 def _torch_warnings():
-    """What torch warns of meanwhile: its UserWarnings and torch.distributed's log lines (heard
-    where they stop: torch's loggers that print themselves do not propagate)."""
+    """What is warned of meanwhile: UserWarnings (torch's or any library's) and torch.distributed's
+    log lines (heard where they stop: torch's loggers that print themselves do not propagate)."""
     handler = _Said()
     logs = [logging.getLogger(name) for name, log in list(logging.root.manager.loggerDict.items())
             if name == "torch.distributed" or (name.startswith("torch.distributed.") and not getattr(log, "propagate", True))]

@@ -23,6 +23,7 @@ from tessera.ckpt import read_dcp
 from tessera.trainer import faults, launch, main, master_port
 from tessera.trainer.faults import elastic_store_note, inject_fault
 from tessera.trainer.config import load_config
+from tessera.trainer.errors import INTERRUPTED
 
 TORCHRUN = Path(__file__).parents[3] / "tools" / "launch" / "torchrun.py"
 
@@ -121,7 +122,6 @@ def test_the_master_port_stays_held_until_rank_0_binds_it(monkeypatch):
         sock.close()
 
 
-INTERRUPTED = "interrupted: stopped without a checkpoint of this step (SIGTERM or SIGUSR1 saves one first)"
 GRACE_OUT = "error: not stopped within 5s of SIGTERM (job.stop_grace_seconds); exiting without a checkpoint of this step"
 
 
@@ -150,32 +150,40 @@ def test_a_stop_ends_the_job_with_0_only_when_its_ranks_stopped(monkeypatch, cap
 
 
 # A replica group's launcher as launch_replica_groups sees it: says it trains, reports whether it
-# leads a session of its own, and on SIGINT says the Ctrl-C line and exits 130, as main does.
+# leads a session of its own, and on SIGINT ends as main does when its ranks were training
+# ("ranks"), when they had not begun ("before"), or as a group that failed meanwhile ("fails").
 _FAKE_GROUP = f"""
 import os, signal, sys, time
 from pathlib import Path
-def interrupted(signum, frame):
-    sys.stderr.write({INTERRUPTED!r} + "\\n")
+SAYS = {{"ranks": ({INTERRUPTED!r}, 130), "before": ("2-process run stopped by SIGINT", 130), "fails": ("error: boom", 1)}}
+def stopped(signum, frame):
+    line, code = SAYS[sys.argv[2]]
+    sys.stderr.write(line + "\\n")
     sys.stderr.flush()
-    os._exit(130)
-signal.signal(signal.SIGINT, interrupted)
+    os._exit(code)
+signal.signal(signal.SIGINT, stopped)
 print("training", flush=True)
 Path(sys.argv[1]).write_text(str(os.getsid(0) == os.getpid()))
 time.sleep(120)
 """
 
 
-def test_ctrl_c_under_fault_tolerance_is_one_line_and_130(monkeypatch, capsys, tmp_path):
-    """Ctrl-C stops every replica group; the job says INTERRUPTED once (each group's own line is
-    left out) and exits 130, not an error line per group. Each group leads a session of its own,
-    so that a terminal's SIGINT reaches it once, forwarded (a second SIGINT during its torchrun
-    agent's shutdown made that agent send the ranks SIGTERM)."""
+@pytest.mark.parametrize("ends, said", [
+    (("ranks", "ranks"), [INTERRUPTED]),
+    (("before", "ranks"), [INTERRUPTED]),
+    (("ranks", "fails"), ["[replica 1] error: boom", INTERRUPTED, "error: replica group 1 ended with exit status 1 after 3 restarts"]),
+])
+def test_ctrl_c_under_fault_tolerance_is_said_once_with_130(monkeypatch, capsys, tmp_path, ends, said):
+    """Ctrl-C stops every replica group; the job says INTERRUPTED once (the groups' own lines
+    about it are left out), and a group that failed otherwise, and exits 130. Each group leads a
+    session of its own, so that a terminal's SIGINT reaches it once, forwarded (a second SIGINT
+    during its torchrun agent's shutdown made that agent send the ranks SIGTERM)."""
     ready = [tmp_path / f"group-{g}" for g in range(2)]
-    popen = subprocess.Popen
+    popen, returned = subprocess.Popen, threading.Event()
 
     def fake_group(command, **kwargs):
         group = int(command[command.index("--fault_tolerance.replica_id") + 1])
-        return popen([sys.executable, "-c", _FAKE_GROUP, str(ready[group])], **kwargs)
+        return popen([sys.executable, "-c", _FAKE_GROUP, str(ready[group]), ends[group]], **kwargs)
 
     class Lighthouse:
         terminate = wait = staticmethod(lambda: None)
@@ -185,16 +193,19 @@ def test_ctrl_c_under_fault_tolerance_is_one_line_and_130(monkeypatch, capsys, t
     monkeypatch.setattr(launch, "_check_started", lambda lighthouse: None)
     monkeypatch.setattr(launch.subprocess, "Popen", fake_group)
 
-    def ctrl_c():
-        deadline = time.monotonic() + 60
-        while not all(path.exists() and path.read_text() for path in ready) and time.monotonic() < deadline:
-            time.sleep(0.05)
+    def ctrl_c():  # once both groups run, and never after launch_replica_groups gave SIGINT back to pytest
+        while not all(path.exists() and path.read_text() for path in ready):
+            if returned.wait(0.05):
+                return
         os.kill(os.getpid(), signal.SIGINT)
 
     threading.Thread(target=ctrl_c, daemon=True).start()
-    assert launch.launch_replica_groups(4, ["localhost"], 0, 29500, 3, [], None) == 130
+    try:
+        code = launch.launch_replica_groups(4, ["localhost"], 0, 29500, 3, [], None)
+    finally:
+        returned.set()
     out, err = capsys.readouterr()
-    assert err == INTERRUPTED + "\n"
+    assert (code, err.splitlines()) == (130, said)
     assert sorted(out.splitlines()) == ["[replica 0] training", "[replica 1] training"]
     assert [path.read_text() for path in ready] == ["True", "True"]
 

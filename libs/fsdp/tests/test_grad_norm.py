@@ -87,9 +87,23 @@ def _sharded(rank, world_size):
     return clip_grad_norm_(params, MAX_NORM, 2.0).item(), local.item()
 
 
+def _nan_on_one_rank(rank, world_size):
+    """A nan in the rows rank 1 holds, the others finite: the inf-norm each rank returns, sharded
+    (FSDP's Shard(0) over a 1-D mesh) and pipeline-split (each stage its own parameter)."""
+    grad = _full_grads()[0]
+    grad[-1, 0] = float("nan")
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    sharded = clip_grad_norm_([_param(distribute_tensor(grad, mesh, [Shard(0)]))], MAX_NORM, math.inf,
+                              error_if_nonfinite=False)
+    pp = init_device_mesh("cpu", (world_size,), mesh_dim_names=("pp",))
+    staged = clip_grad_norm_([_param(grad if rank == 1 else _full_grads()[1])], MAX_NORM, math.inf, pp_mesh=pp,
+                             error_if_nonfinite=False)
+    return sharded.item(), staged.item()
+
+
 def _both(rank, world_size):
     return {"mixed": _mixed(rank, world_size), "pipeline": _pipeline(rank, world_size),
-            "sharded": _sharded(rank, world_size)}
+            "sharded": _sharded(rank, world_size), "nan": _nan_on_one_rank(rank, world_size)}
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +132,12 @@ def test_sharded_2_norm_is_reduced_across_ranks(two_rank_results):
     for norm, local in (result["sharded"] for result in two_rank_results):
         assert abs(local - ref_norm) > 0.1 * ref_norm  # a shard's own norm is far off: the case bites
         assert norm == pytest.approx(ref_norm, rel=1e-6)
+
+
+def test_a_nan_on_one_rank_makes_every_rank_s_inf_norm_non_finite(two_rank_results):
+    """A max over ranks could keep a finite operand over a nan; the caller then stepped on nans."""
+    for sharded, staged in (result["nan"] for result in two_rank_results):
+        assert not math.isfinite(sharded) and not math.isfinite(staged)
 
 
 def test_plain_grads_match_torch():

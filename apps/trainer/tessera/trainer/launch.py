@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from tessera.trainer.config import ConfigError, JobConfig
@@ -105,10 +107,15 @@ def _check_started(lighthouse: subprocess.Popen, seconds: float = 0.5) -> None:
                       "job.dump_folder; --port chooses another on several nodes)")
 
 
-def _relay(stream, out, prefix: bytes) -> None:
-    """A group's output, each line prefixed, but for its Ctrl-C line: the launcher says it once."""
+# What a group's launcher says when Ctrl-C stopped it: its ranks' line, or its own before they began.
+_SAYS_INTERRUPTED = re.compile(re.escape(INTERRUPTED.encode()) + rb"|\d+-process run stopped by SIGINT")
+
+
+def _relay(stream, out, prefix: bytes, interrupted: Callable[[], bool]) -> None:
+    """A group's output, each line prefixed; after Ctrl-C, not the lines saying so: the launcher
+    says it once for every group."""
     for line in iter(stream.readline, b""):
-        if line.rstrip(b"\n") == INTERRUPTED.encode():
+        if interrupted() and _SAYS_INTERRUPTED.fullmatch(line.rstrip(b"\n")):
             continue
         out.buffer.write(prefix + line)
         out.flush()
@@ -142,12 +149,14 @@ def launch_replica_groups(nproc: int, hosts: list[str], node_rank: int, port: in
                        "--max_restarts", str(max_restarts), *argv, "--fault_tolerance.replica_id", str(g)]
             # a session of its own: a terminal's Ctrl-C reaches it once, through forward(); a second
             # SIGINT while its torchrun agent stops the ranks made that agent stop them again with
-            # SIGTERM, which asks for a checkpoint a group whose peers are gone cannot take
+            # SIGTERM, which asks for a checkpoint a group whose peers are gone cannot take (Slurm,
+            # which signals every process of a step, still sends it twice)
             proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent, start_new_session=True)
             procs.append((g, proc))
             for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
-                relay = threading.Thread(target=_relay, args=(stream, out, f"[replica {g}] ".encode()), daemon=True)
+                relay = threading.Thread(target=_relay, args=(stream, out, f"[replica {g}] ".encode(),
+                                                              lambda: "SIGINT" in stopped), daemon=True)
                 relay.start()
                 relays.append(relay)
         if lighthouse is not None:  # checked while the groups start (their imports take longer)
@@ -166,12 +175,13 @@ def launch_replica_groups(nproc: int, hosts: list[str], node_rank: int, port: in
             lighthouse.terminate()
             lighthouse.wait()
     failed = {g: code for g, code in codes.items() if code}
-    if failed and set(failed.values()) == {130}:  # Ctrl-C: each group that stopped said it (_relay left it out)
+    interrupted = "SIGINT" in stopped
+    if interrupted:  # Ctrl-C, said once (_relay left out the groups' lines); a group that failed otherwise, below
         print(INTERRUPTED, file=sys.stderr, flush=True)
-        return 130
-    if stopped and not failed:
+        failed = {g: code for g, code in failed.items() if code != 130}
+    elif stopped and not failed:
         print(f"replica groups {sorted(codes)} stopped by {stopped[0]}", file=sys.stderr, flush=True)
     for g, code in failed.items():
         print(f"error: replica group {g} ended with exit status {code}"
               + (f" after {max_restarts} restarts" if max_restarts else ""), file=sys.stderr, flush=True)
-    return next(iter(failed.values()), 0)
+    return 130 if interrupted else next(iter(failed.values()), 0)

@@ -37,16 +37,17 @@ def _norms(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
 
 def _mesh_norm(params: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     """The norm of DTensor grads on one mesh, as a plain tensor, identical on all its ranks: the
-    norm of each rank's part, reduced over the mesh dims the grads are split on. Reduced here, on
-    the mesh's own groups, rather than by DTensor, which on a 2-D mesh (FSDP x TP) does the same
-    two all-reduces but warns on every rank that one would do with a (dp_shard_cp, tp) group: a
-    process group (an NCCL communicator) more, to save one all-reduce of a scalar a step."""
+    norm of each rank's part, reduced over the mesh dims the grads are split on, one all-reduce of
+    a scalar per dim on the mesh's own groups. DTensor's full_tensor() all-reduced the vector of
+    per-grad norms instead, and on a 2-D mesh (FSDP x TP) warned on every rank that one all-reduce
+    would do with a (dp_shard_cp, tp) group: a process group (an NCCL communicator) more."""
     norms = _norms([p.grad for p in params], norm_type)  # partial on the dims the grads are split on
     mesh = norms.device_mesh
     local = torch.linalg.vector_norm(norms.to_local(), norm_type)
     if local.device.type != mesh.device_type:  # CPU-offloaded grads on an accelerator mesh
         local = local.to(mesh.device_type)
-    return _reduce(local, norm_type, [mesh.get_group(dim) for dim, p in enumerate(norms.placements) if p.is_partial()])
+    split = [dim for dim, placement in enumerate(norms.placements) if placement.is_partial() and mesh.size(dim) > 1]
+    return _reduce(local, norm_type, [mesh.get_group(dim) for dim in split])
 
 
 def _reduce(norm: torch.Tensor, norm_type: float, groups: list[dist.ProcessGroup]) -> torch.Tensor:
@@ -55,6 +56,8 @@ def _reduce(norm: torch.Tensor, norm_type: float, groups: list[dist.ProcessGroup
     if not groups:
         return norm
     if math.isinf(norm_type):
+        # a max over ranks may drop a nan (gloo's compares keep the other operand): as inf it stays non-finite
+        norm = torch.where(norm.isnan(), math.inf, norm)
         for group in groups:
             dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=group)
         return norm
