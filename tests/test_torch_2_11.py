@@ -17,7 +17,7 @@ SUBSET = {
     ("libs/models/tests/test_blocks.py",  # selective AC "op" under split-backward schedules
      "apps/trainer/tests/test_train.py::test_loss_falls_over_30_steps",
      "apps/trainer/tests/test_checkpoint_train.py::test_load_step_resumes_an_older_checkpoint_exactly"): 20,
-    ("libs/fsdp/tests/test_grad_norm.py",): 7,
+    ("libs/fsdp/tests/test_grad_norm.py",): 8,
     ("apps/trainer/tests/test_distributed_train.py::test_trainer_layout_matches_single_process[fsdp2]",
      "apps/trainer/tests/test_distributed_train.py::test_trainer_layout_matches_single_process[tp2]",
      # --nproc through 2.11's torchrun, whose options differ from 2.13's (no --shutdown_timeout)
