@@ -434,9 +434,12 @@ def _job_plan(layout: Layout, ac: str, args, plans: dict) -> tuple[JobPlan, list
 
 
 def _reduction(key: tuple[str, str]) -> bool:
-    """Whether a collective (kind, mesh dim) is FSDP/HSDP's gradient reduction."""
+    """Whether a collective (kind, mesh dim) is FSDP/HSDP's gradient reduction: a reduce-scatter
+    over the dims FSDP shards over, an all-reduce over the replicas (HSDP, DDP). An all-reduce over
+    the shard dims is the gradient norm's (tessera.fsdp.clip_grad_norm_), once a step."""
     kind, dim = key
-    return kind in ("reduce_scatter", "all_reduce") and step_time.job_dim(dim) in step_time.FSDP_DIMS
+    dim = step_time.job_dim(dim)
+    return (kind == "reduce_scatter" and dim in step_time.FSDP_DIMS) or (kind == "all_reduce" and dim == "dp_replicate")
 
 
 @traced.shared_meshes()  # its local batches of 2 and 4 have equal dims
