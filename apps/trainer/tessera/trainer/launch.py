@@ -175,10 +175,12 @@ def launch_replica_groups(nproc: int, hosts: list[str], node_rank: int, port: in
             lighthouse.terminate()
             lighthouse.wait()
     failed = {g: code for g, code in codes.items() if code}
-    interrupted = "SIGINT" in stopped
+    # 130: a group's launcher stopped by Ctrl-C; -SIGINT: one that had not yet set its handler
+    by_ctrl_c = (130, -signal.SIGINT)
+    interrupted = "SIGINT" in stopped and any(code in by_ctrl_c for code in codes.values())
     if interrupted:  # Ctrl-C, said once (_relay left out the groups' lines); a group that failed otherwise, below
         print(INTERRUPTED, file=sys.stderr, flush=True)
-        failed = {g: code for g, code in failed.items() if code != 130}
+        failed = {g: code for g, code in failed.items() if code not in by_ctrl_c}
     elif stopped and not failed:
         print(f"replica groups {sorted(codes)} stopped by {stopped[0]}", file=sys.stderr, flush=True)
     for g, code in failed.items():

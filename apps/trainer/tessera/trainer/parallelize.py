@@ -94,7 +94,7 @@ def parallelize(model: nn.Module, plan: JobPlan, meshes: Meshes | None) -> nn.Mo
     if ac.mode == "offload":  # hooks around the blocks, compiled or not
         offload_activations(model)
     if dims.fsdp_enabled:
-        _ignore_fsdp_view_warnings(model)
+        _ignore_fsdp_view_warnings(model, experts)
         fsdp.apply_fsdp(
             model, meshes.fsdp, param_dtype=plan.precision.param, reduce_dtype=plan.precision.reduce,
             reshard_after_forward=plan.fsdp.reshard_after_forward, cpu_offload=plan.fsdp.cpu_offload,
@@ -106,15 +106,17 @@ def parallelize(model: nn.Module, plan: JobPlan, meshes: Meshes | None) -> nn.Mo
     return model
 
 
-def _ignore_fsdp_view_warnings(model: nn.Module) -> None:
+def _ignore_fsdp_view_warnings(model: nn.Module, experts: list[nn.Module]) -> None:
     """torch 2.13's FSDP warns, once per module class on each rank, when a wrapped module returns
     a view, as an in-place op on it would skip the module's pre-backward hook (the all-gather
     before its backward). The views the families' modules return are TP's asynchronous outputs (the
-    vocab-parallel embedding's AsyncCollectiveTensor) and torchao's float8 matmuls reshaped back to
-    3-D (the output projection's, and the model's logits with it). The families use them out of
-    place, and a skipped hook would fail the tests that compare FSDP runs' gradients with one
-    process's (FSDP x TP among them); any other module's view is still warned of."""
-    classes = "|".join(re.escape(name) for name in ("Embedding", "Float8Linear", type(model).__name__))
+    vocab-parallel embedding's AsyncCollectiveTensor), torchao's float8 matmuls reshaped back to
+    3-D (the output projection's, and the model's logits with it) and the padded rows of experts
+    whose rows the tp ranks split (tessera.ep). The families use them out of place, and a skipped
+    hook would fail the tests that compare FSDP runs' gradients with one process's (FSDP x TP
+    among them); any other module's view is still warned of."""
+    names = {"Embedding", "Float8Linear", type(model).__name__, *(type(module).__name__ for module in experts)}
+    classes = "|".join(re.escape(name) for name in sorted(names))
     warnings.filterwarnings("ignore", message=rf"FSDP2-wrapped module \(FSDP({classes})\) returned a view tensor",
                             category=UserWarning)
 

@@ -56,7 +56,7 @@ def _reduce(norm: torch.Tensor, norm_type: float, groups: list[dist.ProcessGroup
     if not groups:
         return norm
     if math.isinf(norm_type):
-        # a max over ranks may drop a nan (gloo's compares keep the other operand): as inf it stays non-finite
+        # a collective's max may drop a nan (gloo's compares keep the other operand): as inf it stays non-finite
         norm = torch.where(norm.isnan(), math.inf, norm)
         for group in groups:
             dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=group)
