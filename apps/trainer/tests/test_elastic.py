@@ -23,7 +23,7 @@ from tessera.ckpt import read_dcp
 from tessera.trainer import faults, launch, main, master_port
 from tessera.trainer.faults import elastic_store_note, inject_fault
 from tessera.trainer.config import load_config
-from tessera.trainer.errors import INTERRUPTED
+from tessera.trainer.errors import INTERRUPTED, stopped_by
 
 TORCHRUN = Path(__file__).parents[3] / "tools" / "launch" / "torchrun.py"
 
@@ -143,7 +143,7 @@ def test_a_stop_ends_the_job_with_0_only_when_its_ranks_stopped(monkeypatch, cap
         raise SignalException("stopped", sig)
     monkeypatch.setattr(torch.distributed.run, "run", stopped)
     monkeypatch.setattr(master_port, "hold_master_ports", lambda: None)  # torch's port picker stays its own
-    for name in ("TESSERA_LAUNCHER_PID", "OMP_NUM_THREADS"):  # what the launcher sets, restored after
+    for name in (faults.LAUNCHER_PID_ENV, "OMP_NUM_THREADS"):  # what the launcher sets, restored after
         monkeypatch.setenv(name, os.environ.get(name, "1"))
     assert main._launch_local(2, [], grace_s=5) == code
     assert capsys.readouterr().err.strip() == said
@@ -155,7 +155,7 @@ def test_a_stop_ends_the_job_with_0_only_when_its_ranks_stopped(monkeypatch, cap
 _FAKE_GROUP = f"""
 import os, signal, sys, time
 from pathlib import Path
-SAYS = {{"ranks": ({INTERRUPTED!r}, 130), "before": ("2-process run stopped by SIGINT", 130), "fails": ("error: boom", 1)}}
+SAYS = {{"ranks": ({INTERRUPTED!r}, 130), "before": ({stopped_by(2, "SIGINT")!r}, 130), "fails": ("error: boom", 1)}}
 def stopped(signum, frame):
     line, code = SAYS[sys.argv[2]]
     sys.stderr.write(line + "\\n")
@@ -221,7 +221,7 @@ def test_ranks_that_never_met_are_one_line_and_a_bug_keeps_its_traceback(monkeyp
         raise failure
     monkeypatch.setattr(torch.distributed.run, "run", launch)
     monkeypatch.setattr(master_port, "hold_master_ports", lambda: None)
-    for name in ("TESSERA_LAUNCHER_PID", "OMP_NUM_THREADS"):
+    for name in (faults.LAUNCHER_PID_ENV, "OMP_NUM_THREADS"):
         monkeypatch.setenv(name, os.environ.get(name, "1"))
     assert main._launch_local(2, [], grace_s=5) == 1
     assert capsys.readouterr().err.strip() == \

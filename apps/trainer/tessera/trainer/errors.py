@@ -12,6 +12,12 @@ ERRORS_ENV = "TESSERA_ERRORS_DIR"  # where the ranks of --nproc leave their erro
 INTERRUPTED = "interrupted: stopped without a checkpoint of this step (SIGTERM or SIGUSR1 saves one first)"
 
 
+def stopped_by(nproc: int, signal_name: str) -> str:
+    """What a --nproc launcher says when a signal stopped ranks that left no report (they saved and
+    said so, or had not begun)."""
+    return f"{nproc}-process run stopped by {signal_name}"
+
+
 class ConfigError(ValueError):
     """Bad user input — a config file, key or value, or a file it names — that the trainer cannot
     use; the message names it. The command line prints it as one line and exits 2."""

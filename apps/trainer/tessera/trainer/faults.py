@@ -118,6 +118,9 @@ def elastic_store_note() -> str | None:
 _PR_SET_PDEATHSIG = 1
 
 
+LAUNCHER_PID_ENV = "TESSERA_LAUNCHER_PID"  # set by --nproc: the pid a rank's parent must have
+
+
 def die_with_launcher() -> None:
     """A rank started by a launcher (torchrun, `--nproc`) is killed when that launcher dies
     (Linux's parent-death signal): orphans would keep training and writing checkpoints into the
@@ -128,7 +131,7 @@ def die_with_launcher() -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    launcher = os.environ.get("TESSERA_LAUNCHER_PID")
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
     if launcher and os.getppid() != int(launcher):
         os._exit(1)
 

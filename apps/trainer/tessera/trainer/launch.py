@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -28,8 +27,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tessera.trainer.config import ConfigError, JobConfig
-from tessera.trainer.errors import INTERRUPTED
+from tessera.trainer.errors import INTERRUPTED, stopped_by
 from tessera.trainer.fault_tolerance import LIGHTHOUSE_ENV, START_TOGETHER_ENV
+from tessera.trainer.faults import LAUNCHER_PID_ENV
 from tessera.trainer.ft_plan import group_world_size
 from tessera.trainer.lighthouse import command as lighthouse_command
 
@@ -107,15 +107,11 @@ def _check_started(lighthouse: subprocess.Popen, seconds: float = 0.5) -> None:
                       "job.dump_folder; --port chooses another on several nodes)")
 
 
-# What a group's launcher says when Ctrl-C stopped it: its ranks' line, or its own before they began.
-_SAYS_INTERRUPTED = re.compile(re.escape(INTERRUPTED.encode()) + rb"|\d+-process run stopped by SIGINT")
-
-
-def _relay(stream, out, prefix: bytes, interrupted: Callable[[], bool]) -> None:
-    """A group's output, each line prefixed; after Ctrl-C, not the lines saying so: the launcher
-    says it once for every group."""
+def _relay(stream, out, prefix: bytes, ctrl_c_lines: set[bytes], interrupted: Callable[[], bool]) -> None:
+    """A group's output, each line prefixed; after Ctrl-C, not the group's lines saying so
+    (`ctrl_c_lines`): the launcher says it once for every group."""
     for line in iter(stream.readline, b""):
-        if interrupted() and _SAYS_INTERRUPTED.fullmatch(line.rstrip(b"\n")):
+        if interrupted() and line.rstrip(b"\n") in ctrl_c_lines:
             continue
         out.buffer.write(prefix + line)
         out.flush()
@@ -130,7 +126,7 @@ def launch_replica_groups(nproc: int, hosts: list[str], node_rank: int, port: in
     lighthouse = _lighthouse(config, lighthouse_port) if node_rank == 0 else None
     env = dict(os.environ, **{LIGHTHOUSE_ENV: f"http://{hosts[0]}:{lighthouse_port}", START_TOGETHER_ENV: "1",
                               GROUP_LAUNCHER_ENV: "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
-    env.pop("TESSERA_LAUNCHER_PID", None)
+    env.pop(LAUNCHER_PID_ENV, None)
     procs, relays, stopped = [], [], []
 
     def forward(signum, frame) -> None:
@@ -154,8 +150,10 @@ def launch_replica_groups(nproc: int, hosts: list[str], node_rank: int, port: in
             proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent, start_new_session=True)
             procs.append((g, proc))
+            # what its launcher says on Ctrl-C: its ranks' line, or its own before they began
+            ctrl_c_lines = {INTERRUPTED.encode(), stopped_by(ranks, "SIGINT").encode()}
             for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
-                relay = threading.Thread(target=_relay, args=(stream, out, f"[replica {g}] ".encode(),
+                relay = threading.Thread(target=_relay, args=(stream, out, f"[replica {g}] ".encode(), ctrl_c_lines,
                                                               lambda: "SIGINT" in stopped), daemon=True)
                 relay.start()
                 relays.append(relay)

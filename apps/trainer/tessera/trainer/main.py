@@ -25,7 +25,7 @@ import signal
 import sys
 from pathlib import Path
 
-from tessera.trainer.errors import ERRORS_ENV, INTERRUPTED, LayoutError
+from tessera.trainer.errors import ERRORS_ENV, INTERRUPTED, LayoutError, stopped_by
 
 
 def _interrupted_while_loading(signum, frame) -> None:
@@ -46,8 +46,8 @@ if _LOADING:
         signal.signal(signal.SIGINT, _interrupted_while_loading)
 
 from tessera.trainer.config import ConfigError, load_config
-from tessera.trainer.faults import (STOP_SIGNALS, TrainingError, die_with_launcher, elastic_store_note,
-                                    exit_with_error)
+from tessera.trainer.faults import (LAUNCHER_PID_ENV, STOP_SIGNALS, TrainingError, die_with_launcher,
+                                    elastic_store_note, exit_with_error)
 
 
 def _take_option(argv: list[str], name: str, takes_value: bool = True) -> tuple[str | None, list[str]]:
@@ -96,7 +96,7 @@ def _launch_local(nproc: int, argv: list[str], grace_s: int, rendezvous: tuple[s
 
     hold_master_ports()
 
-    os.environ["TESSERA_LAUNCHER_PID"] = str(os.getpid())  # the ranks die with this process (faults.py)
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # the ranks die with this process (faults.py)
     # torchrun's own default for several ranks per node, set here without its four-line banner
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if max_restarts:
@@ -134,7 +134,7 @@ def _launch_local(nproc: int, argv: list[str], grace_s: int, rendezvous: tuple[s
         except (ChildFailedError, SignalException) as e:  # anything else is a bug in this wiring: its traceback
             reports = _reports(Path(errors))
             if isinstance(e, SignalException) and not reports:  # the ranks saved and said so, or never began
-                print(f"{nproc}-process run stopped by {e.sigval.name}", file=sys.stderr)
+                print(stopped_by(nproc, e.sigval.name), file=sys.stderr)
                 return 0 if e.sigval in STOP_SIGNALS else 128 + e.sigval
             if reports:
                 code, message = _read_report(reports[0])
